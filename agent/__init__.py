@@ -1,0 +1,1 @@
+"""commlens.agent — the sidecar side: the command line and the demo job."""

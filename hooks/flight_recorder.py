@@ -1,0 +1,205 @@
+"""``FlightRecorderHook``: the last collectives of this process, in PyTorch's flight-recorder format.
+
+It is a reader of the ring, not a second buffer: a dump joins the START and END records still in
+the ring by ``op_id``, so entries carry real states (``started`` / ``completed``), completion times
+and durations on every backend, gloo included. Dumps follow schema version "2.10", so PyTorch's
+own analyzer reads a directory of them::
+
+    recorder = FlightRecorderHook(max_entries=1024)
+    recorder.register_with_comm()          # every torch.distributed group; or a group, or a torchcomms comm
+    ...
+    recorder.dump_file(dist.get_rank())    # $TORCHCOMM_FR_DUMP_TEMP_FILE<rank>
+    # $ torchfrtrace DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import tempfile
+from typing import Any
+
+from . import recorder
+from .ops import OPS, OpName
+from .ring import END, START
+
+VERSION = "2.10"
+DUMP_PREFIX_ENV = "TORCHCOMM_FR_DUMP_TEMP_FILE"
+DEFAULT_DUMP_PREFIX = os.path.join("~", ".cache", "torchcomm_fr_trace_")
+_STACKED_OUTPUTS = {OpName.all_gather, OpName.gather}
+_STACKED_INPUTS = {OpName.reduce_scatter, OpName.scatter}
+_DEFAULT_TIMEOUT_MS = 30 * 60 * 1000
+
+
+class FlightRecorderHook:
+    """Keeps the last ``max_entries`` collectives of the groups it is registered with."""
+
+    def __init__(self, max_entries: int = 2048):
+        if not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"FlightRecorderHook max_entries={max_entries!r} is not accepted: "
+                             "it must be a positive integer")
+        slots = recorder.ring().slots
+        if 2 * max_entries > slots:
+            raise ValueError(f"FlightRecorderHook max_entries={max_entries} needs a ring of at least "
+                             f"{2 * max_entries} slots (two records per collective); the ring has {slots}: "
+                             "set COMMLENS_RING_SLOTS to a larger power of two")
+        self.max_entries = max_entries
+        self._groups: set[str] | None = set()  # names of recorded groups; None: every torch.distributed group
+        self._handles: list[Any] = []
+        self._from_op_id: int | None = None
+        self._until_op_id: int | None = None
+
+    def register_with_comm(self, comm: Any = None) -> FlightRecorderHook:
+        """Record ``comm``: a torchcomms communicator, one torch.distributed process group, or every
+        torch.distributed group when None. Entries start with the next collective."""
+        if self._from_op_id is None:
+            self._from_op_id = recorder.new_op_id()
+        self._until_op_id = None
+        if comm is None:
+            self._groups = None
+        elif hasattr(comm, "register_pre_hook"):
+            from .torchcomms import attach
+
+            handle = attach(comm)
+            self._handles.append(handle)
+            if self._groups is not None:
+                self._groups.add(handle.group.name)
+        else:
+            import torch.distributed.distributed_c10d as c10d
+
+            if self._groups is not None:
+                self._groups.add(c10d._get_process_group_name(comm))
+        return self
+
+    def unregister(self) -> None:
+        """Stop recording; what was recorded so far can still be dumped."""
+        while self._handles:
+            self._handles.pop().remove()
+        if self._from_op_id is not None:
+            self._until_op_id = recorder.new_op_id()
+
+    def entries(self) -> tuple[list[dict], dict, dict]:
+        """(entries, pg_config, pg_status) of the recorded collectives still in the ring, oldest first."""
+        if self._from_op_id is None:
+            return [], {}, {}
+        ring = recorder.ring()
+        starts, ends, groups = {}, {}, {}
+        until = self._until_op_id if self._until_op_id is not None else float("inf")
+        for record in ring.snapshot():
+            if record.kind not in (START, END) or not self._from_op_id <= record.op_id < until:
+                continue
+            group = groups.get(record.pg)
+            if group is None:
+                group = groups[record.pg] = json.loads(ring.string(record.pg) or "{}")
+            if self._groups is not None and group.get("name") not in self._groups:
+                continue
+            (starts if record.kind == START else ends)[record.op_id] = record
+        op_ids = sorted(starts)[-self.max_entries:]
+        entries = [self._entry(starts[i], ends.get(i), groups[starts[i].pg], ring) for i in op_ids]
+        return entries, _pg_config(groups, entries), _pg_status(entries)
+
+    def _entry(self, start: Any, end: Any, group: dict, ring: Any) -> dict:
+        op = OPS[start.op]
+        in_sizes, in_dtypes, out_sizes, out_dtypes = json.loads(ring.string(start.sig) or "[[],[],[],[]]")
+        if op.is_p2p:  # c10d records a p2p op's one tensor as both input and output
+            in_sizes = out_sizes = in_sizes or out_sizes
+            in_dtypes = out_dtypes = in_dtypes or out_dtypes
+            me = group["ranks"].index(group["rank"]) if group.get("rank") in group.get("ranks", []) else -1
+            arrow = f"{me}->{start.peer}" if op is OpName.send else f"{me}<-{start.peer}"
+            name = f"{group.get('backend', 'gloo')}:{op.value} {arrow}"
+        else:
+            if op in _STACKED_OUTPUTS:
+                out_sizes, out_dtypes = _stacked(out_sizes, out_dtypes)
+            if op in _STACKED_INPUTS:
+                in_sizes, in_dtypes = _stacked(in_sizes, in_dtypes)
+            name = f"{group.get('backend', 'gloo')}:{op.fr_name}"
+        created = start.t_ns + ring.clock_offset_ns
+        completed = end.t_ns + ring.clock_offset_ns if end is not None else None
+        return {
+            "record_id": start.op_id - self._from_op_id,
+            "pg_id": int(group["name"]) if str(group.get("name", "")).isdigit() else start.pg,
+            "process_group": (group.get("name", ""), group.get("desc", "undefined")),
+            "collective_seq_id": 0 if op.is_p2p else start.seq,
+            "p2p_seq_id": start.seq if op.is_p2p else 0,
+            "op_id": start.op_id,
+            "profiling_name": name,
+            "time_created_ns": created,
+            "input_sizes": in_sizes,
+            "input_dtypes": in_dtypes,
+            "output_sizes": out_sizes,
+            "output_dtypes": out_dtypes,
+            "state": "completed" if end is not None else "started",
+            "time_discovered_started_ns": created,
+            "time_discovered_completed_ns": completed,
+            "duration_ms": (end.t_ns - start.t_ns) / 1e6 if end is not None else None,
+            "retired": end is not None,
+            "timeout_ms": group.get("timeout_ms", _DEFAULT_TIMEOUT_MS),
+            "is_p2p": op.is_p2p,
+            "status": recorder.STATUS[end.flags] if end is not None else "in_flight",
+            "frames": [],
+        }
+
+    def dump(self) -> dict:
+        """The dump as a dict, in PyTorch's flight-recorder schema."""
+        entries, pg_config, pg_status = self.entries()
+        return {"version": VERSION, "comm_lib_version": _comm_lib_version(), "pg_config": pg_config,
+                "pg_status": pg_status, "entries": entries}
+
+    def dump_json(self) -> str:
+        """The dump as JSON text (the process_group pairs become lists)."""
+        return json.dumps(self.dump())
+
+    def dump_file(self, rank: int) -> str:
+        """Write the dump as a pickle named ``<prefix><rank>`` and return its path; the prefix comes
+        from ``TORCHCOMM_FR_DUMP_TEMP_FILE``. The file appears whole or not at all."""
+        if not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"dump_file(rank={rank!r}) is not accepted: rank must be an integer >= 0")
+        prefix = os.path.expanduser(os.environ.get(DUMP_PREFIX_ENV) or DEFAULT_DUMP_PREFIX)
+        path = f"{prefix}{rank}"
+        data = pickle.dumps(self.dump())
+        folder = os.path.dirname(path) or "."
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".commlens-dump-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as error:
+            raise OSError(error.errno, f"cannot write the flight-recorder dump {path!r} "
+                          f"(prefix from {DUMP_PREFIX_ENV}={prefix!r}): {error.strerror}; "
+                          "the entries are still in the ring, so dump_file can be retried") from error
+        return path
+
+
+def _stacked(sizes: list, dtypes: list) -> tuple[list, list]:
+    if sizes and all(s == sizes[0] for s in sizes):
+        return [[len(sizes), *sizes[0]]], dtypes[:1]
+    return sizes, dtypes
+
+
+def _pg_config(groups: dict, entries: list[dict]) -> dict:
+    return {g["name"]: {"name": g["name"], "desc": g.get("desc", "undefined"), "ranks": str(g.get("ranks", []))}
+            for g in groups.values() if "name" in g}
+
+
+def _pg_status(entries: list[dict]) -> dict:
+    status: dict[str, dict[str, int]] = {}
+    for e in entries:
+        if e["is_p2p"]:
+            continue
+        s = status.setdefault(e["process_group"][0], {"last_enqueued_collective": -1,
+                                                       "last_started_collective": -1,
+                                                       "last_completed_collective": -1})
+        seq = e["collective_seq_id"]
+        s["last_enqueued_collective"] = max(s["last_enqueued_collective"], seq)
+        s["last_started_collective"] = max(s["last_started_collective"], seq)
+        if e["state"] == "completed":
+            s["last_completed_collective"] = max(s["last_completed_collective"], seq)
+    return status
+
+
+def _comm_lib_version() -> str:
+    import torch
+
+    return f"torch {torch.__version__}"

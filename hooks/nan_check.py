@@ -1,0 +1,87 @@
+"""``NanCheckHook``: finds NaN and Inf in the tensors of collectives.
+
+Example::
+
+    check = NanCheckHook(mode="raise").register_with_comm()   # all torch.distributed groups
+    dist.all_reduce(t)   # RuntimeError naming op, rank, group and tensor if t holds NaN or Inf
+    check.unregister()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import recorder
+from .ops import PostHookArgs, PreHookArgs
+from .registry import register_post_hook, register_pre_hook
+
+FLAG_OUTPUT, FLAG_NAN, FLAG_INF = 1, 2, 4
+"""Bits of a NAN record's ``flags``: the tensor was an output; it held NaN; it held Inf."""
+
+MODES = ("report", "raise")
+
+
+class NanCheckHook:
+    """Checks inputs (and, with ``check_outputs``, outputs) of every collective for NaN and Inf.
+
+    ``mode="report"``: each finding is a NAN record in the ring (tensor index in ``aux``, count of
+    non-finite elements in ``nbytes``, ``FLAG_*`` bits in ``flags``) and the collective proceeds.
+    ``mode="raise"``: the collective is not issued; a ``RuntimeError`` names op, rank, group,
+    tensor index and what was found (an output of an async op completes on another thread, so its
+    finding is reported instead). Tensors that are not floating point or complex are skipped.
+    """
+
+    def __init__(self, mode: str = "report", check_outputs: bool = False):
+        if mode not in MODES:
+            raise ValueError(f"NanCheckHook mode={mode!r} is not accepted: use one of {', '.join(MODES)}")
+        self.mode, self.check_outputs = mode, check_outputs
+        self.events = 0
+        self._handles: list[Any] = []
+
+    def register_with_comm(self, comm: Any = None) -> NanCheckHook:
+        """Check the collectives of ``comm``: a torchcomms communicator, or torch.distributed when None."""
+        if comm is None:
+            raising = self.mode == "raise"
+            self._handles.append(register_pre_hook(self._pre, propagate=raising))
+            if self.check_outputs:
+                self._handles.append(register_post_hook(self._post, propagate=raising))
+        else:
+            from .torchcomms import attach
+
+            self._handles.append(attach(comm, pre=self._pre, post=self._post if self.check_outputs else None,
+                                        propagate=self.mode == "raise"))
+        return self
+
+    def unregister(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+
+    def _pre(self, args: PreHookArgs) -> None:
+        self._check(args, args.tensors, 0)
+
+    def _post(self, args: PostHookArgs) -> None:
+        if args.status == "ok":
+            self._check(args.pre, args.output_tensors, FLAG_OUTPUT)
+
+    def _check(self, call: PreHookArgs, tensors: tuple, which: int) -> None:
+        for index, t in enumerate(tensors):
+            if not (t.is_floating_point() or t.is_complex()) or bool(torch.isfinite(t).all()):
+                continue
+            nans, infs = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            self.events += 1
+            if self.mode == "raise" and not (which and call.async_op):
+                side = "output" if which else "input"
+                raise RuntimeError(
+                    f"commlens NaN check: {call.name.value} (op_id {call.op_id}, seq {call.seq}) on rank "
+                    f"{call.rank}, group {call.pg_name!r}: {side} tensor {index} holds {nans} NaN and {infs} "
+                    f"Inf of {t.numel()} elements")
+            flags = which | (FLAG_NAN if nans else 0) | (FLAG_INF if infs else 0)
+            recorder.record_nan(call, index, flags, nans + infs)
+
+    def __enter__(self) -> NanCheckHook:
+        return self.register_with_comm()
+
+    def __exit__(self, *exc: object) -> None:
+        self.unregister()

@@ -1,0 +1,276 @@
+"""The hot path shared by every source of collectives: ring records and hook calls for one op.
+
+A source (``torch.distributed`` wrappers, torchcomms communicators) describes a collective and calls
+``begin()``; that runs the pre-hooks, writes START and returns the op's ``InFlight`` record. The
+source then calls ``issued()`` with what the backend returned, or ``failed()`` with its exception.
+Completion writes END and runs the post-hooks: at once for a synchronous op, from the work's future
+or the completion poller for an async one — never by blocking the caller.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+import time
+from typing import Any, Callable
+
+from .ops import CODE, OpName, AbortHookArgs, PostHookArgs, PreHookArgs
+from .registry import abort_hooks, post_hooks, pre_hooks
+from .ring import END, NAN, START, Ring
+
+OK, ERROR, TIMEOUT = 0, 1, 2
+STATUS = ("ok", "error", "timeout")
+FLAG_ASYNC = 1
+
+_monotonic_ns = time.monotonic_ns
+_op_ids = itertools.count(1)
+_ring: Ring | None = None
+_ring_lock = threading.Lock()
+
+
+def new_op_id() -> int:
+    """A fresh op id: larger than every id issued so far, smaller than every later one."""
+    return next(_op_ids)
+
+
+def ring() -> Ring:
+    """This process's ring, created on first use from ``COMMLENS_RING_SLOTS`` / ``COMMLENS_RING_PATH``."""
+    global _ring
+    if _ring is None:
+        with _ring_lock:
+            if _ring is None:
+                _ring = _ring_from_env()
+    return _ring
+
+
+def _ring_from_env() -> Ring:
+    raw = os.environ.get("COMMLENS_RING_SLOTS", "65536")
+    try:
+        slots = int(raw)
+    except ValueError:
+        slots = -1
+    if slots < 2 or slots & (slots - 1):
+        raise ValueError(f"COMMLENS_RING_SLOTS={raw!r} is not accepted: it must be a power of two >= 2")
+    path = os.environ.get("COMMLENS_RING_PATH") or None
+    if path and "{rank}" in path:
+        path = path.format(rank=os.environ.get("RANK", "0"))
+    return Ring(slots=slots, path=path)
+
+
+class HookRaised(Exception):
+    """A propagating pre-hook refused the op; the source re-raises ``error`` to the caller."""
+
+    def __init__(self, error: Exception):
+        super().__init__(error)
+        self.error = error
+
+
+class Group:
+    """A process group or communicator as the recorder sees it.
+
+    ``seq_source`` is c10d's ``_get_sequence_number_for_group``, where there is one: collective
+    sequence numbers then equal c10d's even for collectives issued from C++ (DDP's reducer). Some
+    backends (gloo) count point-to-point ops in that number too; ``p2p_in_source`` counts the p2p
+    ops this process saw it absorb, so that the collective number stays equal across ranks and
+    equal to the ``collective_seq_id`` of c10d's own flight recorder.
+    """
+
+    __slots__ = ("handle", "name", "desc", "ranks", "rank", "backend", "sid", "seq_source",
+                 "p2p_in_source", "collective_seq", "p2p_seq", "_group_rank")
+
+    def __init__(self, handle: Any, name: str, desc: str, ranks: list[int], rank: int, backend: str,
+                 seq_source: Callable[[], int] | None = None):
+        self.handle, self.name, self.desc, self.ranks, self.rank = handle, name, desc, ranks, rank
+        self.backend, self.seq_source = backend, seq_source
+        self.p2p_in_source = self.collective_seq = self.p2p_seq = 0
+        self._group_rank = {g: i for i, g in enumerate(ranks)}
+        self.sid = ring().intern(json.dumps({"name": name, "desc": desc, "ranks": ranks, "rank": rank,
+                                             "backend": backend}))
+
+    def next_collective_seq(self) -> int:
+        if self.seq_source is not None:
+            return self.seq_source() + 1 - self.p2p_in_source
+        self.collective_seq += 1
+        return self.collective_seq
+
+    def group_rank(self, global_rank: int | None) -> int | None:
+        return None if global_rank is None else self._group_rank.get(global_rank, global_rank)
+
+
+class InFlight(PreHookArgs):
+    """One collective between ``begin()`` and completion; the pre-hook arguments are this object."""
+
+    __slots__ = ("code", "flags", "group", "sid", "nbytes", "sig", "wire_peer", "t0", "source_seq", "work")
+
+    def issued(self, result: Any) -> None:
+        """The backend accepted the op. ``result`` is its work object when ``async_op`` is true."""
+        if self.source_seq is not None:
+            self.group.p2p_in_source += self.group.seq_source() - self.source_seq
+        if not self.async_op or result is None:
+            self.complete(OK, None, in_caller=True)
+            return
+        try:
+            future = result.get_future()
+        except RuntimeError:  # e.g. gloo point-to-point works have no future
+            poller.watch(result, self)
+            return
+        self.work = result
+        future.add_done_callback(self._future_done)
+
+    def failed(self, error: BaseException) -> None:
+        """The op raised in the caller's thread: abort hooks run before the error propagates."""
+        self.complete(TIMEOUT if _is_timeout(error) else ERROR, error)
+
+    def complete(self, status: int, error: BaseException | None, in_caller: bool = False) -> None:
+        end = _monotonic_ns()
+        ring().write(END, self.code, status, self.sid, self.op_id, self.seq, end, self.nbytes, self.sig,
+                     self.wire_peer, 0)
+        if error is not None and abort_hooks.entries:
+            abort_hooks.call(AbortHookArgs(self, error, STATUS[status]))
+        if post_hooks.entries:
+            try:
+                post_hooks.call(PostHookArgs(self, self.work, STATUS[status], error, self.t0, end), in_caller)
+            except Exception as raised:  # only hooks registered with propagate=True get here
+                raise HookRaised(raised) from raised
+
+    def _future_done(self, future: Any) -> None:
+        try:
+            future.value()
+        except Exception as error:
+            self.complete(TIMEOUT if _is_timeout(error) else ERROR, error)
+        else:
+            self.complete(OK, None)
+
+
+
+def begin(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async_op: bool,
+          root: int | None, peer: int | None) -> InFlight:
+    """Run the pre-hooks and write START for one op about to be issued; returns its record."""
+    call = InFlight.__new__(InFlight)
+    call.name, call.op_id, call.pg, call.pg_name, call.rank = op, next(_op_ids), group.handle, group.name, group.rank
+    call.tensors, call.output_tensors, call.async_op, call.root, call.peer = tensors, output_tensors, async_op, root, peer
+    call.group, call.sid, call.code, call.flags = group, group.sid, CODE[op], FLAG_ASYNC if async_op else 0
+    call.work = None
+    if op.is_p2p:
+        group.p2p_seq += 1
+        call.seq = group.p2p_seq
+        call.source_seq = group.seq_source() if group.seq_source is not None else None
+    else:
+        call.seq = group.next_collective_seq()
+        call.source_seq = None
+    call.sig, call.nbytes = signature(tensors, output_tensors)
+    target = peer if root is None else root
+    call.wire_peer = -1 if target is None else target
+    if pre_hooks.entries:
+        try:
+            pre_hooks.call(call)
+        except Exception as error:  # only hooks registered with propagate=True get here
+            call.t0 = _monotonic_ns()
+            _write_start(call)
+            call.failed(error)
+            raise HookRaised(error) from error
+    call.t0 = _monotonic_ns()
+    _write_start(call)
+    return call
+
+
+def record_nan(call: InFlight, index: int, flags: int, count: int) -> None:
+    """Write a NAN record: tensor ``index`` of ``call`` held ``count`` non-finite elements."""
+    ring().write(NAN, call.code, flags, call.sid, call.op_id, call.seq, _monotonic_ns(), count, call.sig,
+                 call.wire_peer, index)
+
+
+def _write_start(call: InFlight) -> None:
+    ring().write(START, call.code, call.flags, call.sid, call.op_id, call.seq, call.t0, call.nbytes,
+                 call.sig, call.wire_peer, 0)
+
+
+def _is_timeout(error: BaseException) -> bool:
+    return "timed out" in str(error).lower() or "timeout" in type(error).__name__.lower()
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
+_signatures: dict[tuple, tuple[int, int]] = {}
+
+
+def dtype_name(dtype: Any) -> str:
+    """c10's name for a dtype ("Float", "BFloat16"), as PyTorch's flight recorder writes it."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        import torch
+
+        name = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half",
+                torch.bfloat16: "BFloat16", torch.int64: "Long", torch.int32: "Int", torch.int16: "Short",
+                torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool", torch.complex64: "ComplexFloat",
+                torch.complex128: "ComplexDouble"}.get(dtype, str(dtype).removeprefix("torch."))
+        _DTYPE_NAMES[dtype] = name
+    return name
+
+
+def _meta(tensors: tuple) -> tuple:
+    if len(tensors) == 1:
+        t = tensors[0]
+        return ((t.shape, t.dtype),)
+    return tuple([(t.shape, t.dtype) for t in tensors])
+
+
+def signature(tensors: tuple, output_tensors: tuple) -> tuple[int, int]:
+    """(string id of the shapes and dtypes, payload bytes) for an op's inputs and outputs.
+
+    Payload bytes are the larger of the input and output totals: the nccl-tests "size" of the op.
+    """
+    key = (_meta(tensors), _meta(output_tensors) if output_tensors is not tensors else None)
+    found = _signatures.get(key)
+    if found is None:
+        outs = output_tensors
+        in_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        out_bytes = sum(t.numel() * t.element_size() for t in outs)
+        text = json.dumps([[list(t.shape) for t in tensors], [dtype_name(t.dtype) for t in tensors],
+                           [list(t.shape) for t in outs], [dtype_name(t.dtype) for t in outs]])
+        found = _signatures.setdefault(key, (ring().intern(text), max(in_bytes, out_bytes)))
+    return found
+
+
+class CompletionPoller:
+    """Completes async works that have no future (gloo point-to-point) by polling ``is_completed()``
+    on a daemon thread, so the post-hook fires at completion without anyone blocking on ``wait()``."""
+
+    def __init__(self, period_s: float = 0.0005):
+        self.period_s = period_s
+        self._pending: list[tuple[Any, InFlight]] = []
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def watch(self, work: Any, call: InFlight) -> None:
+        call.work = work
+        with self._lock:
+            self._pending.append((work, call))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="commlens-completion", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            with self._lock:
+                pending, self._pending = self._pending, []
+            still = []
+            for work, call in pending:
+                if not work.is_completed():
+                    still.append((work, call))
+                    continue
+                error = None if work.is_success() else (work.exception() or RuntimeError("work failed"))
+                call.complete(OK if error is None else (TIMEOUT if _is_timeout(error) else ERROR), error)
+            with self._lock:
+                self._pending = still + self._pending
+                if not self._pending:
+                    self._wake.clear()
+            if still:
+                time.sleep(self.period_s)
+
+
+poller = CompletionPoller()

@@ -1,0 +1,108 @@
+"""Pre-, post- and abort-hook registration, and calling them without hurting the job.
+
+Hooks run in registration order. A hook that raises is counted in ``hook_errors`` and reported once
+(a warning naming it); the collective goes on. Only a hook registered with ``propagate=True`` (the
+NaN check in raise mode) may raise into the caller.
+
+Example::
+
+    handle = register_pre_hook(lambda args: print(args.name, args.op_id))
+    ...
+    handle.remove()  # idempotent
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from typing import Callable
+
+Hook = Callable[..., None]
+
+
+class _Hooks:
+    """One ordered list of hooks. ``entries`` is a tuple, rebuilt on change, so callers iterate it
+    without a lock while another thread registers or removes."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.entries: tuple[tuple[Hook, bool], ...] = ()
+
+    def add(self, hook: Hook, propagate: bool) -> RemovableHandle:
+        if not callable(hook):
+            raise TypeError(f"register_{self.kind}_hook() takes a callable; got {type(hook).__name__} {hook!r}")
+        if any(existing is hook for existing, _ in self.entries):
+            raise ValueError(f"{hook!r} is already registered as a {self.kind}-hook; "
+                             "remove its handle before registering it again")
+        self.entries = self.entries + ((hook, propagate),)
+        return RemovableHandle(self, hook)
+
+    def discard(self, hook: Hook) -> None:
+        self.entries = tuple(entry for entry in self.entries if entry[0] is not hook)
+
+    def call(self, args: object, in_caller: bool = True) -> None:
+        """Run every hook on ``args``. Off the caller's thread (``in_caller=False``) nothing can
+        reach the caller, so even propagating hooks are only counted."""
+        for hook, propagate in self.entries:
+            try:
+                hook(args)
+            except Exception as error:
+                if propagate and in_caller:
+                    raise
+                _report(self.kind, hook, error)
+
+
+class RemovableHandle:
+    """Returned by every ``register_*_hook``; ``remove()`` unregisters, and is safe to call twice."""
+
+    __slots__ = ("_hooks", "_hook")
+
+    def __init__(self, hooks: _Hooks, hook: Hook):
+        self._hooks, self._hook = hooks, hook
+
+    def remove(self) -> None:
+        if self._hook is not None:
+            self._hooks.discard(self._hook)
+            self._hook = None
+
+    def __enter__(self) -> RemovableHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+hook_errors: collections.Counter[str] = collections.Counter()
+"""Exceptions raised by hooks, by hook name; each hook's first one is also warned about."""
+
+
+def _report(kind: str, hook: Hook, error: Exception) -> None:
+    name = getattr(hook, "__qualname__", None) or repr(hook)
+    hook_errors[name] += 1
+    if hook_errors[name] == 1:
+        warnings.warn(f"commlens {kind}-hook {name} raised {error!r}; the collective went on, "
+                      "and later errors of this hook are only counted", RuntimeWarning, stacklevel=2)
+
+
+pre_hooks, post_hooks, abort_hooks = _Hooks("pre"), _Hooks("post"), _Hooks("abort")
+
+
+def register_pre_hook(hook: Hook, *, propagate: bool = False) -> RemovableHandle:
+    """Call ``hook(PreHookArgs)`` before every instrumented collective is issued.
+
+    With ``propagate=True`` an exception from the hook reaches the caller and the collective is
+    not issued (what ``NanCheckHook(mode="raise")`` uses); otherwise it is counted and ignored.
+    """
+    return pre_hooks.add(hook, propagate)
+
+
+def register_post_hook(hook: Hook, *, propagate: bool = False) -> RemovableHandle:
+    """Call ``hook(PostHookArgs)`` when every instrumented collective completes or fails; for async
+    ops that is on the thread that saw the work complete, never by blocking the caller."""
+    return post_hooks.add(hook, propagate)
+
+
+def register_abort_hook(hook: Hook) -> RemovableHandle:
+    """Call ``hook(AbortHookArgs)`` when a collective fails or times out, before the error reaches
+    the caller."""
+    return abort_hooks.add(hook, False)

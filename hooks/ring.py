@@ -1,0 +1,211 @@
+"""A bounded multi-producer ring of fixed-size collective records that another process can read.
+
+Layout of the backing memory (an anonymous mapping, or a file such as ``/dev/shm/commlens-0`` that
+a sidecar process maps too)::
+
+    header (64 B) | slots × RECORD (72 B each) | strings × STRING (256 B each)
+
+Producers claim an index from a counter and write the whole slot (head sequence, payload, tail
+sequence) with one ``pack_into``: under the GIL that write is atomic for other threads, so
+producers never wait and never lock. A reader of another process reads the tail, the slot, then
+the head again: the slot is whole when both equal ``index + 1``; a larger sequence means the slot
+was overwritten and the records in between are counted as dropped, exactly.
+
+Strings (group descriptions, tensor signatures) are interned once into the string table and
+referred to by id, so records stay fixed-size.
+
+Example::
+
+    ring = Ring(slots=1024)
+    ring.write(START, op=0, flags=0, pg=ring.intern("0"), op_id=1, seq=1, t_ns=0,
+               nbytes=16, sig=0, peer=-1, aux=0)
+    reader = RingReader(ring)
+    [record] = reader.read()
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import struct
+import time
+from typing import NamedTuple
+
+START, END, NAN = 1, 2, 3
+"""Record kinds: a collective was issued, finished, or had a non-finite tensor."""
+
+_HEADER = struct.Struct("<8sIIIIIqI")  # magic, version, slots, record size, strings, string size, clock offset, pid
+_HEADER_SIZE = 64
+_MAGIC = b"CMLNSRNG"
+_VERSION = 1
+RECORD = struct.Struct("<QBBBxIQQQQIiI4xQ")
+_SEQ = struct.Struct("<Q")
+_TAIL = RECORD.size - _SEQ.size
+_STRING = struct.Struct("<H254s")
+DEFAULT_SLOTS = 1 << 16
+DEFAULT_STRINGS = 4096
+
+
+class Record(NamedTuple):
+    """One decoded ring record; ``index`` is its position in the ring's total write order."""
+
+    index: int
+    kind: int
+    op: int
+    flags: int
+    pg: int
+    op_id: int
+    seq: int
+    t_ns: int
+    nbytes: int
+    sig: int
+    peer: int
+    aux: int
+
+
+def _check_power_of_two(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 2 or value & (value - 1):
+        raise ValueError(f"{name}={value!r} is not accepted: it must be a power of two >= 2")
+
+
+class Ring:
+    """The ring's memory plus its producer side. ``Ring.attach(path)`` maps another process's ring."""
+
+    def __init__(self, slots: int = DEFAULT_SLOTS, path: str | None = None, strings: int = DEFAULT_STRINGS):
+        _check_power_of_two("slots", slots)
+        if strings < 1:
+            raise ValueError(f"strings={strings!r} is not accepted: it must be >= 1")
+        self.slots, self.strings, self.path = slots, strings, path
+        size = _HEADER_SIZE + slots * RECORD.size + strings * _STRING.size
+        if path is None:
+            self._map = mmap.mmap(-1, size)
+        else:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            except OSError as error:
+                raise OSError(f"cannot create the ring file {path!r}: {error.strerror}") from error
+            try:
+                os.ftruncate(fd, size)
+                self._map = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        self.clock_offset_ns = time.time_ns() - time.monotonic_ns()
+        _HEADER.pack_into(self._map, 0, _MAGIC, _VERSION, slots, RECORD.size, strings, _STRING.size,
+                          self.clock_offset_ns, os.getpid())
+        self._view = memoryview(self._map)
+        self._strings_at = _HEADER_SIZE + slots * RECORD.size
+        self._claim = itertools.count()
+        self._string_claim = itertools.count(1)
+        self._string_ids: dict[str, int] = {"": 0}
+        self._string_cache: dict[int, str] = {0: ""}
+        self.strings_dropped = 0
+
+    @classmethod
+    def attach(cls, path: str) -> Ring:
+        """Map a ring that another process created at ``path``, for reading."""
+        with open(path, "r+b") as f:
+            mapped = mmap.mmap(f.fileno(), 0)
+        magic, version, slots, record_size, strings, string_size, offset, _pid = _HEADER.unpack_from(mapped, 0)
+        if magic != _MAGIC or version != _VERSION or record_size != RECORD.size or string_size != _STRING.size:
+            raise ValueError(f"{path!r} is not a commlens ring of format version {_VERSION}")
+        ring = cls.__new__(cls)
+        ring.slots, ring.strings, ring.path, ring.clock_offset_ns = slots, strings, path, offset
+        ring._map, ring._view = mapped, memoryview(mapped)
+        ring._strings_at = _HEADER_SIZE + slots * RECORD.size
+        ring._string_cache = {0: ""}
+        return ring
+
+    def write(self, kind: int, op: int, flags: int, pg: int, op_id: int, seq: int, t_ns: int,
+              nbytes: int, sig: int, peer: int, aux: int) -> None:
+        """Publish one record. Never blocks; overwrites the oldest record when the ring is full."""
+        n = next(self._claim) + 1
+        RECORD.pack_into(self._view, _HEADER_SIZE + ((n - 1) & (self.slots - 1)) * RECORD.size,
+                         n, kind, op, flags, pg, op_id, seq, t_ns, nbytes, sig, peer, aux, n)
+
+    def intern(self, text: str) -> int:
+        """The id of ``text`` in the string table, adding it on first use (0 when the table is full)."""
+        found = self._string_ids.get(text)
+        if found is not None:
+            return found
+        sid = next(self._string_claim)
+        if sid >= self.strings:
+            self.strings_dropped += 1
+            return 0
+        encoded = text.encode()[:254]
+        _STRING.pack_into(self._view, self._strings_at + sid * _STRING.size, len(encoded), encoded)
+        self._string_cache[sid] = text
+        return self._string_ids.setdefault(text, sid)
+
+    def string(self, sid: int) -> str:
+        """The text of string id ``sid`` (also for a ring attached from another process)."""
+        text = self._string_cache.get(sid)
+        if text is None:
+            length, raw = _STRING.unpack_from(self._view, self._strings_at + sid * _STRING.size)
+            text = raw[:length].decode(errors="replace")
+            if length:
+                self._string_cache[sid] = text
+        return text
+
+    def read_slot(self, index: int) -> tuple[int, Record | None]:
+        """The sequence found in ``index``'s slot and, when it holds exactly that index whole, its record."""
+        offset = _HEADER_SIZE + (index & (self.slots - 1)) * RECORD.size
+        (tail,) = _SEQ.unpack_from(self._view, offset + _TAIL)
+        fields = RECORD.unpack_from(self._view, offset)
+        (head,) = _SEQ.unpack_from(self._view, offset)
+        if head != tail or head != index + 1:
+            return head, None
+        return head, Record(index, *fields[1:-1])
+
+    def snapshot(self) -> list[Record]:
+        """Every whole record now in the ring, oldest first, without moving any reader."""
+        found = []
+        for slot in range(self.slots):
+            (head,) = _SEQ.unpack_from(self._view, _HEADER_SIZE + slot * RECORD.size)
+            if head:
+                _, record = self.read_slot(head - 1)
+                if record is not None:
+                    found.append(record)
+        found.sort()
+        return found
+
+
+class RingReader:
+    """A cursor over a ring: ``read()`` returns new records in order and counts what was overwritten.
+
+    ``dropped`` is exact: every index the reader skips because a producer lapped it, or because a
+    producer claimed it and never published it (the slot stayed empty while later ones filled, for
+    ``patience`` reads), is counted once.
+    """
+
+    def __init__(self, ring: Ring, start: int = 0, patience: int = 3):
+        self.ring, self.cursor, self.patience = ring, start, patience
+        self.dropped = 0
+        self._stalled = 0
+
+    def read(self, limit: int = 1 << 20) -> list[Record]:
+        ring, out = self.ring, []
+        while len(out) < limit:
+            index = self.cursor
+            head, record = ring.read_slot(index)
+            if record is not None:
+                out.append(record)
+                self.cursor = index + 1
+                self._stalled = 0
+            elif head > index + 1:
+                # Lapped: the slot holds index head-1, so indices index .. head-1-slots are gone.
+                lost = head - ring.slots - index
+                self.dropped += lost
+                self.cursor = index + lost
+            elif self._stuck_behind_published(index):
+                self.dropped += 1
+                self.cursor = index + 1
+            else:
+                break
+        return out
+
+    def _stuck_behind_published(self, index: int) -> bool:
+        if self.ring.read_slot(index + 1)[1] is None:
+            return False
+        self._stalled += 1
+        return self._stalled > self.patience
