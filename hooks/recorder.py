@@ -260,11 +260,14 @@ class CompletionPoller:
                 pending, self._pending = self._pending, []
             still = []
             for work, call in pending:
-                if not work.is_completed():
-                    still.append((work, call))
-                    continue
-                error = None if work.is_success() else (work.exception() or RuntimeError("work failed"))
-                call.complete(OK if error is None else (TIMEOUT if _is_timeout(error) else ERROR), error)
+                try:
+                    if not work.is_completed():
+                        still.append((work, call))
+                        continue
+                    error = None if work.is_success() else (work.exception() or RuntimeError("work failed"))
+                    call.complete(OK if error is None else (TIMEOUT if _is_timeout(error) else ERROR), error)
+                except Exception as error:  # a work that cannot say: count it as failed, keep polling others
+                    call.complete(ERROR, error)
             with self._lock:
                 self._pending = still + self._pending
                 if not self._pending:

@@ -1,0 +1,181 @@
+"""Every public torch.distributed op, sync and async, on real gloo processes."""
+
+import threading
+
+import torch
+import torch.distributed as dist
+from torch.distributed import all_reduce as all_reduce_bound_before_instrumenting
+
+import commlens.hooks as ch
+
+
+def every_op(rank, world_size):
+    """Issue each op once (sync, then async where it has async_op) and return what the hooks saw."""
+    ch.instrument()
+    ch.instrument()  # idempotent
+    seen = []
+    order = []
+    ch.register_pre_hook(lambda a: order.append(("first", a.op_id)))
+    ch.register_pre_hook(lambda a: order.append(("second", a.op_id)))
+    ch.register_post_hook(lambda a: seen.append((a.name.value, a.pre.pg_name, a.pre.seq, a.pre.async_op,
+                                                a.status, a.end_ns >= a.start_ns, a.pre.root, a.pre.peer)))
+    ws, t = world_size, torch.ones(4)
+    sub = dist.new_group([0, 1])
+    peer = 1 - rank if rank < 2 else None
+    for async_op in (False, True):
+        works = [
+            dist.all_reduce(t, async_op=async_op),
+            dist.broadcast(t, 0, async_op=async_op),
+            dist.reduce(t, 0, async_op=async_op),
+            dist.all_gather([torch.empty(4) for _ in range(ws)], t, async_op=async_op),
+            dist.all_gather_into_tensor(torch.empty(4 * ws), t, async_op=async_op),
+            dist.reduce_scatter_tensor(torch.empty(4), torch.ones(4 * ws), async_op=async_op),
+            dist.all_to_all_single(torch.empty(4 * ws), torch.ones(4 * ws), async_op=async_op),
+            dist.gather(t, [torch.empty(4) for _ in range(ws)] if rank == 0 else None, 0, async_op=async_op),
+            dist.scatter(t, [torch.ones(4) for _ in range(ws)] if rank == 0 else None, 0, async_op=async_op),
+            dist.barrier(async_op=async_op),
+            dist.all_reduce(t, group=sub, async_op=async_op),
+        ]
+        for w in works:
+            if async_op and w is not None:
+                w.wait()
+    if peer is not None:
+        (dist.send if rank == 0 else dist.recv)(t, peer)
+        (dist.isend if rank == 0 else dist.irecv)(t, peer).wait()
+        op = dist.P2POp(dist.isend if rank == 0 else dist.irecv, t, peer)
+        for w in dist.batch_isend_irecv([op]):
+            w.wait()
+    all_reduce_bound_before_instrumenting(t)
+    dist.barrier()
+    c10d_seq = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+    torch_fr = torch._C._distributed_c10d._dump_fr_trace()
+    ch.uninstrument()
+    ch.uninstrument()
+    before = len(seen)
+    dist.all_reduce(t)
+    poll_until(lambda: len([s for s in seen if s[3]]) >= (9 if peer is None else 12))
+    return {"seen": seen, "order": order, "after_uninstrument": len(seen) - before, "c10d_seq": c10d_seq,
+            "torch_fr": torch_fr, "restored": dist.all_reduce.__code__.co_freevars == ("func",)
+            and dist.isend.__code__.co_name == "isend"}
+
+
+def poll_until(condition, timeout_s=10.0):
+    """Wait for async post-hooks, which fire on another thread, by waiting on their effect."""
+    ready = threading.Event()
+    for _ in range(int(timeout_s * 1000)):
+        if condition():
+            return
+        ready.wait(0.001)
+    raise AssertionError("timed out waiting for async post-hooks")
+
+
+def test_every_op_is_recorded_sync_and_async_with_c10d_sequence_numbers(run_ranks, monkeypatch):
+    import pickle
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "200")  # c10d's own recorder, to compare numbering with
+    results = run_ranks(every_op, 3)
+    for rank, r in enumerate(results):
+        names = [s[0] for s in r["seen"]]
+        for op in ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+                   "reduce_scatter_tensor", "all_to_all_single", "gather", "scatter", "barrier"):
+            assert any(s[0] == op and not s[3] for s in r["seen"]), (rank, op, "sync")
+            # gloo's async reduce_scatter_tensor work has no future and never reports completion
+            # (README, "What is not covered")
+            assert any(s[0] == op and s[3] for s in r["seen"]) == (op != "reduce_scatter_tensor"), (rank, op)
+        assert all(s[4] == "ok" and s[5] for s in r["seen"])
+        if rank < 2:
+            assert names.count("send" if rank == 0 else "recv") == 3
+            assert [s[7] for s in r["seen"] if s[0] in ("send", "recv")] == [1 - rank] * 3
+        else:
+            assert "send" not in names and "recv" not in names
+            assert not any(s[1] == "1" for s in r["seen"])  # not a member of the subgroup
+        # hooks run in registration order, once per op
+        firsts = [i for who, i in r["order"] if who == "first"]
+        assert r["order"] == [x for i in firsts for x in (("first", i), ("second", i))]
+        assert r["after_uninstrument"] == 0 and r["restored"]
+    # the same collective has the same (group, seq) on every rank, equal to c10d's own numbering
+    world = [sorted((s[2], s[0]) for s in r["seen"] if s[1] == "0" and s[0] not in ("send", "recv"))
+             for r in results]
+    assert world[0] == world[1] == world[2]
+    assert world[0][-1][0] == results[2]["c10d_seq"]  # rank 2 did no p2p: c10d counts collectives only
+    fr = pickle.loads(results[0]["torch_fr"])
+    c10d_seqs = sorted(e["collective_seq_id"] for e in fr["entries"] if e["process_group"][0] == "0")
+    assert [seq for seq, _ in world[0]] == [s for s in c10d_seqs if s != 16]  # 16: the async reduce_scatter
+    assert [s[6] for s in results[1]["seen"] if s[0] in ("broadcast", "reduce", "gather", "scatter")] == [0] * 8
+
+
+def raising_hooks(rank, world_size):
+    ch.instrument()
+    calls = []
+
+    def broken(args):
+        raise ValueError("hook bug")
+
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = ch.register_pre_hook(broken)
+        ch.register_post_hook(lambda a: calls.append(a.name.value))
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        dist.all_reduce(t)
+        handle.remove()
+        handle.remove()  # idempotent
+        dist.all_reduce(t)
+    return {"value": t.tolist(), "calls": calls, "errors": dict(ch.hook_errors),
+            "warnings": [str(w.message) for w in caught if "hook bug" in str(w.message)]}
+
+
+def test_a_raising_hook_is_counted_and_reported_once_and_the_collective_goes_on(run_ranks):
+    for r in run_ranks(raising_hooks, 2):
+        assert r["value"] == [8.0, 8.0]
+        assert r["calls"] == ["all_reduce"] * 3
+        assert list(r["errors"].values()) == [2]
+        assert len(r["warnings"]) == 1 and "broken" in r["warnings"][0]
+
+
+def concurrent_threads(rank, world_size):
+    ch.instrument()
+    groups = [dist.new_group([0, 1]) for _ in range(4)]
+    reader = ch.RingReader(ch.ring(), start=0)
+
+    def issue(g):
+        for _ in range(200):
+            dist.all_reduce(torch.ones(8), group=g)
+
+    threads = [threading.Thread(target=issue, args=(g,)) for g in groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    records = reader.read()
+    return {"records": [(r.kind, r.pg, r.seq, r.nbytes) for r in records], "dropped": reader.dropped}
+
+
+def test_threads_issuing_collectives_concurrently_lose_nothing(run_ranks):
+    for r in run_ranks(concurrent_threads, 2):
+        assert r["dropped"] == 0
+        records = [x for x in r["records"] if x[3] == 32]
+        assert len(records) == 4 * 200 * 2
+        by_group = {}
+        for kind, pg, seq, _ in records:
+            by_group.setdefault((pg, kind), []).append(seq)
+        assert len(by_group) == 8
+        assert all(sorted(seqs) == list(range(1, 201)) for seqs in by_group.values())
+
+
+def test_registering_bad_hooks_fails_at_once_with_a_clear_error():
+    import pytest
+
+    with pytest.raises(TypeError, match="takes a callable; got int 3"):
+        ch.register_pre_hook(3)
+
+    def hook(args):
+        pass
+
+    handle = ch.register_post_hook(hook)
+    with pytest.raises(ValueError, match="already registered as a post-hook"):
+        ch.register_post_hook(hook)
+    handle.remove()
+    ch.register_post_hook(hook).remove()
