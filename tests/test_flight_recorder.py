@@ -1,0 +1,80 @@
+"""Flight-recorder dumps, read by PyTorch's own analyzer (torchfrtrace)."""
+
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import commlens.hooks as ch
+from commlens.agent.demo import Fault, run
+
+
+def analyzer_output(folder):
+    done = subprocess.run([shutil.which("torchfrtrace") or sys.executable, str(folder)]
+                          if shutil.which("torchfrtrace") else
+                          [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(folder)],
+                          capture_output=True, text=True)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_a_clean_four_rank_run_analyzes_without_errors(tmp_path):
+    verdict = run(4, 5, str(tmp_path))
+    assert verdict.returncode == 0
+    code, out = analyzer_output(tmp_path)
+    assert code == 0 and out.strip() == "", out
+    dump = pickle.loads((tmp_path / "rank_0").read_bytes())
+    assert dump["version"] == "2.10" and dump["pg_config"]["0"]["ranks"] == "[0, 1, 2, 3]"
+    entries = dump["entries"]
+    assert {e["state"] for e in entries} == {"completed"}
+    assert all(e["duration_ms"] >= 0 and e["time_discovered_completed_ns"] >= e["time_created_ns"] for e in entries)
+    assert [e["collective_seq_id"] for e in entries] == list(range(1, len(entries) + 1))
+    assert {e["profiling_name"] for e in entries} == {"gloo:broadcast", "gloo:all_reduce", "gloo:barrier"}
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("desync", "Culprit rank 2; Error type: COLLECTIVE_TYPE_MISMATCH"),
+    ("size", "Culprit rank 2; Error type: SIZE_OR_SYNTAX_MISMATCH"),
+    ("skip", "missing ranks: {2}"),
+])
+def test_the_analyzer_names_the_rank_that_went_wrong(tmp_path, kind, expected):
+    run(4, 5, str(tmp_path), Fault(kind, rank=2, step=2))
+    _, out = analyzer_output(tmp_path)
+    assert expected in out, out
+
+
+def record_and_dump(rank, world_size, prefix):
+    import os
+
+    os.environ["TORCHCOMM_FR_DUMP_TEMP_FILE"] = prefix
+    ch.instrument()
+    empty = ch.FlightRecorderHook(max_entries=8)
+    empty_dump = empty.dump()
+    recorder = ch.FlightRecorderHook(max_entries=3).register_with_comm()
+    for _ in range(5):
+        dist.all_reduce(torch.ones(2))
+    recorder.unregister()
+    dist.all_reduce(torch.ones(2))
+    os.environ["TORCHCOMM_FR_DUMP_TEMP_FILE"] = "/proc/no-such-dir/rank_"
+    with pytest.raises(OSError) as refused:
+        recorder.dump_file(rank)
+    os.environ["TORCHCOMM_FR_DUMP_TEMP_FILE"] = prefix
+    path = recorder.dump_file(rank)
+    with pytest.raises(ValueError, match="max_entries=0 is not accepted"):
+        ch.FlightRecorderHook(max_entries=0)
+    with pytest.raises(ValueError, match="COMMLENS_RING_SLOTS"):
+        ch.FlightRecorderHook(max_entries=1 << 20)
+    return {"empty": empty_dump, "empty_json": empty.dump_json(), "path": path, "refused": str(refused.value),
+            "dump": pickle.loads(open(path, "rb").read())}
+
+
+def test_recorder_keeps_its_window_and_reports_bad_input_clearly(run_ranks, tmp_path):
+    for rank, r in enumerate(run_ranks(record_and_dump, 2, prefix=str(tmp_path / "dumps" / "rank_"))):
+        assert r["empty"]["entries"] == [] and '"entries": []' in r["empty_json"]
+        assert "/proc/no-such-dir/rank_" in r["refused"] and "TORCHCOMM_FR_DUMP_TEMP_FILE" in r["refused"]
+        assert r["path"].endswith(f"dumps/rank_{rank}")
+        entries = r["dump"]["entries"]
+        assert [e["collective_seq_id"] for e in entries] == [3, 4, 5]  # the last 3 of 5; not the 6th

@@ -1,0 +1,139 @@
+"""NaN/Inf checks, abort hooks on a real timeout, and torchcomms communicators (a stand-in)."""
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import commlens.hooks as ch
+from commlens.hooks.nan_check import FLAG_INF, FLAG_NAN
+
+
+def nan_report(rank, world_size):
+    ch.instrument()
+    reader = ch.RingReader(ch.ring())
+    with ch.NanCheckHook(mode="report", check_outputs=True):
+        t = torch.ones(4)
+        if rank == 1:
+            t[2] = float("nan")
+            t[3] = float("inf")
+        dist.all_reduce(t)  # proceeds; the NaN spreads to every rank's output
+        dist.all_reduce(torch.ones(3, dtype=torch.int64))  # not floating point: skipped
+    return [(r.flags, r.aux, r.nbytes) for r in reader.read() if r.kind == ch.NAN]
+
+
+def test_report_mode_records_nan_and_inf_and_lets_the_collective_run(run_ranks):
+    rank0, rank1 = run_ranks(nan_report, 2)
+    assert rank1[0] == (FLAG_NAN | FLAG_INF, 0, 2)  # input tensor 0: one NaN, one Inf
+    assert [f for f, _, _ in rank0] == [1 | FLAG_NAN | FLAG_INF]  # only the output, after the all_reduce
+
+
+def nan_raise(rank, world_size):
+    ch.instrument()
+    aborts = []
+    ch.register_abort_hook(lambda a: aborts.append(a.name.value))
+    ch.NanCheckHook(mode="raise").register_with_comm()
+    t = torch.zeros(4) if rank == 0 else torch.tensor([0.0, float("inf"), 1.0, 2.0])
+    if rank == 0:
+        return None
+    with pytest.raises(RuntimeError) as raised:
+        dist.all_reduce(t)
+    return {"message": str(raised.value), "aborts": aborts}
+
+
+def test_raise_mode_refuses_the_collective_naming_what_was_found(run_ranks):
+    _, r = run_ranks(nan_raise, 2)
+    assert r["message"].startswith("commlens NaN check: all_reduce (op_id ")
+    assert "on rank 1, group '0': input tensor 0 holds 0 NaN and 1 Inf of 4 elements" in r["message"]
+    assert r["aborts"] == ["all_reduce"]
+
+
+def test_bad_nan_mode_is_refused():
+    with pytest.raises(ValueError, match="mode='warn' is not accepted: use one of report, raise"):
+        ch.NanCheckHook(mode="warn")
+
+
+def abort_on_timeout(rank, world_size):
+    ch.instrument()
+    events = []
+    ch.register_abort_hook(lambda a: events.append(("abort", a.name.value, a.status)))
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:  # never joins the all_reduce, and stays connected until rank 0 has seen why
+        store.wait(["rank 0 done"], datetime.timedelta(seconds=60))
+        return None
+    try:
+        dist.all_reduce(torch.ones(2))
+    except RuntimeError:
+        events.append(("caller saw the error",))
+    store.set("rank 0 done", "1")
+    return events
+
+
+def test_abort_hooks_fire_before_a_timeout_reaches_the_caller(run_ranks):
+    events, _ = run_ranks(abort_on_timeout, 2, timeout_s=2)
+    assert events == [("abort", "all_reduce", "timeout"), ("caller saw the error",)]
+
+
+class StandInComm:
+    """A stand-in for a torchcomms communicator, with its hook API (torchcomms does not install here)."""
+
+    def __init__(self, form):
+        self.form, self.hooks = form, {"pre": [], "post": [], "abort": []}
+
+    def _register(self, kind, fn):
+        self.hooks[kind].append(fn)
+        comm = self
+
+        class Handle:
+            def remove(self):
+                if fn in comm.hooks[kind]:
+                    comm.hooks[kind].remove(fn)
+
+        return Handle()
+
+    register_pre_hook = lambda self, fn: self._register("pre", fn)  # noqa: E731
+    register_post_hook = lambda self, fn: self._register("post", fn)  # noqa: E731
+    register_abort_hook = lambda self, fn: self._register("abort", fn)  # noqa: E731
+    get_rank, get_size, get_name, get_backend = (lambda self: 0), (lambda self: 2), (lambda self: "tp"), (lambda self: "nccl")
+
+    def all_reduce(self, tensor, op_id):
+        class Args:
+            pass
+
+        args = Args()
+        args.name, args.op_id, args.tensors, args.async_op = "all_reduce", op_id, [tensor], False
+        for fn in list(self.hooks["pre"]):
+            fn(args) if self.form == "v0.2" else fn("all_reduce", op_id, args)
+        for fn in list(self.hooks["post"]):
+            fn(args) if self.form == "v0.2" else fn("all_reduce", op_id, args)
+
+    def abort(self):
+        for fn in list(self.hooks["abort"]):
+            fn()
+
+
+@pytest.mark.parametrize("form", ["v0.2", "v0.3"])
+def test_torchcomms_communicators_feed_the_same_hooks_and_recorder(form):
+    comm = StandInComm(form)
+    seen = []
+    handle = ch.register_post_hook(lambda a: seen.append((a.name.value, a.pre.pg_name, a.pre.seq)))
+    recorder = ch.FlightRecorderHook(max_entries=8).register_with_comm(comm)
+    check = ch.NanCheckHook(mode="raise").register_with_comm(comm)
+    comm.all_reduce(torch.ones(4), op_id=1)
+    with pytest.raises(RuntimeError, match="all_reduce .* group 'tp': input tensor 0 holds 1 NaN"):
+        comm.all_reduce(torch.tensor([float("nan")]), op_id=2)
+    comm.abort()
+    check.unregister()
+    recorder.unregister()
+    handle.remove()
+    assert comm.hooks == {"pre": [], "post": [], "abort": []}
+    assert seen[0] == ("all_reduce", "tp", 1)
+    entries = recorder.dump()["entries"]
+    assert [(e["profiling_name"], e["collective_seq_id"], e["state"], e["status"]) for e in entries] == [
+        ("nccl:all_reduce", 1, "completed", "ok"), ("nccl:all_reduce", 2, "completed", "error")]
+
+
+def test_register_with_comm_refuses_what_is_not_a_communicator():
+    with pytest.raises(TypeError, match="takes a torchcomms communicator .* object has no register_pre_hook"):
+        ch.NanCheckHook().register_with_comm(object())
