@@ -37,15 +37,18 @@ from .recorder import Group
 # Each mirrors the signature of the torch.distributed function of the same name and returns
 # (group, async_op, input tensors, output tensors, root or peer as a global rank, ... as a group rank).
 def _all_reduce(tensor, op=None, group=None, async_op=False):
-    return group, async_op, (tensor,), (tensor,), None, None
+    tensors = (tensor,)
+    return group, async_op, tensors, tensors, None, None
 
 
 def _broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-    return group, async_op, (tensor,), (tensor,), src, group_src
+    tensors = (tensor,)
+    return group, async_op, tensors, tensors, src, group_src
 
 
 def _reduce(tensor, dst=None, op=None, group=None, async_op=False, group_dst=None):
-    return group, async_op, (tensor,), (tensor,), dst, group_dst
+    tensors = (tensor,)
+    return group, async_op, tensors, tensors, dst, group_dst
 
 
 def _all_gather(tensor_list, tensor, group=None, async_op=False):

@@ -125,7 +125,7 @@ class InFlight(PreHookArgs):
 
     def complete(self, status: int, error: BaseException | None, in_caller: bool = False) -> None:
         end = _monotonic_ns()
-        ring().write(END, self.code, status, self.sid, self.op_id, self.seq, end, self.nbytes, self.sig,
+        (_ring or ring()).write(END, self.code, status, self.sid, self.op_id, self.seq, end, self.nbytes, self.sig,
                      self.wire_peer, 0)
         if error is not None and abort_hooks.entries:
             abort_hooks.call(AbortHookArgs(self, error, STATUS[status]))
@@ -183,7 +183,7 @@ def record_nan(call: InFlight, index: int, flags: int, count: int) -> None:
 
 
 def _write_start(call: InFlight) -> None:
-    ring().write(START, call.code, call.flags, call.sid, call.op_id, call.seq, call.t0, call.nbytes,
+    (_ring or ring()).write(START, call.code, call.flags, call.sid, call.op_id, call.seq, call.t0, call.nbytes,
                  call.sig, call.wire_peer, 0)
 
 
@@ -210,9 +210,6 @@ def dtype_name(dtype: Any) -> str:
 
 
 def _meta(tensors: tuple) -> tuple:
-    if len(tensors) == 1:
-        t = tensors[0]
-        return ((t.shape, t.dtype),)
     return tuple([(t.shape, t.dtype) for t in tensors])
 
 
@@ -221,7 +218,11 @@ def signature(tensors: tuple, output_tensors: tuple) -> tuple[int, int]:
 
     Payload bytes are the larger of the input and output totals: the nccl-tests "size" of the op.
     """
-    key = (_meta(tensors), _meta(output_tensors) if output_tensors is not tensors else None)
+    if len(tensors) == 1 and output_tensors is tensors:  # the common in-place case, keyed cheaply
+        t = tensors[0]
+        key = (t.shape, t.dtype)
+    else:
+        key = (_meta(tensors), _meta(output_tensors))
     found = _signatures.get(key)
     if found is None:
         outs = output_tensors

@@ -40,6 +40,7 @@ _HEADER_SIZE = 64
 _MAGIC = b"CMLNSRNG"
 _VERSION = 1
 RECORD = struct.Struct("<QBBBxIQQQQIiI4xQ")
+_pack_into, _RECORD_SIZE = RECORD.pack_into, RECORD.size
 _SEQ = struct.Struct("<Q")
 _TAIL = RECORD.size - _SEQ.size
 _STRING = struct.Struct("<H254s")
@@ -96,6 +97,8 @@ class Ring:
         self._view = memoryview(self._map)
         self._strings_at = _HEADER_SIZE + slots * RECORD.size
         self._claim = itertools.count()
+        self._next_index = self._claim.__next__
+        self._mask = slots - 1
         self._string_claim = itertools.count(1)
         self._string_ids: dict[str, int] = {"": 0}
         self._string_cache: dict[int, str] = {0: ""}
@@ -119,9 +122,9 @@ class Ring:
     def write(self, kind: int, op: int, flags: int, pg: int, op_id: int, seq: int, t_ns: int,
               nbytes: int, sig: int, peer: int, aux: int) -> None:
         """Publish one record. Never blocks; overwrites the oldest record when the ring is full."""
-        n = next(self._claim) + 1
-        RECORD.pack_into(self._view, _HEADER_SIZE + ((n - 1) & (self.slots - 1)) * RECORD.size,
-                         n, kind, op, flags, pg, op_id, seq, t_ns, nbytes, sig, peer, aux, n)
+        i = self._next_index()
+        _pack_into(self._view, _HEADER_SIZE + (i & self._mask) * _RECORD_SIZE,
+                   i + 1, kind, op, flags, pg, op_id, seq, t_ns, nbytes, sig, peer, aux, i + 1)
 
     def intern(self, text: str) -> int:
         """The id of ``text`` in the string table, adding it on first use (0 when the table is full)."""
