@@ -97,7 +97,7 @@ class FlightRecorderHook:
             (starts if record.kind == START else ends)[record.op_id] = record
         op_ids = sorted(starts)[-self.max_entries:]
         entries = [self._entry(starts[i], ends.get(i), groups[starts[i].pg], ring) for i in op_ids]
-        return entries, _pg_config(groups, entries), _pg_status(entries)
+        return entries, _pg_config(groups), _pg_status(entries)
 
     def _entry(self, start: Any, end: Any, group: dict, ring: Any) -> dict:
         op = OPS[start.op]
@@ -178,7 +178,7 @@ def _stacked(sizes: list, dtypes: list) -> tuple[list, list]:
     return sizes, dtypes
 
 
-def _pg_config(groups: dict, entries: list[dict]) -> dict:
+def _pg_config(groups: dict) -> dict:
     return {g["name"]: {"name": g["name"], "desc": g.get("desc", "undefined"), "ranks": str(g.get("ranks", []))}
             for g in groups.values() if "name" in g}
 

@@ -1,9 +1,7 @@
 """Flight-recorder dumps, read by PyTorch's own analyzer (torchfrtrace)."""
 
 import pickle
-import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,10 +12,7 @@ from commlens.agent.demo import Fault, run
 
 
 def analyzer_output(folder):
-    done = subprocess.run([shutil.which("torchfrtrace") or sys.executable, str(folder)]
-                          if shutil.which("torchfrtrace") else
-                          [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(folder)],
-                          capture_output=True, text=True)
+    done = subprocess.run(["torchfrtrace", str(folder)], capture_output=True, text=True)
     return done.returncode, done.stdout + done.stderr
 
 
