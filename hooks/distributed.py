@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import threading
 import types
-import warnings
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -32,6 +31,7 @@ import torch.distributed.distributed_c10d as c10d
 from . import recorder
 from .ops import OpName
 from .recorder import Group
+from .registry import abort_hooks, post_hooks, pre_hooks
 
 
 # Each mirrors the signature of the torch.distributed function of the same name and returns
@@ -149,17 +149,6 @@ def _group_of(handle: Any) -> Any:
     return found
 
 
-internal_errors = 0
-
-
-def _internal_error(where: str, error: Exception) -> None:
-    global internal_errors
-    internal_errors += 1
-    if internal_errors == 1:
-        warnings.warn(f"commlens could not record a collective ({where}: {error!r}); the collective "
-                      "went on unrecorded, and later such errors are only counted", RuntimeWarning, stacklevel=3)
-
-
 _sync_p2p = threading.local()
 """``active`` is set while a sync ``send``/``recv`` runs: they call ``isend``/``irecv`` inside,
 which must not be recorded a second time."""
@@ -167,6 +156,8 @@ which must not be recorded a second time."""
 
 def _instrumented(op: OpName, original: Callable, describe: Callable, kind: str = "collective") -> Callable:
     rooted = not op.is_p2p
+    code = recorder.CODE[op]
+    unhooked_ok = kind == "collective"
 
     def collective(*args, **kwargs):
         if kind == "async_p2p" and getattr(_sync_p2p, "active", False):
@@ -180,13 +171,16 @@ def _instrumented(op: OpName, original: Callable, describe: Callable, kind: str 
             return original(*args, **kwargs)
         if group_target is None and target is not None:
             group_target = info.group_rank(target)
+        if unhooked_ok and not async_op and not (pre_hooks.entries or post_hooks.entries or abort_hooks.entries):
+            return recorder.run_unhooked(code, info, tensors, outputs, -1 if group_target is None else group_target,
+                                         original, args, kwargs)
         try:
             flight = recorder.begin(op, info, tensors, outputs, async_op,
                                     group_target if rooted else None, None if rooted else group_target)
         except recorder.HookRaised as raised:
             raise raised.error from None
         except Exception as error:
-            _internal_error("begin", error)
+            recorder.internal_error("begin", error)
             return original(*args, **kwargs)
         try:
             if kind == "sync_p2p":
@@ -205,7 +199,7 @@ def _instrumented(op: OpName, original: Callable, describe: Callable, kind: str 
         except recorder.HookRaised as raised:
             raise raised.error from None
         except Exception as error:
-            _internal_error("issued", error)
+            recorder.internal_error("issued", error)
         return result
 
     collective.__wrapped__ = original

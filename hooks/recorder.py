@@ -14,6 +14,7 @@ import json
 import os
 import threading
 import time
+import warnings
 from typing import Any, Callable
 
 from .ops import CODE, OpName, AbortHookArgs, PostHookArgs, PreHookArgs
@@ -24,7 +25,6 @@ OK, ERROR, TIMEOUT = 0, 1, 2
 STATUS = ("ok", "error", "timeout")
 FLAG_ASYNC = 1
 
-_monotonic_ns = time.monotonic_ns
 _op_ids = itertools.count(1)
 _ring: Ring | None = None
 _ring_lock = threading.Lock()
@@ -123,10 +123,10 @@ class InFlight(PreHookArgs):
         """The op raised in the caller's thread: abort hooks run before the error propagates."""
         self.complete(TIMEOUT if _is_timeout(error) else ERROR, error)
 
-    def complete(self, status: int, error: BaseException | None, in_caller: bool = False) -> None:
-        end = _monotonic_ns()
-        (_ring or ring()).write(END, self.code, status, self.sid, self.op_id, self.seq, end, self.nbytes, self.sig,
-                     self.wire_peer, 0)
+    def complete(self, status: int, error: BaseException | None, in_caller: bool = False) -> int:
+        """Write END, run the abort and post-hooks; returns the completion time."""
+        end = (_ring or ring()).write(END, self.code, status, self.sid, self.op_id, self.seq, self.nbytes, self.sig,
+                                      self.wire_peer, 0)
         if error is not None and abort_hooks.entries:
             abort_hooks.call(AbortHookArgs(self, error, STATUS[status]))
         if post_hooks.entries:
@@ -134,6 +134,7 @@ class InFlight(PreHookArgs):
                 post_hooks.call(PostHookArgs(self, self.work, STATUS[status], error, self.t0, end), in_caller)
             except Exception as raised:  # only hooks registered with propagate=True get here
                 raise HookRaised(raised) from raised
+        return end
 
     def _future_done(self, future: Any) -> None:
         try:
@@ -167,24 +168,55 @@ def begin(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async
         try:
             pre_hooks.call(call)
         except Exception as error:  # only hooks registered with propagate=True get here
-            call.t0 = _monotonic_ns()
             _write_start(call)
             call.failed(error)
             raise HookRaised(error) from error
-    call.t0 = _monotonic_ns()
     _write_start(call)
     return call
 
 
+def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple, wire_peer: int,
+                 call: Callable, args: tuple, kwargs: dict) -> Any:
+    """``call(*args, **kwargs)``, a synchronous collective, recorded as START and END with nothing
+    else: the path taken while no hook of any kind is registered. Allocates no per-op object."""
+    try:
+        sig, nbytes = signature(tensors, output_tensors)
+        op_id = next(_op_ids)
+        seq = group.next_collective_seq()
+        write, sid = (_ring or ring()).write, group.sid
+        write(START, code, 0, sid, op_id, seq, nbytes, sig, wire_peer, 0)
+    except Exception as error:
+        internal_error("START", error)
+        return call(*args, **kwargs)
+    try:
+        result = call(*args, **kwargs)
+    except BaseException as error:
+        write(END, code, TIMEOUT if _is_timeout(error) else ERROR, sid, op_id, seq, nbytes, sig, wire_peer, 0)
+        raise
+    write(END, code, OK, sid, op_id, seq, nbytes, sig, wire_peer, 0)
+    return result
+
+
+internal_errors = 0
+
+
+def internal_error(where: str, error: Exception) -> None:
+    """Count a failure of commlens itself; warn about the first. The collective goes on unrecorded."""
+    global internal_errors
+    internal_errors += 1
+    if internal_errors == 1:
+        warnings.warn(f"commlens could not record a collective ({where}: {error!r}); the collective "
+                      "went on unrecorded, and later such errors are only counted", RuntimeWarning, stacklevel=3)
+
+
 def record_nan(call: InFlight, index: int, flags: int, count: int) -> None:
     """Write a NAN record: tensor ``index`` of ``call`` held ``count`` non-finite elements."""
-    ring().write(NAN, call.code, flags, call.sid, call.op_id, call.seq, _monotonic_ns(), count, call.sig,
-                 call.wire_peer, index)
+    ring().write(NAN, call.code, flags, call.sid, call.op_id, call.seq, count, call.sig, call.wire_peer, index)
 
 
 def _write_start(call: InFlight) -> None:
-    (_ring or ring()).write(START, call.code, call.flags, call.sid, call.op_id, call.seq, call.t0, call.nbytes,
-                 call.sig, call.wire_peer, 0)
+    call.t0 = (_ring or ring()).write(START, call.code, call.flags, call.sid, call.op_id, call.seq, call.nbytes,
+                                      call.sig, call.wire_peer, 0)
 
 
 def _is_timeout(error: BaseException) -> bool:

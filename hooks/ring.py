@@ -5,11 +5,11 @@ a sidecar process maps too)::
 
     header (64 B) | slots × RECORD (72 B each) | strings × STRING (256 B each)
 
-Producers claim an index from a counter and write the whole slot (head sequence, payload, tail
-sequence) with one ``pack_into``: under the GIL that write is atomic for other threads, so
-producers never wait and never lock. A reader of another process reads the tail, the slot, then
-the head again: the slot is whole when both equal ``index + 1``; a larger sequence means the slot
-was overwritten and the records in between are counted as dropped, exactly.
+Producers (``_producer.c``) claim an index with an atomic add on a counter in the header, then
+write the slot's head sequence, its payload and its tail sequence, with release ordering: they
+never wait and never lock, and producers in several processes may share one ring. A reader reads
+the tail, the slot, then the head again: the slot is whole when both equal ``index + 1``; a larger
+sequence means the slot was overwritten and the records in between are counted as dropped, exactly.
 
 Strings (group descriptions, tensor signatures) are interned once into the string table and
 referred to by id, so records stay fixed-size.
@@ -17,8 +17,8 @@ referred to by id, so records stay fixed-size.
 Example::
 
     ring = Ring(slots=1024)
-    ring.write(START, op=0, flags=0, pg=ring.intern("0"), op_id=1, seq=1, t_ns=0,
-               nbytes=16, sig=0, peer=-1, aux=0)
+    t_ns = ring.write(START, 0, 0, ring.intern("0"), 1, 1, 16, 0, -1, 0)
+    # kind, op, flags, pg, op_id, seq, nbytes, sig, peer, aux; returns the record's timestamp
     reader = RingReader(ring)
     [record] = reader.read()
 """
@@ -35,12 +35,14 @@ from typing import NamedTuple
 START, END, NAN = 1, 2, 3
 """Record kinds: a collective was issued, finished, or had a non-finite tensor."""
 
+from ._producer import Producer
+
 _HEADER = struct.Struct("<8sIIIIIqI")  # magic, version, slots, record size, strings, string size, clock offset, pid
 _HEADER_SIZE = 64
+_CLAIM_OFFSET = 56  # the producers' next index, a uint64 in the header
 _MAGIC = b"CMLNSRNG"
-_VERSION = 1
+_VERSION = 2
 RECORD = struct.Struct("<QBBBxIQQQQIiI4xQ")
-_pack_into, _RECORD_SIZE = RECORD.pack_into, RECORD.size
 _SEQ = struct.Struct("<Q")
 _TAIL = RECORD.size - _SEQ.size
 _STRING = struct.Struct("<H254s")
@@ -71,7 +73,12 @@ def _check_power_of_two(name: str, value: int) -> None:
 
 
 class Ring:
-    """The ring's memory plus its producer side. ``Ring.attach(path)`` maps another process's ring."""
+    """The ring's memory plus its producer side. ``Ring.attach(path)`` maps another process's ring.
+
+    ``write(kind, op, flags, pg, op_id, seq, nbytes, sig, peer, aux, t_ns=now) -> t_ns`` publishes
+    one record, stamped with ``time.monotonic_ns()`` unless ``t_ns`` is given, and returns the
+    stamp. It never blocks; when the ring is full it overwrites the oldest record.
+    """
 
     def __init__(self, slots: int = DEFAULT_SLOTS, path: str | None = None, strings: int = DEFAULT_STRINGS):
         _check_power_of_two("slots", slots)
@@ -96,9 +103,7 @@ class Ring:
                           self.clock_offset_ns, os.getpid())
         self._view = memoryview(self._map)
         self._strings_at = _HEADER_SIZE + slots * RECORD.size
-        self._claim = itertools.count()
-        self._next_index = self._claim.__next__
-        self._mask = slots - 1
+        self.write = Producer(self._map, slots, _CLAIM_OFFSET, _HEADER_SIZE).write
         self._string_claim = itertools.count(1)
         self._string_ids: dict[str, int] = {"": 0}
         self._string_cache: dict[int, str] = {0: ""}
@@ -118,13 +123,6 @@ class Ring:
         ring._strings_at = _HEADER_SIZE + slots * RECORD.size
         ring._string_cache = {0: ""}
         return ring
-
-    def write(self, kind: int, op: int, flags: int, pg: int, op_id: int, seq: int, t_ns: int,
-              nbytes: int, sig: int, peer: int, aux: int) -> None:
-        """Publish one record. Never blocks; overwrites the oldest record when the ring is full."""
-        i = self._next_index()
-        _pack_into(self._view, _HEADER_SIZE + (i & self._mask) * _RECORD_SIZE,
-                   i + 1, kind, op, flags, pg, op_id, seq, t_ns, nbytes, sig, peer, aux, i + 1)
 
     def intern(self, text: str) -> int:
         """The id of ``text`` in the string table, adding it on first use (0 when the table is full)."""

@@ -82,10 +82,9 @@ class CommSource:
         if flight is None:
             return
         flight.work = getattr(args, "work", None)
-        flight.complete(recorder.OK, None)
+        end = flight.complete(recorder.OK, None)
         if self.post_hooks.entries:
-            self.post_hooks.call(recorder.PostHookArgs(flight, flight.work, "ok", None, flight.t0,
-                                                       recorder._monotonic_ns()))
+            self.post_hooks.call(recorder.PostHookArgs(flight, flight.work, "ok", None, flight.t0, end))
 
     def _abort(self, *_: Any) -> None:
         error = RuntimeError(f"torchcomms communicator {self.group.name!r} aborted")

@@ -1,5 +1,6 @@
 """The ring: records in order, exact overwrite counts, threads, another process reading it."""
 
+import struct
 import subprocess
 import sys
 import threading
@@ -11,8 +12,8 @@ from commlens.hooks import END, START, Ring, RingReader
 
 def write(ring, op_id, kind=START):
     # Every field derives from op_id, so a torn or mixed-up record is detectable.
-    ring.write(kind, op_id % 14, op_id % 3, op_id % 1000, op_id, op_id * 3, op_id * 5, op_id * 7,
-               op_id % 2000, -(op_id % 5), op_id % 11)
+    ring.write(kind, op_id % 14, op_id % 3, op_id % 1000, op_id, op_id * 3, op_id * 7,
+               op_id % 2000, -(op_id % 5), op_id % 11, op_id * 5)
 
 
 def check(record):
@@ -50,7 +51,8 @@ def test_a_claimed_slot_never_published_is_skipped_and_counted():
     ring = Ring(slots=16)
     reader = RingReader(ring, patience=2)
     write(ring, 0)
-    next(ring._claim)  # a producer claimed index 1 and never wrote it
+    claimed = struct.unpack_from("<Q", ring._map, 56)[0]  # a producer claimed index 1 and died
+    struct.pack_into("<Q", ring._map, 56, claimed + 1)
     write(ring, 2)
     assert [r.op_id for r in reader.read()] == [0]  # waits for index 1 at first
     reader.read()
@@ -103,7 +105,7 @@ from commlens.hooks import Ring, START, END
 ring = Ring(slots=64, path=sys.argv[1])
 sid = ring.intern("group 0")
 for i in range(100):
-    ring.write(START if i % 2 == 0 else END, 1, 0, sid, i, i, i, 4 * i, 0, -1, 0)
+    ring.write(START if i % 2 == 0 else END, 1, 0, sid, i, i, 4 * i, 0, -1, 0, i)
 print("written", flush=True)
 sys.stdin.read()  # stay alive while the other process reads
 """
