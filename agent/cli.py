@@ -1,12 +1,13 @@
 """The ``commlens`` command.
 
     commlens demo --world-size 4 --steps 20        train on CPU with every collective recorded
-    commlens demo --inject desync:rank=1:step=3    ... and see the flight recorder name the culprit
+    commlens demo --inject nan:rank=1:step=3       ... and see commlens name the rank and step
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 
@@ -37,19 +38,30 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--world-size", type=_positive, default=4, help="gloo processes (default 4)")
     demo.add_argument("--steps", type=_positive, default=20, help="training steps (default 20)")
     demo.add_argument("--out", help="folder for the flight-recorder dumps (default: a new temporary one)")
-    demo.add_argument("--inject", type=_fault, help="a fault: desync|size|skip:rank=R:step=S")
+    demo.add_argument("--inject", type=_fault,
+                      help="a fault: nan|hang|desync|size|skip:rank=R:step=S, or slow:rank=R:ms=M")
+    demo.add_argument("--keep-serving", action="store_true",
+                      help="after training, keep serving metrics until SIGTERM (for a Prometheus to scrape)")
     args = parser.parse_args(argv)
 
+    from .config import DEFAULT_METRICS_PORT, ConfigError
     from .demo import run
 
     out = args.out or tempfile.mkdtemp(prefix="commlens-demo-")
     if args.inject and args.inject.rank >= args.world_size:
         parser.error(f"--inject rank={args.inject.rank} is not accepted: ranks are 0..{args.world_size - 1}")
-    print(f"commlens demo: {args.world_size} ranks x {args.steps} steps on gloo/CPU; dumps in {out}")
-    verdict = run(args.world_size, args.steps, out, args.inject)
-    report = (verdict.stdout + verdict.stderr).strip()
+    port = os.environ.get("COMMLENS_METRICS_PORT", str(DEFAULT_METRICS_PORT))
+    print(f"commlens demo: {args.world_size} ranks x {args.steps} steps of DDP on gloo/CPU; metrics on "
+          f"127.0.0.1:{port}+rank; traces and flight-recorder dumps in {out}", flush=True)
+    try:
+        outcome = run(args.world_size, args.steps, out, args.inject, args.keep_serving)
+    except ConfigError as error:
+        print(f"commlens demo: {error}", file=sys.stderr)
+        return 2
+    print(outcome.summary)
+    report = (outcome.analyzer.stdout + outcome.analyzer.stderr).strip()
     print("torchfrtrace:", report or "no mismatch found")
-    return verdict.returncode
+    return outcome.analyzer.returncode
 
 
 if __name__ == "__main__":

@@ -1,50 +1,68 @@
-"""The demo job: a small model trained by N gloo processes on CPU with every collective recorded.
+"""The demo job: a small DDP model trained by N gloo processes on CPU under commlens.
 
-Each rank averages its gradients with ``all_reduce`` (one flattened bucket per step) and the loss
-with another; at the end every rank writes its flight-recorder dump and rank 0 runs PyTorch's
-analyzer (``torchfrtrace``) on the folder. Faults can be injected to see what the dumps catch:
+Every rank runs ``commlens.agent.start()``: collectives are recorded, metrics served on
+``COMMLENS_METRICS_PORT + rank`` (default 9464 + rank, on 127.0.0.1), spans written to
+``OUT/traces-rank<R>.jsonl`` unless an OTLP endpoint is configured, and flight-recorder dumps to
+``OUT/rank_<R>``. At the end the launcher prints a summary (per op: count, p50/p99 latency, busbw;
+per rank: NaN events, hangs, time spent in collectives, and the slowest rank) and PyTorch's analyzer
+verdict on the dumps. Faults can be injected to see what commlens catches:
 
+    nan:rank=R:step=S      rank R's batch holds NaN at step S (its gradient bucket is flagged)
+    slow:rank=R:ms=M       rank R computes M ms longer every step (it becomes the slowest rank)
+    hang:rank=R:step=S     rank R stalls at step S for the hang threshold + 2 s (the others hang)
     desync:rank=R:step=S   rank R issues a broadcast where the others all_reduce
     size:rank=R:step=S     rank R receives the step's learning-rate broadcast into a larger tensor
-    skip:rank=R:step=S     rank R stops at step S: it never joins that step's all_reduce
+    skip:rank=R:step=S     rank R stops at step S: it never joins that step's collectives
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import datetime
+import json
 import os
+import signal
 import socket
+import statistics
 import subprocess
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from commlens.hooks import FlightRecorderHook, NanCheckHook, instrument, register_abort_hook
-
-FAULTS = ("desync", "size", "skip")
+FAULTS = ("nan", "slow", "hang", "desync", "size", "skip")
+DEMO_HANG_THRESHOLD_S = "2"
 
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
     kind: str
     rank: int
-    step: int
+    step: int = 0
+    ms: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Fault:
-        """``kind:rank=R:step=S``, e.g. ``desync:rank=1:step=3``."""
-        usage = f"--inject {text!r} is not accepted: use KIND:rank=R:step=S with KIND one of {', '.join(FAULTS)}"
+        """``kind:rank=R:step=S`` (``slow:rank=R:ms=M``), e.g. ``nan:rank=1:step=3``."""
+        usage = (f"--inject {text!r} is not accepted: use KIND:rank=R:step=S with KIND one of "
+                 f"{', '.join(k for k in FAULTS if k != 'slow')}, or slow:rank=R:ms=M")
         kind, _, rest = text.partition(":")
         fields = dict(part.partition("=")[::2] for part in rest.split(":") if part)
-        if kind not in FAULTS or set(fields) != {"rank", "step"}:
+        if kind not in FAULTS or set(fields) != ({"rank", "ms"} if kind == "slow" else {"rank", "step"}):
             raise ValueError(usage)
         try:
-            return cls(kind, int(fields["rank"]), int(fields["step"]))
+            values = {key: int(value) for key, value in fields.items()}
         except ValueError:
             raise ValueError(usage) from None
+        if min(values.values()) < 0:
+            raise ValueError(usage)
+        return cls(kind, **values)
+
+    def hits(self, kind: str, rank: int, step: int) -> bool:
+        return (self.kind, self.rank) == (kind, rank) and (kind == "slow" or self.step == step)
 
 
 def free_port() -> int:
@@ -53,78 +71,190 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, fault: Fault | None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      TORCHCOMM_FR_DUMP_TEMP_FILE=os.path.join(out_dir, "rank_"))
-    instrument()
-    recorder = FlightRecorderHook(max_entries=3 * steps + 16).register_with_comm()
-    NanCheckHook(mode="report").register_with_comm()
-    register_abort_hook(lambda args: recorder.dump_file(rank))
-    timeout = datetime.timedelta(seconds=5 if fault else 300)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    dist.broadcast(torch.nn.utils.parameters_to_vector(model.parameters()), src=0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    generator = torch.Generator().manual_seed(rank)
-    try:
-        for step in range(steps):
-            lr = torch.tensor([0.05]) if not _hit(fault, "size", rank, step) else torch.tensor([0.05, 0.0])
-            dist.broadcast(lr, src=0)
-            optimizer.param_groups[0]["lr"] = float(lr[0])
-            x = torch.randn(64, 32, generator=generator)
-            loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
-            optimizer.zero_grad()
-            loss.backward()
-            grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-            _average(grads, rank, step, fault)
-            torch.nn.utils.vector_to_parameters(grads, [p.grad for p in model.parameters()])
-            optimizer.step()
-            dist.all_reduce(loss.detach())
-        dist.barrier()
-    except _Stopped:
-        pass
-    except RuntimeError as error:  # an injected fault timed out; the abort hook already dumped
-        print(f"rank {rank}: {str(error).splitlines()[0]}", file=sys.stderr)
-    finally:
-        recorder.dump_file(rank)
-        _wait_for_all_dumps(rank, world_size, timeout)
-        dist.destroy_process_group()
+def demo_environment(out_dir: str) -> dict[str, str]:
+    """The demo's defaults; what the user's environment sets wins."""
+    defaults = {"COMMLENS_METRICS_ADDR": "127.0.0.1", "COMMLENS_HANG_THRESHOLD_S": DEMO_HANG_THRESHOLD_S,
+                "COMMLENS_TRACE_FILE": os.path.join(out_dir, "traces-rank{rank}.jsonl"),
+                "COMMLENS_JOB_ID": f"demo-{os.getpid()}-{int(time.time())}",
+                "TORCHCOMM_FR_DUMP_TEMP_FILE": os.path.join(out_dir, "rank_")}
+    return {**defaults, **{k: v for k, v in os.environ.items() if k in defaults}}
 
 
 class _Stopped(Exception):
     """The injected ``skip`` fault: this rank stops issuing collectives."""
 
 
-def _wait_for_all_dumps(rank: int, world_size: int, timeout: datetime.timedelta) -> None:
-    """Keep every rank's connections open until all have dumped, so that a stopped rank is seen
-    as missing from a collective (a timeout) rather than as a closed connection."""
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"commlens/dumped/{rank}", "1")
+def _allreduce_hook(_state, bucket):
+    """DDP's gradient averaging through ``dist.all_reduce``, so commlens records every bucket."""
+    grads = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(grads, async_op=True).get_future().then(lambda future: future.value()[0])
+
+
+def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, fault: Fault | None,
+           keep_serving: bool) -> None:
+    import commlens.agent
+    from commlens.hooks import NanCheckHook
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    threshold = float(os.environ["COMMLENS_HANG_THRESHOLD_S"])
+    timeout = datetime.timedelta(seconds=threshold + 10 if fault and fault.kind in ("desync", "size", "skip")
+                                 else 300)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
+    agent = commlens.agent.start()
+    NanCheckHook(mode="report").register_with_comm()
+    pg = dist.distributed_c10d._get_default_group()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+    model.register_comm_hook(None, _allreduce_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    generator = torch.Generator().manual_seed(rank)
+    step_seqs = []
     try:
-        store.wait([f"commlens/dumped/{r}" for r in range(world_size)], timeout * 3)
-    except RuntimeError:  # a rank died without dumping: nothing more to wait for
+        for step in range(steps):
+            step_seqs.append(pg._get_sequence_number_for_group())
+            if fault and fault.hits("skip", rank, step):
+                raise _Stopped
+            if fault and fault.hits("hang", rank, step):
+                time.sleep(threshold + 2)  # the injected fault: this rank is late by more than the threshold
+            if fault and fault.hits("slow", rank, step):
+                time.sleep(fault.ms / 1000)
+            size_fault = fault is not None and fault.hits("size", rank, step)
+            lr = torch.tensor([0.05, 0.0] if size_fault else [0.05])
+            dist.broadcast(lr, src=0)
+            optimizer.param_groups[0]["lr"] = float(lr[0])
+            x = torch.randn(64, 32, generator=generator)
+            if fault and fault.hits("nan", rank, step):
+                x[0, 0] = float("nan")
+            loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if fault and fault.hits("desync", rank, step):
+                dist.broadcast(loss.detach(), src=0)
+            else:
+                dist.all_reduce(loss.detach())
+            if rank == 0:
+                _progress(step + 1, steps)
+        dist.barrier()
+    except _Stopped:
+        pass
+    except RuntimeError as error:  # an injected fault timed out; the abort hook already took a snapshot
+        print(f"rank {rank}: {str(error).splitlines()[0]}", file=sys.stderr)
+    step_seqs.append(pg._get_sequence_number_for_group())
+    agent.sidecar.stop()
+    agent.flight_recorder.dump_file(rank)
+    _write_result(out_dir, rank, agent, step_seqs, model)
+    _wait_for_all(rank, world_size, timeout)
+    if keep_serving:
+        print(f"rank {rank}: serving metrics until SIGTERM", flush=True)
+        signal.pause()
+    commlens.agent.stop()
+    dist.destroy_process_group()
+
+
+def _progress(done: int, total: int) -> None:
+    filled = 30 * done // total
+    print(f"\r  [{'#' * filled}{'.' * (30 - filled)}] step {done}/{total}", end="\n" if done == total else "",
+          file=sys.stderr, flush=True)
+
+
+def _write_result(out_dir: str, rank: int, agent, step_seqs: list[int], model) -> None:
+    stats = agent.sidecar.stats
+    with stats.lock:
+        result = {
+            "rank": rank, "step_seqs": step_seqs,
+            "ops": {op: list(samples) for op, samples in stats.recent.items()},
+            "collective_seconds": sum(h.total for h in stats.durations.values()),
+            "completed": sum(stats.completed.values()),
+            "events": list(stats.events),
+            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        }
+    with open(os.path.join(out_dir, f"result-rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def _wait_for_all(rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+    """Keep every rank's connections open until all have written their results, so that a stopped
+    rank is seen as missing from a collective (a timeout) rather than as a closed connection."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"commlens/done/{rank}", "1")
+    try:
+        store.wait([f"commlens/done/{r}" for r in range(world_size)], timeout * 3)
+    except RuntimeError:  # a rank died first: nothing more to wait for
         pass
 
 
-def _hit(fault: Fault | None, kind: str, rank: int, step: int) -> bool:
-    return fault is not None and (fault.kind, fault.rank, fault.step) == (kind, rank, step)
+@dataclasses.dataclass
+class Outcome:
+    summary: str
+    results: list[dict]
+    analyzer: subprocess.CompletedProcess
 
 
-def _average(grads: torch.Tensor, rank: int, step: int, fault: Fault | None) -> None:
-    if _hit(fault, "skip", rank, step):
-        raise _Stopped
-    if _hit(fault, "desync", rank, step):
-        dist.broadcast(grads, src=0)
-    else:
-        dist.all_reduce(grads)
-    grads /= dist.get_world_size()
-
-
-def run(world_size: int, steps: int, out_dir: str, fault: Fault | None = None) -> subprocess.CompletedProcess:
-    """Train, write one dump per rank into ``out_dir``, and return torchfrtrace's run on it."""
+def run(world_size: int, steps: int, out_dir: str, fault: Fault | None = None,
+        keep_serving: bool = False) -> Outcome:
+    """Train with ``world_size`` ranks; returns the summary, each rank's result and torchfrtrace's run."""
     os.makedirs(out_dir, exist_ok=True)
-    mp.start_processes(_train, args=(world_size, steps, out_dir, free_port(), fault), nprocs=world_size,
-                       start_method="spawn")
-    analyzer = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", out_dir]
-    return subprocess.run(analyzer, capture_output=True, text=True)
+    os.environ.update(demo_environment(out_dir))
+    from commlens.agent.config import Config
+
+    Config.from_env()  # a bad setting fails here, before any rank starts
+    mp.start_processes(_train, args=(world_size, steps, out_dir, free_port(), fault, keep_serving),
+                       nprocs=world_size, start_method="spawn")
+    results = []
+    for rank in range(world_size):
+        with open(os.path.join(out_dir, f"result-rank{rank}.json")) as f:
+            results.append(json.load(f))
+    analyzer = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", out_dir],
+                              capture_output=True, text=True)
+    return Outcome(summarize(results, fault), results, analyzer)
+
+
+def summarize(results: list[dict], fault: Fault | None = None) -> str:
+    """The closing summary: per op, then per rank, then what went wrong and where."""
+    lines = [f"{'op':<16}{'count':>8}{'p50 ms':>10}{'p99 ms':>10}{'busbw MB/s':>12}"]
+    ops: dict[str, list] = {}
+    for result in results:
+        for op, samples in result["ops"].items():
+            ops.setdefault(op, []).extend(samples)
+    for op, samples in sorted(ops.items()):
+        seconds = sorted(s for s, _ in samples)
+        busbw = statistics.median(b for _, b in samples) / 1e6
+        lines.append(f"{op:<16}{len(samples):>8}{_quantile(seconds, 0.5) * 1e3:>10.3f}"
+                     f"{_quantile(seconds, 0.99) * 1e3:>10.3f}{busbw:>12.1f}")
+    lines.append(f"{'rank':<6}{'nan events':>12}{'hangs':>8}{'in collectives s':>18}")
+    for result in results:
+        kinds = [event[0] for event in result["events"]]
+        lines.append(f"{result['rank']:<6}{kinds.count('nan'):>12}{kinds.count('hang'):>8}"
+                     f"{result['collective_seconds']:>18.3f}")
+    slowest = min(results, key=lambda r: r["collective_seconds"])
+    lines.append(f"slowest rank: {slowest['rank']} (in a synchronous collective the last to arrive waits "
+                 "least; it spent the least time in collectives)")
+    nans = sorted((event[3], r["rank"], _step(r, event[3]), event[1]) for r in results for event in r["events"]
+                  if event[0] == "nan")
+    if nans:
+        seq, rank, step, op = nans[0]
+        lines.append(f"NaN: first on rank {rank} at step {step} ({op}, seq {seq})")
+    hangs = [(r["rank"], event) for r in results for event in r["events"] if event[0] == "hang"]
+    if hangs:
+        waiting = sorted({rank for rank, _ in hangs})
+        _, (_, op, pg, seq, age) = hangs[0]
+        late = [r["rank"] for r in results if r["rank"] not in waiting]
+        step = _step(results[waiting[0]], seq)
+        lines.append(f"hang: ranks {waiting} waited over the threshold in {op} (group {pg}, seq {seq}, step {step}); "
+                     f"late: rank {', '.join(map(str, late)) or 'unknown'}")
+    if fault is not None:
+        where = f"ms={fault.ms}" if fault.kind == "slow" else f"step {fault.step}"
+        lines.append(f"injected: {fault.kind} on rank {fault.rank}, {where}")
+    return "\n".join(lines)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
+
+
+def _step(result: dict, seq: int) -> int:
+    """The training step whose collectives include ``seq``."""
+    return max(0, bisect.bisect_left(result["step_seqs"], seq) - 1)

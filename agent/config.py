@@ -1,0 +1,162 @@
+"""All of commlens' configuration, read from the environment in one place and checked at start-up.
+
+OpenTelemetry's variables where one exists, ``COMMLENS_*`` for the rest. A bad value raises
+``ConfigError`` naming the variable, the value and what is accepted — at start-up, never later.
+
+Example::
+
+    config = Config.from_env()          # os.environ
+    config.metrics_port                 # COMMLENS_METRICS_PORT + LOCAL_RANK
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import urllib.parse
+from typing import Mapping
+
+PROTOCOLS = ("grpc", "http/protobuf")
+SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
+            "parentbased_traceidratio")
+DEFAULT_METRICS_PORT = 9464
+
+
+class ConfigError(ValueError):
+    """A configuration value commlens cannot use; the message says which, and what would do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    job: str = "local"
+    drain_interval_s: float = 0.05
+    hang_threshold_s: float = 300.0
+    slow_factor: float = 5.0
+    metrics_addr: str = "0.0.0.0"
+    metrics_port: int | None = DEFAULT_METRICS_PORT
+    """None: metrics are not served."""
+    otlp_protocol: str = "http/protobuf"
+    otlp_endpoint: str | None = None
+    """None: spans go to ``trace_file`` (the embedded default)."""
+    otlp_headers: tuple[tuple[str, str], ...] = ()
+    otlp_timeout_s: float = 10.0
+    otlp_insecure: bool = False
+    otlp_certificate: str | None = None
+    trace_file: str = "commlens-traces-{rank}.jsonl"
+    sampler: str = "parentbased_always_on"
+    sampler_ratio: float = 1.0
+    span_queue: int = 8192
+    snapshot_timeout_s: float = 10.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
+        env = _Env(os.environ if environ is None else environ)
+        rank = env.integer("RANK", 0, minimum=0)
+        local_rank = env.integer("LOCAL_RANK", 0, minimum=0)
+        port_base = env.integer("COMMLENS_METRICS_PORT", DEFAULT_METRICS_PORT, minimum=0, maximum=65535)
+        port = None if port_base == 0 else port_base + local_rank
+        if port is not None and port > 65535:
+            raise ConfigError(f"COMMLENS_METRICS_PORT={port_base} is not accepted with LOCAL_RANK={local_rank}: "
+                              f"the rank's port {port} is above 65535; use a base port of at most {65535 - local_rank}")
+        protocol = env.choice("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", None, PROTOCOLS) or \
+            env.choice("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf", PROTOCOLS)
+        endpoint = _endpoint(env, protocol)
+        sampler = env.choice("OTEL_TRACES_SAMPLER", "parentbased_always_on", SAMPLERS)
+        ratio = env.number("OTEL_TRACES_SAMPLER_ARG", 1.0, minimum=0.0, maximum=1.0) \
+            if sampler.endswith("traceidratio") else 1.0
+        headers = env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or env.get("OTEL_EXPORTER_OTLP_HEADERS") or ""
+        timeout_ms = env.number("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", None, minimum=1) or \
+            env.number("OTEL_EXPORTER_OTLP_TIMEOUT", 10000, minimum=1)
+        return cls(
+            rank=rank, local_rank=local_rank, world_size=env.integer("WORLD_SIZE", 1, minimum=1),
+            job=env.get("COMMLENS_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "local",
+            drain_interval_s=env.number("COMMLENS_DRAIN_INTERVAL_MS", 50, minimum=1, maximum=100) / 1000,
+            hang_threshold_s=env.number("COMMLENS_HANG_THRESHOLD_S", 300, minimum=0.1),
+            slow_factor=env.number("COMMLENS_SLOW_FACTOR", 5, minimum=1),
+            metrics_addr=env.get("COMMLENS_METRICS_ADDR") or "0.0.0.0", metrics_port=port,
+            otlp_protocol=protocol, otlp_endpoint=endpoint, otlp_headers=_headers(env, headers),
+            otlp_timeout_s=timeout_ms / 1000,
+            otlp_insecure=env.boolean("OTEL_EXPORTER_OTLP_TRACES_INSECURE",
+                                      env.boolean("OTEL_EXPORTER_OTLP_INSECURE", False)),
+            otlp_certificate=env.get("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE") or
+            env.get("OTEL_EXPORTER_OTLP_CERTIFICATE") or None,
+            trace_file=env.get("COMMLENS_TRACE_FILE") or "commlens-traces-{rank}.jsonl",
+            sampler=sampler, sampler_ratio=ratio,
+            span_queue=env.integer("COMMLENS_SPAN_QUEUE", 8192, minimum=1),
+            snapshot_timeout_s=env.number("COMMLENS_SNAPSHOT_TIMEOUT_S", 10, minimum=0.1),
+        )
+
+
+class _Env:
+    def __init__(self, environ: Mapping[str, str]):
+        self.environ = environ
+
+    def get(self, name: str) -> str | None:
+        value = self.environ.get(name)
+        return value.strip() if value is not None and value.strip() else None
+
+    def number(self, name: str, default: float | None, minimum: float | None = None,
+               maximum: float | None = None, kind: type = float) -> float | None:
+        raw = self.get(name)
+        if raw is None:
+            return default
+        accepted = f"{'an integer' if kind is int else 'a number'}" + \
+            (f" >= {minimum:g}" if minimum is not None else "") + (f" and <= {maximum:g}" if maximum is not None else "")
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r} is not accepted: it must be {accepted}") from None
+        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+            raise ConfigError(f"{name}={raw!r} is not accepted: it must be {accepted}")
+        return value
+
+    def integer(self, name: str, default: int, minimum: int | None = None, maximum: int | None = None) -> int:
+        return self.number(name, default, minimum, maximum, kind=int)
+
+    def choice(self, name: str, default: str | None, accepted: tuple[str, ...]) -> str | None:
+        raw = self.get(name)
+        if raw is None:
+            return default
+        if raw.lower() not in accepted:
+            raise ConfigError(f"{name}={raw!r} is not accepted: use one of {', '.join(accepted)}")
+        return raw.lower()
+
+    def boolean(self, name: str, default: bool) -> bool:
+        raw = self.get(name)
+        if raw is None:
+            return default
+        if raw.lower() not in ("true", "false"):
+            raise ConfigError(f"{name}={raw!r} is not accepted: use true or false")
+        return raw.lower() == "true"
+
+
+def _endpoint(env: _Env, protocol: str) -> str | None:
+    """The traces endpoint, as a full URL; None when neither variable is set."""
+    specific, general = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"), env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    name, raw = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", specific) if specific else ("OTEL_EXPORTER_OTLP_ENDPOINT", general)
+    if raw is None:
+        return None
+    url = urllib.parse.urlsplit(raw)
+    try:
+        port = url.port
+    except ValueError:
+        port = -1
+    if url.scheme not in ("http", "https") or not url.hostname or port == -1:
+        raise ConfigError(f"{name}={raw!r} is not accepted: give a URL such as http://collector:4318 "
+                          "(scheme http or https, a host, and an optional numeric port)")
+    if protocol == "http/protobuf" and not specific:  # the general endpoint gets the signal's path
+        return raw.rstrip("/") + "/v1/traces"
+    return raw
+
+
+def _headers(env: _Env, raw: str) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"OTEL_EXPORTER_OTLP_HEADERS={raw!r} is not accepted: use key1=value1,key2=value2")
+        pairs.append((urllib.parse.unquote(key.strip()).lower(), urllib.parse.unquote(value.strip())))
+    return tuple(pairs)

@@ -1,0 +1,176 @@
+"""One call starts commlens in a training process — hooks, sidecar, exporters — and one stops it.
+
+Example::
+
+    import commlens.agent
+
+    commlens.agent.start()      # configured from the environment (agent/config.py); fails here if bad
+    ...                         # train: every collective is recorded and exported
+    commlens.agent.stop()       # drains the ring, flushes spans, stops serving metrics
+
+Snapshots on the way down: a flight-recorder dump is written (and what is pending flushed, within
+``COMMLENS_SNAPSHOT_TIMEOUT_S``) on a collective's abort, on a hang, on SIGTERM and on an unhandled
+exception; then the process goes on to end as it would have.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from commlens.exporters.otlp import GrpcTransport, HttpTransport, JsonLinesTransport, SpanExporter
+from commlens.exporters.prometheus import MetricsCollector, serve
+from commlens.hooks import FlightRecorderHook, instrument, recorder, register_abort_hook, uninstrument
+
+from .config import Config, ConfigError
+from .sidecar import Sidecar
+from .stats import DURATION_BUCKETS
+
+VERSION = "0.1.0"
+
+
+class Agent:
+    def __init__(self, config: Config):
+        self.config = config
+        self._snapshot_lock = threading.Lock()
+        self.transport = _transport(config)
+        self.spans = SpanExporter(self.transport, _resource(config), config.job, config.world_size,
+                                  config.sampler_ratio, config.sampler.endswith("always_off"), config.span_queue,
+                                  interval_s=config.drain_interval_s)
+        ring = recorder.ring()
+        self.sidecar = Sidecar(ring, config.rank, config.hang_threshold_s, config.slow_factor,
+                               on_collective=self.spans.offer, on_hang=lambda _: self.snapshot("hang"))
+        self.server = None
+        if config.metrics_port is not None:
+            collector = MetricsCollector(self.sidecar.stats, self.sidecar.inflight_by_group,
+                                         lambda: self.sidecar.reader.dropped, lambda: dict(self.spans.counts),
+                                         self._info, DURATION_BUCKETS)
+            try:
+                self.server = serve(collector, config.metrics_addr, config.metrics_port)
+            except OSError as error:
+                self.spans.shutdown(0.1)
+                raise ConfigError(f"COMMLENS_METRICS_PORT: cannot serve metrics on {config.metrics_addr}:"
+                                  f"{config.metrics_port} ({error.strerror}); choose a free base port "
+                                  "(each rank uses base + LOCAL_RANK), or 0 to serve none") from None
+        self.flight_recorder = FlightRecorderHook(max_entries=min(2048, ring.slots // 2)).register_with_comm()
+        instrument()
+        self._abort_handle = register_abort_hook(lambda _: self.snapshot("abort"))
+        self.sidecar.start(config.drain_interval_s)
+        self._previous_sigterm: Any = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._previous_excepthook = sys.excepthook
+        sys.excepthook = self._on_exception
+
+    def _info(self) -> dict:
+        import torch.distributed as dist
+
+        c = self.config
+        return {"rank": c.rank, "local_rank": c.local_rank, "world_size": c.world_size, "job": c.job,
+                "backend": str(dist.get_backend()) if dist.is_initialized() else "unknown", "version": VERSION}
+
+    def snapshot(self, reason: str) -> str | None:
+        """Write a flight-recorder dump and flush pending spans, within the snapshot timeout; returns
+        the dump's path (None when another snapshot is being written, or the dump failed)."""
+        if not self._snapshot_lock.acquire(blocking=False):
+            return None
+        try:
+            try:
+                path = self.flight_recorder.dump_file(self.config.rank)
+            except (OSError, ValueError) as error:
+                print(f"commlens: no {reason} snapshot: {error}", file=sys.stderr)
+                path = None
+            with self.sidecar.stats.lock:
+                self.sidecar.stats.snapshots[reason] += 1
+            self.spans.flush(self.config.snapshot_timeout_s)
+            return path
+        finally:
+            self._snapshot_lock.release()
+
+    def stop(self) -> None:
+        """Stop recording; drain the ring, flush spans (within the snapshot timeout), stop serving."""
+        timeout = self.config.snapshot_timeout_s
+        self._abort_handle.remove()
+        uninstrument()
+        self.sidecar.stop(timeout)
+        self.spans.shutdown(timeout)
+        self.flight_recorder.unregister()
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+        if sys.excepthook == self._on_exception:
+            sys.excepthook = self._previous_excepthook
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.sidecar.stop(self.config.snapshot_timeout_s)
+        self.snapshot("signal")
+        previous = self._previous_sigterm
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:  # the default: end the way SIGTERM ends a process
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _on_exception(self, kind: type, value: BaseException, traceback: Any) -> None:
+        self.snapshot("exception")
+        self._previous_excepthook(kind, value, traceback)
+
+
+def _transport(config: Config) -> Any:
+    if config.otlp_endpoint is None:
+        path = config.trace_file.format(rank=config.rank)
+        try:
+            return JsonLinesTransport(path)
+        except OSError as error:
+            raise ConfigError(f"COMMLENS_TRACE_FILE={config.trace_file!r}: cannot write {path!r} "
+                              f"({error.strerror}); give a writable path ({{rank}} is replaced)") from None
+    if config.otlp_protocol == "grpc":
+        return GrpcTransport(config.otlp_endpoint, config.otlp_headers, config.otlp_timeout_s, config.otlp_insecure,
+                             config.otlp_certificate)
+    return HttpTransport(config.otlp_endpoint, config.otlp_headers, config.otlp_timeout_s, config.otlp_certificate)
+
+
+def _resource(config: Config) -> dict:
+    """``service.name``, ``OTEL_RESOURCE_ATTRIBUTES`` and Kubernetes attributes, by OpenTelemetry's rules."""
+    from opentelemetry.sdk.resources import Resource
+
+    own = {"commlens.job": config.job, "commlens.rank": config.rank}
+    for variable, key in (("K8S_POD_NAME", "k8s.pod.name"), ("K8S_NAMESPACE_NAME", "k8s.namespace.name"),
+                          ("K8S_NODE_NAME", "k8s.node.name")):
+        if os.environ.get(variable):
+            own[key] = os.environ[variable]
+    attributes = dict(Resource.create(own).attributes)
+    if str(attributes.get("service.name", "")).startswith("unknown_service"):
+        attributes["service.name"] = "commlens"
+    return attributes
+
+
+_agent: Agent | None = None
+_lock = threading.Lock()
+
+
+def start(config: Config | None = None) -> Agent:
+    """Start hooks and sidecar (idempotent); ``config`` defaults to ``Config.from_env()``."""
+    global _agent
+    with _lock:
+        if _agent is None:
+            _agent = Agent(config or Config.from_env())
+        return _agent
+
+
+def stop() -> None:
+    """Stop what ``start()`` started, flushing; safe to call twice."""
+    global _agent
+    with _lock:
+        if _agent is not None:
+            _agent.stop()
+            _agent = None
+
+
+def current() -> Agent | None:
+    return _agent

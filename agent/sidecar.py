@@ -1,0 +1,212 @@
+"""The sidecar: drains the ring, joins START and END, keeps the in-flight table, watches for hangs.
+
+It reads only the ring (its records and string table), so the same loop runs on a thread beside
+training or in another process attached to a shared-memory ring (``Ring.attach``). What it finds
+goes to ``Stats`` (metrics) and to ``on_collective`` (spans); a hang also calls ``on_hang`` once per
+drain that finds one (the agent writes a flight-recorder snapshot there).
+
+Example::
+
+    sidecar = Sidecar(ring, rank=0, hang_threshold_s=60, on_collective=spans.offer)
+    sidecar.start(interval_s=0.05)
+    ...
+    sidecar.stop()          # drains what is left
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Callable, NamedTuple
+
+from commlens.hooks.ops import OPS
+from commlens.hooks.recorder import FLAG_ASYNC, STATUS
+from commlens.hooks.ring import END, NAN, START, Record, Ring, RingReader
+
+from .stats import Stats, bus_factor, size_class
+
+_EWMA = 0.1
+_SLOW_AFTER = 20
+"""Completions of one (op, group, size class) seen before a slow outlier can be called."""
+
+
+class Collective(NamedTuple):
+    """One collective on this rank as the exporters see it; times are Unix ns."""
+
+    op: str
+    pg: str
+    pg_size: int
+    seq: int
+    is_p2p: bool
+    op_id: int
+    rank: int
+    nbytes: int
+    dtype: str
+    async_op: bool
+    status: str
+    start_ns: int
+    end_ns: int
+    busbw: float
+    """Bytes per second, nccl-tests' bus bandwidth; 0 when unknown."""
+    nan: bool
+    hang: bool
+    slow: bool
+    in_flight: bool
+
+
+class _GroupInfo(NamedTuple):
+    name: str
+    size: int
+
+
+class Sidecar:
+    def __init__(self, ring: Ring, rank: int, hang_threshold_s: float, slow_factor: float = 5.0,
+                 on_collective: Callable[[Collective], None] = lambda c: None,
+                 on_hang: Callable[[Collective], None] = lambda c: None):
+        self.ring, self.rank = ring, rank
+        self.reader = RingReader(ring)
+        self.stats = Stats()
+        self.hang_threshold_ns = int(hang_threshold_s * 1e9)
+        self.slow_factor = slow_factor
+        self.on_collective, self.on_hang = on_collective, on_hang
+        self.inflight: dict[int, Record] = {}
+        self._nan: set[int] = set()
+        self._hung: set[int] = set()
+        self._typical: dict[tuple, tuple[float, int]] = {}
+        self._groups: dict[int, _GroupInfo] = {}
+        self._dtypes: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def start(self, interval_s: float) -> None:
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), name="commlens-sidecar", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the loop and drain what the ring still holds."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        self.drain()
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.drain()
+
+    def drain(self) -> int:
+        """Read every new record, then run the watchdog; returns how many records were read."""
+        records = self.reader.read()
+        with self.stats.lock:
+            for record in records:
+                if record.kind == START:
+                    self._started(record)
+                elif record.kind == END:
+                    self._ended(record)
+                elif record.kind == NAN:
+                    self._nan_found(record)
+            hung = self._watch(time.monotonic_ns())
+        for collective in hung:
+            self.on_collective(collective)
+        if hung:
+            self.on_hang(hung[0])
+        return len(records)
+
+    # -- records ------------------------------------------------------------------------------------
+
+    def _started(self, record: Record) -> None:
+        if len(self.inflight) >= self.ring.slots:  # its END was lost: forget the oldest
+            oldest = min(self.inflight)
+            del self.inflight[oldest]
+            self._nan.discard(oldest)
+            self._hung.discard(oldest)
+        self.inflight[record.op_id] = record
+        if not OPS[record.op].is_p2p:
+            self.stats.enqueued(self._group(record.pg).name, record.seq)
+
+    def _ended(self, end: Record) -> None:
+        start = self.inflight.pop(end.op_id, None)
+        op = OPS[end.op]
+        group = self._group(end.pg)
+        status = STATUS[end.flags] if end.flags < len(STATUS) else "error"
+        seconds = (end.t_ns - start.t_ns) / 1e9 if start is not None else None
+        nan, hung = end.op_id in self._nan, end.op_id in self._hung
+        self._nan.discard(end.op_id)
+        self._hung.discard(end.op_id)
+        self.stats.finished(op.value, group.name, group.size, None if op.is_p2p else end.seq, status, end.nbytes,
+                            seconds)
+        slow = seconds is not None and self._is_slow((end.op, end.pg, size_class(end.nbytes)), seconds)
+        self.on_collective(self._collective(start or end, end, status, nan, hung, slow))
+
+    def _nan_found(self, record: Record) -> None:
+        self._nan.add(record.op_id)
+        self.stats.nans[(OPS[record.op].value, self._group(record.pg).name)] += 1
+        self.stats.events.append(("nan", OPS[record.op].value, self._group(record.pg).name, record.seq, None))
+
+    def _watch(self, now_ns: int) -> list[Collective]:
+        hung = []
+        for op_id, start in self.inflight.items():
+            if op_id in self._hung or now_ns - start.t_ns < self.hang_threshold_ns:
+                continue
+            self._hung.add(op_id)
+            op, group = OPS[start.op].value, self._group(start.pg)
+            self.stats.hangs[(op, group.name)] += 1
+            self.stats.events.append(("hang", op, group.name, start.seq, (now_ns - start.t_ns) / 1e9))
+            hung.append(self._collective(start, None, "in_flight", op_id in self._nan, True, False, now_ns))
+        return hung
+
+    def _is_slow(self, key: tuple, seconds: float) -> bool:
+        typical, seen = self._typical.get(key, (seconds, 0))
+        self._typical[key] = (typical + _EWMA * (seconds - typical), seen + 1)
+        return seen >= _SLOW_AFTER and seconds > self.slow_factor * typical
+
+    # -- what exporters see -------------------------------------------------------------------------
+
+    def _collective(self, start: Record, end: Record | None, status: str, nan: bool, hang: bool, slow: bool,
+                    now_ns: int | None = None) -> Collective:
+        op, group = OPS[start.op], self._group(start.pg)
+        offset = self.ring.clock_offset_ns
+        end_ns = end.t_ns if end is not None else now_ns
+        seconds = (end_ns - start.t_ns) / 1e9 if start is not end else 0.0
+        busbw = start.nbytes * bus_factor(op.value, group.size) / seconds if seconds > 0 and end is not None else 0.0
+        return Collective(op.value, group.name, group.size, start.seq, op.is_p2p, start.op_id, self.rank,
+                          start.nbytes, self._dtype(start.sig), bool(start.flags & FLAG_ASYNC), status,
+                          start.t_ns + offset, end_ns + offset, busbw, nan, hang, slow, end is None)
+
+    def _group(self, sid: int) -> _GroupInfo:
+        found = self._groups.get(sid)
+        if found is None:
+            try:
+                described = json.loads(self.ring.string(sid))
+                found = _GroupInfo(str(described["name"]), len(described["ranks"]))
+            except (ValueError, KeyError, TypeError):
+                found = _GroupInfo(str(sid), 1)
+            self._groups[sid] = found
+        return found
+
+    def _dtype(self, sig: int) -> str:
+        found = self._dtypes.get(sig)
+        if found is None:
+            try:
+                _, in_dtypes, _, out_dtypes = json.loads(self.ring.string(sig))
+                found = (in_dtypes or out_dtypes or [""])[0]
+            except (ValueError, TypeError):
+                found = ""
+            self._dtypes[sig] = found
+        return found
+
+    # -- scrape-time values -------------------------------------------------------------------------
+
+    def inflight_by_group(self, now_ns: int | None = None) -> dict[str, tuple[int, float]]:
+        """Group name -> (collectives in flight, age of the oldest in seconds), computed now."""
+        now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        found: dict[str, tuple[int, float]] = {name: (0, 0.0) for name, _ in self._groups.values()}
+        with self.stats.lock:
+            for start in self.inflight.values():
+                name = self._group(start.pg).name
+                count, oldest = found.get(name, (0, 0.0))
+                found[name] = (count + 1, max(oldest, (now_ns - start.t_ns) / 1e9))
+        return found

@@ -1,0 +1,81 @@
+"""What the sidecar has counted, in the shape of DESIGN.md's metrics; read by scrapes and summaries.
+
+The sidecar thread adds under ``lock``; a scrape copies under it. Memory is bounded by the number of
+(op, group, size class) combinations, not by how long the job runs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import threading
+
+DURATION_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
+                    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+SIZE_CLASSES = ((4 << 10, "<=4KiB"), (64 << 10, "<=64KiB"), (1 << 20, "<=1MiB"), (16 << 20, "<=16MiB"),
+                (256 << 20, "<=256MiB"))
+LARGEST_CLASS = ">256MiB"
+RESERVOIR = 2048
+"""Durations kept per op for the summary's percentiles (the most recent ones)."""
+
+
+def size_class(nbytes: int) -> str:
+    for limit, name in SIZE_CLASSES:
+        if nbytes <= limit:
+            return name
+    return LARGEST_CLASS
+
+
+def bus_factor(op: str, group_size: int) -> float:
+    """nccl-tests' bus factor: busbw = algbw × this."""
+    n = max(group_size, 1)
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op.startswith(("all_gather", "reduce_scatter", "all_to_all")):
+        return (n - 1) / n
+    return 1.0
+
+
+class Histogram:
+    __slots__ = ("counts", "total", "count")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(DURATION_BUCKETS) + 1)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(DURATION_BUCKETS, value)] += 1
+        self.total += value
+        self.count += 1
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.durations: dict[tuple[str, str, str], Histogram] = collections.defaultdict(Histogram)
+        self.completed: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.bytes: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.bus_bytes: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.last_seq: dict[tuple[str, str], int] = {}
+        self.hangs: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.nans: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.snapshots: collections.Counter[str] = collections.Counter()
+        self.recent: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=RESERVOIR))
+        self.events: collections.deque = collections.deque(maxlen=256)
+        """The latest NaN and hang events: (kind, op, pg, seq, age or None)."""
+
+    def enqueued(self, pg: str, seq: int) -> None:
+        if seq > self.last_seq.get((pg, "enqueued"), -1):
+            self.last_seq[(pg, "enqueued")] = seq
+
+    def finished(self, op: str, pg: str, group_size: int, seq: int | None, status: str, nbytes: int,
+                 seconds: float | None) -> None:
+        self.completed[(op, pg, status)] += 1
+        self.bytes[(op, pg)] += nbytes
+        self.bus_bytes[(op, pg)] += nbytes * bus_factor(op, group_size)
+        if seconds is not None:
+            self.durations[(op, pg, size_class(nbytes))].observe(seconds)
+            self.recent[op].append((seconds, nbytes * bus_factor(op, group_size) / seconds if seconds > 0 else 0.0))
+        if seq is not None and seq > self.last_seq.get((pg, "completed"), -1):
+            self.last_seq[(pg, "completed")] = seq

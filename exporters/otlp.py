@@ -1,0 +1,228 @@
+"""OTLP traces: one span per collective per rank, built from the sidecar's ``Collective`` records.
+
+Spans are built directly as OTLP protobuf messages (``opentelemetry-proto``) on the exporter's own
+thread, never on the training thread, and sent over gRPC (grpcio), HTTP/protobuf, or — the embedded
+default when no collector is configured — appended to a file as OTLP JSON, one export request per
+line. The trace id derives from (job, process group, sequence number), so the same collective on
+every rank shares one trace; sampling is keyed on it, and anomalies (NaN, hang, error, slow) are
+always kept. Every outcome is counted in ``counts``: ``exported``, ``failed`` (the collector did not
+take the batch), ``dropped`` (the queue was full), ``sampled_out``.
+
+Example::
+
+    exporter = SpanExporter(HttpTransport("http://collector:4318/v1/traces"), {"service.name": "train"},
+                            job="run-7")
+    exporter.offer(collective)      # from the sidecar thread; never blocks
+    exporter.shutdown(timeout_s=5)  # sends what is queued, within the time
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import hashlib
+import json
+import random
+import ssl
+import threading
+import urllib.parse
+import urllib.request
+from typing import Any, Mapping
+
+from google.protobuf.json_format import MessageToDict
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
+
+SCOPE = InstrumentationScope(name="commlens", version="0.1.0")
+_LOW64 = (1 << 64) - 1
+
+
+def trace_id(job: str, pg: str, seq: int, is_p2p: bool = False) -> bytes:
+    """The 16-byte trace id every rank derives for the same collective."""
+    return hashlib.blake2b(f"{job}\0{pg}\0{'p2p' if is_p2p else 'c'}\0{seq}".encode(), digest_size=16).digest()
+
+
+def _value(value: Any) -> AnyValue:
+    if isinstance(value, bool):
+        return AnyValue(bool_value=value)
+    if isinstance(value, int):
+        return AnyValue(int_value=value)
+    if isinstance(value, float):
+        return AnyValue(double_value=value)
+    return AnyValue(string_value=str(value))
+
+
+def attributes(mapping: Mapping[str, Any]) -> list[KeyValue]:
+    return [KeyValue(key=key, value=_value(value)) for key, value in mapping.items()]
+
+
+class SpanBuilder:
+    """Collective -> OTLP ``Span``; the attributes every span of this rank shares are built once."""
+
+    def __init__(self, job: str, world_size: int):
+        self.job = job
+        self._shared = attributes({"commlens.job": job, "commlens.world_size": world_size})
+
+    def build(self, c: Any) -> Span:
+        span = Span(trace_id=trace_id(self.job, c.pg, c.seq, c.is_p2p),
+                    span_id=random.getrandbits(64).to_bytes(8, "big"), name=c.op, kind=Span.SPAN_KIND_INTERNAL,
+                    start_time_unix_nano=c.start_ns, end_time_unix_nano=c.end_ns)
+        span.attributes.extend(self._shared)
+        span.attributes.extend(attributes({
+            "commlens.op": c.op, "commlens.op_id": c.op_id, "commlens.seq": c.seq, "commlens.pg.name": c.pg,
+            "commlens.pg.size": c.pg_size, "commlens.rank": c.rank, "commlens.bytes": c.nbytes,
+            "commlens.dtype": c.dtype, "commlens.async": c.async_op, "commlens.status": c.status,
+            "commlens.p2p": c.is_p2p, "commlens.busbw_bytes_per_s": c.busbw, "commlens.nan": c.nan,
+            "commlens.hang": c.hang, "commlens.slow": c.slow,
+        }))
+        if c.in_flight:
+            span.attributes.extend(attributes({"commlens.in_flight": True,
+                                               "commlens.age_s": (c.end_ns - c.start_ns) / 1e9}))
+        if c.status not in ("ok", "in_flight") or c.hang or c.nan:
+            what = "hung" if c.hang else "non-finite values" if c.nan else c.status
+            span.status.CopyFrom(Status(code=Status.STATUS_CODE_ERROR, message=f"{c.op} seq {c.seq}: {what}"))
+        return span
+
+
+class SpanExporter:
+    """A bounded queue of collectives and a thread that builds and sends them in batches."""
+
+    def __init__(self, transport: Any, resource: Mapping[str, Any], job: str, world_size: int = 1,
+                 sampler_ratio: float = 1.0, sample_none: bool = False, queue_size: int = 8192,
+                 batch_size: int = 512, interval_s: float = 0.2):
+        self.transport, self.builder = transport, SpanBuilder(job, world_size)
+        self.resource = Resource(attributes=attributes(resource))
+        self.job, self.bound = job, int(sampler_ratio * (1 << 64))
+        self.sample_none, self.queue_size, self.batch_size, self.interval_s = sample_none, queue_size, batch_size, interval_s
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._queue: collections.deque = collections.deque()
+        self._wake, self._idle, self._stop = threading.Event(), threading.Event(), threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="commlens-spans", daemon=True)
+        self._thread.start()
+
+    def keeps(self, c: Any) -> bool:
+        if c.nan or c.hang or c.slow or c.status != "ok":
+            return True
+        if self.sample_none:
+            return False
+        return self.bound > _LOW64 or int.from_bytes(trace_id(self.job, c.pg, c.seq, c.is_p2p)[8:], "big") < self.bound
+
+    def offer(self, c: Any) -> None:
+        """Queue one collective's span, or count why not. Never blocks."""
+        if not self.keeps(c):
+            self.counts["sampled_out"] += 1
+        elif len(self._queue) >= self.queue_size:
+            self.counts["dropped"] += 1
+        else:
+            self._idle.clear()
+            self._queue.append(c)
+            if len(self._queue) >= self.batch_size:
+                self._wake.set()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Send what is queued; True when all of it was handed over within ``timeout_s``."""
+        self._wake.set()
+        return self._idle.wait(timeout_s)
+
+    def shutdown(self, timeout_s: float) -> None:
+        self.flush(timeout_s)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+        self.transport.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            while self._queue:
+                batch = [self._queue.popleft() for _ in range(min(self.batch_size, len(self._queue)))]
+                self._send(batch)
+            self._idle.set()
+
+    def _send(self, batch: list) -> None:
+        try:
+            request = self.request([self.builder.build(c) for c in batch])
+            self.transport.send(request)
+        except Exception:  # a dead or slow collector: the batch is lost, and counted
+            self.counts["failed"] += len(batch)
+        else:
+            self.counts["exported"] += len(batch)
+
+    def request(self, spans: list[Span]) -> ExportTraceServiceRequest:
+        return ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+            resource=self.resource, scope_spans=[ScopeSpans(scope=SCOPE, spans=spans)])])
+
+
+class GrpcTransport:
+    """OTLP/gRPC to ``endpoint`` (``http://`` or insecure: plaintext; ``https://``: TLS)."""
+
+    def __init__(self, endpoint: str, headers: tuple = (), timeout_s: float = 10.0, insecure: bool = False,
+                 certificate: str | None = None):
+        import grpc
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
+
+        url = urllib.parse.urlsplit(endpoint)
+        target = f"{url.hostname}:{url.port or 4317}"
+        if url.scheme == "http" or insecure:
+            self._channel = grpc.insecure_channel(target)
+        else:
+            roots = open(certificate, "rb").read() if certificate else None
+            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(roots))
+        self._export = TraceServiceStub(self._channel).Export
+        self.timeout_s, self.metadata = timeout_s, tuple(headers)
+
+    def send(self, request: ExportTraceServiceRequest) -> None:
+        self._export(request, timeout=self.timeout_s, metadata=self.metadata)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class HttpTransport:
+    """OTLP/HTTP with protobuf bodies, POSTed to the full traces URL."""
+
+    def __init__(self, endpoint: str, headers: tuple = (), timeout_s: float = 10.0, certificate: str | None = None):
+        self.endpoint, self.timeout_s = endpoint, timeout_s
+        self.headers = {"Content-Type": "application/x-protobuf", **dict(headers)}
+        self._tls = ssl.create_default_context(cafile=certificate) if endpoint.startswith("https") else None
+
+    def send(self, request: ExportTraceServiceRequest) -> None:
+        post = urllib.request.Request(self.endpoint, data=request.SerializeToString(), headers=self.headers,
+                                      method="POST")
+        with urllib.request.urlopen(post, timeout=self.timeout_s, context=self._tls) as response:
+            response.read()
+
+    def close(self) -> None:
+        pass
+
+
+class JsonLinesTransport:
+    """The embedded default: each export request appended to ``path`` as one line of OTLP JSON."""
+
+    def __init__(self, path: str):
+        self.path = path
+        open(path, "a").close()  # fail now, at start-up, if the file cannot be written
+
+    def send(self, request: ExportTraceServiceRequest) -> None:
+        line = json.dumps(otlp_json(request), separators=(",", ":"))
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+
+    def close(self) -> None:
+        pass
+
+
+def otlp_json(request: ExportTraceServiceRequest) -> dict:
+    """The OTLP JSON form of a request: protobuf's JSON mapping, with ids in hex and enums as numbers."""
+    data = MessageToDict(request, use_integers_for_enums=True)
+    for resource_spans in data.get("resourceSpans", ()):
+        for scope_spans in resource_spans.get("scopeSpans", ()):
+            for span in scope_spans.get("spans", ()):
+                for key in ("traceId", "spanId", "parentSpanId"):
+                    if key in span:
+                        span[key] = base64.b64decode(span[key]).hex()
+    return data

@@ -1,0 +1,102 @@
+"""Prometheus metrics: DESIGN.md's table, built at scrape time from what the sidecar counted.
+
+``MetricsCollector.collect()`` copies the counters under their lock and computes ages and depths
+at that moment; ``serve()`` puts it on its own registry behind prometheus-client's HTTP server.
+
+Example::
+
+    server = serve(MetricsCollector(stats, inflight, dropped, spans, info, buckets), "0.0.0.0", 9464)
+    ...
+    server.shutdown()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+
+class MetricsCollector:
+    """``stats`` is the sidecar's ``Stats``; the callables are read at each scrape."""
+
+    def __init__(self, stats: Any, inflight: Callable[[], Mapping[str, tuple[int, float]]],
+                 dropped: Callable[[], int], spans: Callable[[], Mapping[str, int]],
+                 info: Callable[[], Mapping[str, Any]], buckets: tuple[float, ...]):
+        self.stats, self.inflight, self.dropped, self.spans = stats, inflight, dropped, spans
+        self.info, self.rank, self.buckets = info, str(info()["rank"]), buckets
+
+    def collect(self):
+        rank, s = self.rank, self.stats
+        with s.lock:
+            durations = {key: (list(h.counts), h.total) for key, h in s.durations.items()}
+            completed, nbytes, bus = dict(s.completed), dict(s.bytes), dict(s.bus_bytes)
+            last_seq, hangs, nans, snapshots = dict(s.last_seq), dict(s.hangs), dict(s.nans), dict(s.snapshots)
+        inflight = self.inflight()
+
+        family = HistogramMetricFamily("commlens_collective_duration_seconds",
+                                       "Time from issue to completion of a collective",
+                                       labels=("op", "pg", "size_class", "rank"))
+        for (op, pg, size), (counts, total) in sorted(durations.items()):
+            cumulative, running = [], 0
+            for bound, count in zip((*map(_bound, self.buckets), "+Inf"), counts):
+                running += count
+                cumulative.append((bound, running))
+            family.add_metric((op, pg, size, rank), cumulative, total)
+        yield family
+
+        yield _counter("commlens_collectives", "Completed collectives, by status", ("op", "pg", "status"),
+                       completed, rank)
+        yield _counter("commlens_collective_bytes", "Payload bytes of completed collectives", ("op", "pg"),
+                       nbytes, rank)
+        yield _counter("commlens_collective_bus_bytes",
+                       "Payload bytes times the nccl-tests bus factor; busbw = rate(bus_bytes) / rate(duration_sum)",
+                       ("op", "pg"), bus, rank)
+        family = GaugeMetricFamily("commlens_collective_last_seq", "Last collective sequence number by state",
+                                   labels=("pg", "state", "rank"))
+        for (pg, state), seq in sorted(last_seq.items()):
+            family.add_metric((pg, state, rank), seq)
+        yield family
+        depth = GaugeMetricFamily("commlens_collective_inflight", "Collectives issued and not completed",
+                                  labels=("pg", "rank"))
+        age = GaugeMetricFamily("commlens_collective_inflight_oldest_seconds",
+                                "Age of the oldest in-flight collective, 0 when none", labels=("pg", "rank"))
+        for pg, (count, oldest) in sorted(inflight.items()):
+            depth.add_metric((pg, rank), count)
+            age.add_metric((pg, rank), oldest)
+        yield depth
+        yield age
+        yield _counter("commlens_hangs", "In-flight collectives that crossed the hang threshold", ("op", "pg"),
+                       hangs, rank)
+        yield _counter("commlens_nan_events", "Collectives whose input (or output) held NaN or Inf", ("op", "pg"),
+                       nans, rank)
+        yield _counter("commlens_abort_snapshots", "Flight-recorder snapshots written on abort, hang or signal",
+                       ("reason",), {(reason,): n for reason, n in snapshots.items()}, rank)
+        yield _counter("commlens_ring_records_dropped", "Ring records overwritten before the sidecar read them",
+                       (), {(): self.dropped()}, rank)
+        yield _counter("commlens_spans_exported", "Spans handed to OTLP, by result", ("result",),
+                       {(result,): n for result, n in self.spans().items()}, rank)
+        info = self.info()
+        family = GaugeMetricFamily("commlens_info", "Who this is", labels=tuple(info))
+        family.add_metric(tuple(str(v) for v in info.values()), 1)
+        yield family
+
+
+def _bound(value: float) -> str:
+    return repr(float(value))
+
+
+def _counter(name: str, documentation: str, labels: tuple[str, ...], values: Mapping[tuple, float], rank: str):
+    family = CounterMetricFamily(name, documentation, labels=(*labels, "rank"))
+    for key, value in sorted(values.items()):
+        family.add_metric((*key, rank), value)
+    return family
+
+
+def serve(collector: MetricsCollector, addr: str, port: int):
+    """Serve ``collector`` on ``addr:port``; returns the server (``shutdown()`` stops it)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    return server
