@@ -91,10 +91,11 @@ def _allreduce_hook(_state, bucket):
 
 
 def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, fault: Fault | None,
-           keep_serving: bool) -> None:
+           keep_serving: bool, environment: dict[str, str]) -> None:
     import commlens.agent
     from commlens.hooks import NanCheckHook
 
+    os.environ.update(environment)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     threshold = float(os.environ["COMMLENS_HANG_THRESHOLD_S"])
@@ -197,11 +198,11 @@ def run(world_size: int, steps: int, out_dir: str, fault: Fault | None = None,
         keep_serving: bool = False) -> Outcome:
     """Train with ``world_size`` ranks; returns the summary, each rank's result and torchfrtrace's run."""
     os.makedirs(out_dir, exist_ok=True)
-    os.environ.update(demo_environment(out_dir))
+    environment = demo_environment(out_dir)
     from commlens.agent.config import Config
 
-    Config.from_env()  # a bad setting fails here, before any rank starts
-    mp.start_processes(_train, args=(world_size, steps, out_dir, free_port(), fault, keep_serving),
+    Config.from_env({**os.environ, **environment})  # a bad setting fails here, before any rank starts
+    mp.start_processes(_train, args=(world_size, steps, out_dir, free_port(), fault, keep_serving, environment),
                        nprocs=world_size, start_method="spawn")
     results = []
     for rank in range(world_size):

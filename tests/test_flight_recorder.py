@@ -17,8 +17,8 @@ def analyzer_output(folder):
 
 
 def test_a_clean_four_rank_run_analyzes_without_errors(tmp_path):
-    verdict = run(4, 5, str(tmp_path))
-    assert verdict.returncode == 0
+    outcome = run(4, 5, str(tmp_path))
+    assert outcome.analyzer.returncode == 0
     code, out = analyzer_output(tmp_path)
     assert code == 0 and out.strip() == "", out
     dump = pickle.loads((tmp_path / "rank_0").read_bytes())
@@ -26,7 +26,9 @@ def test_a_clean_four_rank_run_analyzes_without_errors(tmp_path):
     entries = dump["entries"]
     assert {e["state"] for e in entries} == {"completed"}
     assert all(e["duration_ms"] >= 0 and e["time_discovered_completed_ns"] >= e["time_created_ns"] for e in entries)
-    assert [e["collective_seq_id"] for e in entries] == list(range(1, len(entries) + 1))
+    seqs = [e["collective_seq_id"] for e in entries]
+    # 3 recorded per step and a barrier; the gaps are DDP's own C++ collectives (construction, bucket rebuild)
+    assert seqs == sorted(set(seqs)) and len(seqs) == 3 * 5 + 1
     assert {e["profiling_name"] for e in entries} == {"gloo:broadcast", "gloo:all_reduce", "gloo:barrier"}
 
 
