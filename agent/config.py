@@ -42,6 +42,9 @@ class Config:
     otlp_endpoint: str | None = None
     """None: spans go to ``trace_file`` (the embedded default)."""
     otlp_headers: tuple[tuple[str, str], ...] = ()
+    service_name: str | None = None
+    """``OTEL_SERVICE_NAME``; it wins over a ``service.name`` in the resource attributes."""
+    resource_attributes: tuple[tuple[str, str], ...] = ()
     otlp_timeout_s: float = 10.0
     otlp_insecure: bool = False
     otlp_certificate: str | None = None
@@ -77,7 +80,10 @@ class Config:
             hang_threshold_s=env.number("COMMLENS_HANG_THRESHOLD_S", 300, minimum=0.1),
             slow_factor=env.number("COMMLENS_SLOW_FACTOR", 5, minimum=1),
             metrics_addr=env.get("COMMLENS_METRICS_ADDR") or "0.0.0.0", metrics_port=port,
-            otlp_protocol=protocol, otlp_endpoint=endpoint, otlp_headers=_headers(env, headers),
+            otlp_protocol=protocol, otlp_endpoint=endpoint,
+            otlp_headers=_pairs("OTEL_EXPORTER_OTLP_HEADERS", headers, lower_keys=True),
+            service_name=env.get("OTEL_SERVICE_NAME"),
+            resource_attributes=_pairs("OTEL_RESOURCE_ATTRIBUTES", env.get("OTEL_RESOURCE_ATTRIBUTES") or ""),
             otlp_timeout_s=timeout_ms / 1000,
             otlp_insecure=env.boolean("OTEL_EXPORTER_OTLP_TRACES_INSECURE",
                                       env.boolean("OTEL_EXPORTER_OTLP_INSECURE", False)),
@@ -152,11 +158,13 @@ def _endpoint(env: _Env, protocol: str) -> str | None:
     return raw
 
 
-def _headers(env: _Env, raw: str) -> tuple[tuple[str, str], ...]:
+def _pairs(name: str, raw: str, lower_keys: bool = False) -> tuple[tuple[str, str], ...]:
+    """``key1=value1,key2=value2`` with percent-encoded parts, as OpenTelemetry writes headers and attributes."""
     pairs = []
     for item in filter(None, (part.strip() for part in raw.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"OTEL_EXPORTER_OTLP_HEADERS={raw!r} is not accepted: use key1=value1,key2=value2")
-        pairs.append((urllib.parse.unquote(key.strip()).lower(), urllib.parse.unquote(value.strip())))
+            raise ConfigError(f"{name}={raw!r} is not accepted: use key1=value1,key2=value2")
+        key = urllib.parse.unquote(key.strip())
+        pairs.append((key.lower() if lower_keys else key, urllib.parse.unquote(value.strip())))
     return tuple(pairs)

@@ -144,10 +144,9 @@ def _resource(config: Config) -> dict:
                           ("K8S_NODE_NAME", "k8s.node.name")):
         if os.environ.get(variable):
             own[key] = os.environ[variable]
-    attributes = dict(Resource.create(own).attributes)
-    if str(attributes.get("service.name", "")).startswith("unknown_service"):
-        attributes["service.name"] = "commlens"
-    return attributes
+    own.update(config.resource_attributes)
+    own["service.name"] = config.service_name or own.get("service.name", "commlens")
+    return dict(Resource.create(own).attributes)
 
 
 _agent: Agent | None = None

@@ -18,8 +18,16 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 
+SNAPSHOT_REASONS = ("abort", "hang", "signal", "exception")
+SPAN_RESULTS = ("exported", "failed", "dropped", "sampled_out")
+
+
 class MetricsCollector:
-    """``stats`` is the sidecar's ``Stats``; the callables are read at each scrape."""
+    """``stats`` is the sidecar's ``Stats``; the callables are read at each scrape.
+
+    Counters of rare events (hangs, NaN, snapshots, span results) are shown at 0 for every op and
+    group seen, so that ``increase()`` in an alert rule sees the first event.
+    """
 
     def __init__(self, stats: Any, inflight: Callable[[], Mapping[str, tuple[int, float]]],
                  dropped: Callable[[], int], spans: Callable[[], Mapping[str, int]],
@@ -67,16 +75,18 @@ class MetricsCollector:
             age.add_metric((pg, rank), oldest)
         yield depth
         yield age
+        seen = dict.fromkeys(nbytes, 0)
         yield _counter("commlens_hangs", "In-flight collectives that crossed the hang threshold", ("op", "pg"),
-                       hangs, rank)
+                       {**seen, **hangs}, rank)
         yield _counter("commlens_nan_events", "Collectives whose input (or output) held NaN or Inf", ("op", "pg"),
-                       nans, rank)
+                       {**seen, **nans}, rank)
         yield _counter("commlens_abort_snapshots", "Flight-recorder snapshots written on abort, hang or signal",
-                       ("reason",), {(reason,): n for reason, n in snapshots.items()}, rank)
+                       ("reason",), {(reason,): snapshots.get(reason, 0) for reason in SNAPSHOT_REASONS}, rank)
         yield _counter("commlens_ring_records_dropped", "Ring records overwritten before the sidecar read them",
                        (), {(): self.dropped()}, rank)
         yield _counter("commlens_spans_exported", "Spans handed to OTLP, by result", ("result",),
-                       {(result,): n for result, n in self.spans().items()}, rank)
+                       {(result,): n for result, n in {**dict.fromkeys(SPAN_RESULTS, 0), **self.spans()}.items()},
+                       rank)
         info = self.info()
         family = GaugeMetricFamily("commlens_info", "Who this is", labels=tuple(info))
         family.add_metric(tuple(str(v) for v in info.values()), 1)

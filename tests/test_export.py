@@ -1,0 +1,135 @@
+"""Spans to real OTLP receivers over gRPC and HTTP; a dead or silent collector; bad configuration."""
+
+import collections
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import commlens.agent
+from commlens.agent import Config, ConfigError
+from commlens.agent.demo import free_port
+from commlens.agent.sidecar import Collective
+from commlens.exporters.otlp import GrpcTransport, HttpTransport, SpanExporter
+from receivers import GrpcReceiver, HttpReceiver, span_attributes, spans_of
+
+
+def traced_job(rank, world_size, endpoints):
+    protocol, endpoint = endpoints[rank % 2]
+    commlens.agent.start(Config.from_env({
+        "RANK": str(rank), "WORLD_SIZE": str(world_size), "COMMLENS_METRICS_PORT": "0", "COMMLENS_JOB_ID": "job-7",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol, "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_HEADERS": "x-team=infra", "OTEL_SERVICE_NAME": "trainer"}))
+    pair = dist.new_group([0, 1])
+    for _ in range(4):
+        dist.all_reduce(torch.ones(256))
+    dist.broadcast(torch.ones(8), src=0)
+    if rank < 2:
+        dist.all_reduce(torch.ones(16, dtype=torch.float64), group=pair)
+    commlens.agent.stop()
+    return dist.distributed_c10d._get_process_group_name(pair)
+
+
+def test_spans_reach_real_receivers_over_grpc_and_http_and_share_one_trace_per_collective(run_ranks):
+    grpc_receiver, http_receiver = GrpcReceiver(), HttpReceiver()
+    try:
+        pair = run_ranks(traced_job, 3, endpoints=[("grpc", grpc_receiver.endpoint),
+                                                   ("http/protobuf", http_receiver.endpoint)])[0]
+    finally:
+        grpc_receiver.close()
+        http_receiver.close()
+    assert set(http_receiver.paths) == {"/v1/traces"}
+    assert all(h.get("x-team") == "infra" for h in grpc_receiver.headers)
+    assert all(h.get("x-team") == "infra" for h in http_receiver.headers)
+    by_protocol = {"grpc": spans_of(grpc_receiver.requests), "http": spans_of(http_receiver.requests)}
+    assert {span_attributes(s)["commlens.rank"] for _, s in by_protocol["grpc"]} == {0, 2}
+    assert {span_attributes(s)["commlens.rank"] for _, s in by_protocol["http"]} == {1}
+
+    collectives = collections.defaultdict(dict)
+    for resource, span in by_protocol["grpc"] + by_protocol["http"]:
+        a = span_attributes(span)
+        assert resource["service.name"] == "trainer" and resource["commlens.job"] == "job-7"
+        assert span.name == a["commlens.op"] and a["commlens.status"] == "ok" and a["commlens.world_size"] == 3
+        assert span.end_time_unix_nano >= span.start_time_unix_nano > 0
+        collectives[(a["commlens.pg.name"], a["commlens.seq"])][a["commlens.rank"]] = (span.trace_id, a)
+
+    default = sorted(seq for pg, seq in collectives if pg == "0")
+    assert default == list(range(1, 6))  # 4 all_reduce and a broadcast, numbered as c10d numbers them
+    for (pg, seq), ranks in collectives.items():
+        assert set(ranks) == ({0, 1, 2} if pg == "0" else {0, 1})
+        assert len({trace for trace, _ in ranks.values()}) == 1  # one trace for the collective, all ranks
+        a = next(iter(ranks.values()))[1]
+        if pg == pair:
+            assert (a["commlens.op"], a["commlens.bytes"], a["commlens.dtype"], a["commlens.pg.size"]) == \
+                ("all_reduce", 128, "Double", 2)
+        elif seq <= 4:
+            assert (a["commlens.op"], a["commlens.bytes"], a["commlens.dtype"], a["commlens.pg.size"]) == \
+                ("all_reduce", 1024, "Float", 3)
+            assert a["commlens.busbw_bytes_per_s"] > 0
+        else:
+            assert (a["commlens.op"], a["commlens.bytes"]) == ("broadcast", 32)
+    assert len(collectives) == 6
+
+
+def _collective(i):
+    return Collective("all_reduce", "0", 2, i, False, i, 0, 4096, "Float", False, "ok", 1, 2, 1.0, False, False,
+                      False, False)
+
+
+def test_a_dead_collector_costs_counted_spans_and_never_blocks_the_producer():
+    exporter = SpanExporter(GrpcTransport(f"http://127.0.0.1:{free_port()}", timeout_s=1.0), {}, job="j",
+                            queue_size=100, batch_size=10)
+    for i in range(300):
+        exporter.offer(_collective(i))
+    exporter.shutdown(30)
+    counts = exporter.counts
+    assert counts["exported"] == 0 and counts["failed"] >= 1 and counts["failed"] + counts["dropped"] == 300
+
+
+def test_a_collector_that_accepts_and_never_answers_costs_counted_spans():
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # connections complete in the backlog; nothing ever answers
+    try:
+        exporter = SpanExporter(HttpTransport(f"http://127.0.0.1:{silent.getsockname()[1]}/v1/traces",
+                                              timeout_s=1.0), {}, job="j", queue_size=100, batch_size=10)
+        for i in range(300):
+            exporter.offer(_collective(i))
+        exporter.shutdown(30)
+    finally:
+        silent.close()
+    counts = exporter.counts
+    assert counts["exported"] == 0 and counts["dropped"] >= 190 and counts["failed"] + counts["dropped"] == 300
+
+
+@pytest.mark.parametrize("variable, value, accepted", [
+    ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json", "grpc, http/protobuf"),
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4317", "http://collector:4318"),
+    ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://collector:43x7", "numeric port"),
+    ("COMMLENS_HANG_THRESHOLD_S", "-5", ">= 0.1"),
+    ("COMMLENS_METRICS_PORT", "70000", "<= 65535"),
+    ("OTEL_TRACES_SAMPLER", "sometimes", "traceidratio"),
+    ("COMMLENS_DRAIN_INTERVAL_MS", "500", "<= 100"),
+])
+def test_bad_configuration_fails_at_start_up_naming_variable_value_and_what_is_accepted(variable, value, accepted):
+    with pytest.raises(ConfigError) as refused:
+        Config.from_env({variable: value})
+    message = str(refused.value)
+    assert variable in message and repr(value) in message and accepted in message
+
+
+def test_a_metrics_port_in_use_fails_at_start_up(tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(ConfigError) as refused:
+            commlens.agent.start(Config.from_env({
+                "COMMLENS_METRICS_PORT": str(port), "COMMLENS_METRICS_ADDR": "127.0.0.1",
+                "COMMLENS_TRACE_FILE": str(tmp_path / "spans.jsonl")}))
+    finally:
+        taken.close()
+    assert "COMMLENS_METRICS_PORT" in str(refused.value) and f"127.0.0.1:{port}" in str(refused.value)
+    assert commlens.agent.current() is None
