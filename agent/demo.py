@@ -149,7 +149,8 @@ def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faul
     _write_result(out_dir, rank, agent, step_seqs, model)
     _wait_for_all(rank, world_size, timeout)
     if keep_serving:
-        print(f"rank {rank}: serving metrics until SIGTERM", flush=True)
+        sys.stdout.write(f"rank {rank}: serving metrics until SIGTERM\n")  # one write: lines stay whole
+        sys.stdout.flush()
         signal.pause()
     commlens.agent.stop()
     dist.destroy_process_group()
