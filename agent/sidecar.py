@@ -29,6 +29,8 @@ from .stats import Stats, bus_factor, size_class
 _EWMA = 0.1
 _SLOW_AFTER = 20
 """Completions of one (op, group, size class) seen before a slow outlier can be called."""
+_SHAPES = 4096
+"""Shapes kept before the cache starts over (variable-size payloads would otherwise grow it)."""
 
 
 class Collective(NamedTuple):
@@ -55,9 +57,18 @@ class Collective(NamedTuple):
     in_flight: bool
 
 
-class _GroupInfo(NamedTuple):
-    name: str
-    size: int
+class Shape(NamedTuple):
+    """What records of one (op, group, payload, signature) mean, worked out once."""
+
+    op: str
+    is_p2p: bool
+    pg: str
+    pg_size: int
+    nbytes: int
+    bus_bytes: float
+    dtype: str
+    counter_key: tuple[str, str]
+    duration_key: tuple[str, str, str]
 
 
 class Sidecar:
@@ -74,8 +85,8 @@ class Sidecar:
         self._nan: set[int] = set()
         self._hung: set[int] = set()
         self._typical: dict[tuple, tuple[float, int]] = {}
-        self._groups: dict[int, _GroupInfo] = {}
-        self._dtypes: dict[int, str] = {}
+        self._groups: dict[int, tuple[str, int]] = {}
+        self._shapes: dict[tuple, Shape] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -124,27 +135,29 @@ class Sidecar:
             self._nan.discard(oldest)
             self._hung.discard(oldest)
         self.inflight[record.op_id] = record
-        if not OPS[record.op].is_p2p:
-            self.stats.enqueued(self._group(record.pg).name, record.seq)
+        shape = self._shape(record)
+        if not shape.is_p2p:
+            self.stats.enqueued(shape.pg, record.seq)
 
     def _ended(self, end: Record) -> None:
-        start = self.inflight.pop(end.op_id, None)
-        op = OPS[end.op]
-        group = self._group(end.pg)
+        op_id = end.op_id
+        start = self.inflight.pop(op_id, None)
+        shape = self._shape(end)
         status = STATUS[end.flags] if end.flags < len(STATUS) else "error"
         seconds = (end.t_ns - start.t_ns) / 1e9 if start is not None else None
-        nan, hung = end.op_id in self._nan, end.op_id in self._hung
-        self._nan.discard(end.op_id)
-        self._hung.discard(end.op_id)
-        self.stats.finished(op.value, group.name, group.size, None if op.is_p2p else end.seq, status, end.nbytes,
-                            seconds)
-        slow = seconds is not None and self._is_slow((end.op, end.pg, size_class(end.nbytes)), seconds)
-        self.on_collective(self._collective(start or end, end, status, nan, hung, slow))
+        nan, hung = op_id in self._nan, op_id in self._hung
+        if nan or hung:
+            self._nan.discard(op_id)
+            self._hung.discard(op_id)
+        self.stats.finished(shape, None if shape.is_p2p else end.seq, status, seconds)
+        slow = seconds is not None and self._is_slow(shape, seconds)
+        self.on_collective(self._collective(shape, start or end, end, status, nan, hung, slow))
 
     def _nan_found(self, record: Record) -> None:
+        shape = self._shape(record)
         self._nan.add(record.op_id)
-        self.stats.nans[(OPS[record.op].value, self._group(record.pg).name)] += 1
-        self.stats.events.append(("nan", OPS[record.op].value, self._group(record.pg).name, record.seq, None))
+        self.stats.nans[shape.counter_key] += 1
+        self.stats.events.append(("nan", shape.op, shape.pg, record.seq, None))
 
     def _watch(self, now_ns: int) -> list[Collective]:
         hung = []
@@ -152,51 +165,58 @@ class Sidecar:
             if op_id in self._hung or now_ns - start.t_ns < self.hang_threshold_ns:
                 continue
             self._hung.add(op_id)
-            op, group = OPS[start.op].value, self._group(start.pg)
-            self.stats.hangs[(op, group.name)] += 1
-            self.stats.events.append(("hang", op, group.name, start.seq, (now_ns - start.t_ns) / 1e9))
-            hung.append(self._collective(start, None, "in_flight", op_id in self._nan, True, False, now_ns))
+            shape = self._shape(start)
+            self.stats.hangs[shape.counter_key] += 1
+            self.stats.events.append(("hang", shape.op, shape.pg, start.seq, (now_ns - start.t_ns) / 1e9))
+            hung.append(self._collective(shape, start, None, "in_flight", op_id in self._nan, True, False, now_ns))
         return hung
 
-    def _is_slow(self, key: tuple, seconds: float) -> bool:
-        typical, seen = self._typical.get(key, (seconds, 0))
-        self._typical[key] = (typical + _EWMA * (seconds - typical), seen + 1)
+    def _is_slow(self, shape: Shape, seconds: float) -> bool:
+        typical, seen = self._typical.get(shape.duration_key, (seconds, 0))
+        self._typical[shape.duration_key] = (typical + _EWMA * (seconds - typical), seen + 1)
         return seen >= _SLOW_AFTER and seconds > self.slow_factor * typical
+
+    def _shape(self, record: Record) -> Shape:
+        key = (record.op, record.pg, record.nbytes, record.sig)
+        found = self._shapes.get(key)
+        if found is None:
+            if len(self._shapes) >= _SHAPES:
+                self._shapes.clear()
+            op, (pg, size) = OPS[record.op], self._group(record.pg)
+            found = self._shapes[key] = Shape(op.value, op.is_p2p, pg, size, record.nbytes,
+                                              record.nbytes * bus_factor(op.value, size), self._dtype(record.sig),
+                                              (op.value, pg), (op.value, pg, size_class(record.nbytes)))
+        return found
 
     # -- what exporters see -------------------------------------------------------------------------
 
-    def _collective(self, start: Record, end: Record | None, status: str, nan: bool, hang: bool, slow: bool,
-                    now_ns: int | None = None) -> Collective:
-        op, group = OPS[start.op], self._group(start.pg)
+    def _collective(self, shape: Shape, start: Record, end: Record | None, status: str, nan: bool, hang: bool,
+                    slow: bool, now_ns: int | None = None) -> Collective:
         offset = self.ring.clock_offset_ns
         end_ns = end.t_ns if end is not None else now_ns
-        seconds = (end_ns - start.t_ns) / 1e9 if start is not end else 0.0
-        busbw = start.nbytes * bus_factor(op.value, group.size) / seconds if seconds > 0 and end is not None else 0.0
-        return Collective(op.value, group.name, group.size, start.seq, op.is_p2p, start.op_id, self.rank,
-                          start.nbytes, self._dtype(start.sig), bool(start.flags & FLAG_ASYNC), status,
+        seconds = (end_ns - start.t_ns) / 1e9
+        busbw = shape.bus_bytes / seconds if seconds > 0 and end is not None else 0.0
+        return Collective(shape.op, shape.pg, shape.pg_size, start.seq, shape.is_p2p, start.op_id, self.rank,
+                          shape.nbytes, shape.dtype, bool(start.flags & FLAG_ASYNC), status,
                           start.t_ns + offset, end_ns + offset, busbw, nan, hang, slow, end is None)
 
-    def _group(self, sid: int) -> _GroupInfo:
+    def _group(self, sid: int) -> tuple[str, int]:
         found = self._groups.get(sid)
         if found is None:
             try:
                 described = json.loads(self.ring.string(sid))
-                found = _GroupInfo(str(described["name"]), len(described["ranks"]))
+                found = (str(described["name"]), len(described["ranks"]))
             except (ValueError, KeyError, TypeError):
-                found = _GroupInfo(str(sid), 1)
+                found = (str(sid), 1)
             self._groups[sid] = found
         return found
 
     def _dtype(self, sig: int) -> str:
-        found = self._dtypes.get(sig)
-        if found is None:
-            try:
-                _, in_dtypes, _, out_dtypes = json.loads(self.ring.string(sig))
-                found = (in_dtypes or out_dtypes or [""])[0]
-            except (ValueError, TypeError):
-                found = ""
-            self._dtypes[sig] = found
-        return found
+        try:
+            _, in_dtypes, _, out_dtypes = json.loads(self.ring.string(sig))
+            return (in_dtypes or out_dtypes or [""])[0]
+        except (ValueError, TypeError):
+            return ""
 
     # -- scrape-time values -------------------------------------------------------------------------
 
@@ -206,7 +226,7 @@ class Sidecar:
         found: dict[str, tuple[int, float]] = {name: (0, 0.0) for name, _ in self._groups.values()}
         with self.stats.lock:
             for start in self.inflight.values():
-                name = self._group(start.pg).name
+                name = self._group(start.pg)[0]
                 count, oldest = found.get(name, (0, 0.0))
                 found[name] = (count + 1, max(oldest, (now_ns - start.t_ns) / 1e9))
         return found

@@ -69,13 +69,14 @@ class Stats:
         if seq > self.last_seq.get((pg, "enqueued"), -1):
             self.last_seq[(pg, "enqueued")] = seq
 
-    def finished(self, op: str, pg: str, group_size: int, seq: int | None, status: str, nbytes: int,
-                 seconds: float | None) -> None:
-        self.completed[(op, pg, status)] += 1
-        self.bytes[(op, pg)] += nbytes
-        self.bus_bytes[(op, pg)] += nbytes * bus_factor(op, group_size)
+    def finished(self, shape, seq: int | None, status: str, seconds: float | None) -> None:
+        """One collective of ``shape`` (the sidecar's ``Shape``) completed with ``status``."""
+        key = shape.counter_key
+        self.completed[(*key, status)] += 1
+        self.bytes[key] += shape.nbytes
+        self.bus_bytes[key] += shape.bus_bytes
         if seconds is not None:
-            self.durations[(op, pg, size_class(nbytes))].observe(seconds)
-            self.recent[op].append((seconds, nbytes * bus_factor(op, group_size) / seconds if seconds > 0 else 0.0))
-        if seq is not None and seq > self.last_seq.get((pg, "completed"), -1):
-            self.last_seq[(pg, "completed")] = seq
+            self.durations[shape.duration_key].observe(seconds)
+            self.recent[shape.op].append((seconds, shape.bus_bytes / seconds if seconds > 0 else 0.0))
+        if seq is not None and seq > self.last_seq.get((shape.pg, "completed"), -1):
+            self.last_seq[(shape.pg, "completed")] = seq

@@ -148,6 +148,10 @@ class Ring:
                 self._string_cache[sid] = text
         return text
 
+    def claimed(self) -> int:
+        """How many indices producers have claimed so far (the next record's index)."""
+        return _SEQ.unpack_from(self._view, _CLAIM_OFFSET)[0]
+
     def read_slot(self, index: int) -> tuple[int, Record | None]:
         """The sequence found in ``index``'s slot and, when it holds exactly that index whole, its record."""
         offset = _HEADER_SIZE + (index & (self.slots - 1)) * RECORD.size
@@ -187,6 +191,10 @@ class RingReader:
     def read(self, limit: int = 1 << 20) -> list[Record]:
         ring, out = self.ring, []
         while len(out) < limit:
+            run = self._read_run(limit - len(out))
+            if run:
+                out.extend(run)
+                continue
             index = self.cursor
             head, record = ring.read_slot(index)
             if record is not None:
@@ -204,6 +212,28 @@ class RingReader:
             else:
                 break
         return out
+
+    def _read_run(self, limit: int) -> list[Record]:
+        """The fast path: whole published records from the cursor on, unpacked in one pass, up to the
+        first that is not (yet) whole or the ring's wrap. Empty when the slow path must decide."""
+        ring, index = self.ring, self.cursor
+        slots = ring.slots
+        claimed = ring.claimed()
+        count = min(claimed - index, limit, slots - (index & (slots - 1)))
+        if count <= 0 or claimed - index > slots:
+            return []
+        offset = _HEADER_SIZE + (index & (slots - 1)) * RECORD.size
+        run, make = [], tuple.__new__  # a Record from a ready tuple, without NamedTuple's Python __new__
+        for i, fields in enumerate(RECORD.iter_unpack(ring._view[offset:offset + count * RECORD.size])):
+            if fields[0] != index + i + 1 or fields[-1] != index + i + 1:
+                break
+            run.append(make(Record, (index + i, *fields[1:-1])))
+        if index < ring.claimed() - slots:  # a producer lapped into the run while it was read
+            return []
+        self.cursor = index + len(run)
+        if run:
+            self._stalled = 0
+        return run
 
     def _stuck_behind_published(self, index: int) -> bool:
         if self.ring.read_slot(index + 1)[1] is None:
