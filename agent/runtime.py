@@ -78,6 +78,7 @@ class Agent:
         if not self._snapshot_lock.acquire(blocking=False):
             return None
         try:
+            self.sidecar.drain()
             try:
                 path = self.flight_recorder.dump_file(self.config.rank)
             except (OSError, ValueError) as error:

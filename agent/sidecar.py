@@ -88,6 +88,7 @@ class Sidecar:
         self._groups: dict[int, tuple[str, int]] = {}
         self._shapes: dict[tuple, Shape] = {}
         self._stop = threading.Event()
+        self._draining = threading.RLock()
         self._thread: threading.Thread | None = None
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -109,7 +110,12 @@ class Sidecar:
             self.drain()
 
     def drain(self) -> int:
-        """Read every new record, then run the watchdog; returns how many records were read."""
+        """Read every new record, then run the watchdog; returns how many records were read.
+        Safe from any thread (a snapshot drains before it dumps)."""
+        with self._draining:
+            return self._drain()
+
+    def _drain(self) -> int:
         records = self.reader.read()
         with self.stats.lock:
             for record in records:

@@ -1,0 +1,74 @@
+"""Snapshots on the way down (SIGTERM, an unhandled exception), and sampling that agrees across ranks."""
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from commlens.agent.demo import free_port
+from commlens.agent.sidecar import Collective
+from commlens.exporters.otlp import SpanExporter
+
+JOB = """
+import os, sys, torch, torch.distributed as dist
+import commlens.agent
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:{port}")
+agent = commlens.agent.start()
+for _ in range(3):
+    dist.all_reduce(torch.ones(4))
+print("trained", flush=True)
+if sys.argv[1] == "exception":
+    raise RuntimeError("the training loop broke")
+sys.stdin.read()  # wait for SIGTERM, as a pod does
+"""
+
+
+@pytest.mark.parametrize("ending", ["sigterm", "exception"])
+def test_the_process_leaves_a_dump_and_ends_as_it_would_have(tmp_path, ending):
+    env = {**os.environ, "TORCHCOMM_FR_DUMP_TEMP_FILE": str(tmp_path / "rank_"), "COMMLENS_METRICS_PORT": "0",
+           "COMMLENS_TRACE_FILE": str(tmp_path / "spans.jsonl")}
+    job = subprocess.Popen([sys.executable, "-c", JOB.format(port=free_port()), ending], env=env,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert job.stdout.readline() == "trained\n"
+    if ending == "sigterm":
+        job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=60)
+    if ending == "sigterm":
+        assert job.returncode == -signal.SIGTERM  # the default handler's ending, after the snapshot
+    else:
+        assert job.returncode == 1 and "RuntimeError: the training loop broke" in err
+    dump = pickle.loads((tmp_path / "rank_0").read_bytes())
+    assert [e["profiling_name"] for e in dump["entries"]] == ["gloo:all_reduce"] * 3
+    assert (tmp_path / "spans.jsonl").read_text().count('"name":"all_reduce"') == 3  # pending spans flushed
+
+
+def _collective(seq, **anomaly):
+    fields = dict(nan=False, hang=False, slow=False, status="ok")
+    fields.update(anomaly)
+    return Collective("all_reduce", "0", 4, seq, False, seq, 0, 64, "Float", False, fields["status"], 1, 2, 1.0,
+                      fields["nan"], fields["hang"], fields["slow"], False)
+
+
+class _Nowhere:
+    def send(self, request):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_sampling_keeps_or_drops_a_collective_on_every_rank_together_and_always_keeps_anomalies():
+    ranks = [SpanExporter(_Nowhere(), {"commlens.rank": r}, job="job-7", sampler_ratio=0.3) for r in range(4)]
+    decisions = [[exporter.keeps(_collective(seq)) for seq in range(1, 2001)] for exporter in ranks]
+    assert all(d == decisions[0] for d in decisions)  # every rank decides the same, without talking
+    assert 0.25 < sum(decisions[0]) / 2000 < 0.35
+    dropped = [seq for seq, kept in enumerate(decisions[0], 1) if not kept]
+    for anomaly in ({"nan": True}, {"hang": True}, {"slow": True}, {"status": "timeout"}):
+        assert all(ranks[0].keeps(_collective(seq, **anomaly)) for seq in dropped)
+    off = SpanExporter(_Nowhere(), {}, job="job-7", sample_none=True)
+    assert not off.keeps(_collective(1)) and off.keeps(_collective(1, nan=True))
+    for exporter in (*ranks, off):
+        exporter.shutdown(5)
