@@ -2,6 +2,7 @@
 
     commlens demo --world-size 4 --steps 20        train on CPU with every collective recorded
     commlens demo --inject nan:rank=1:step=3       ... and see commlens name the rank and step
+    commlens run -- torchrun --nproc-per-node 4 train.py   instrument every rank of your own job
 """
 
 from __future__ import annotations
@@ -31,6 +32,30 @@ def _fault(text: str):
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+_RUN_OPTIONS = {
+    "job-id": "COMMLENS_JOB_ID", "metrics-port": "COMMLENS_METRICS_PORT", "metrics-addr": "COMMLENS_METRICS_ADDR",
+    "hang-threshold": "COMMLENS_HANG_THRESHOLD_S", "trace-file": "COMMLENS_TRACE_FILE",
+    "otlp-endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT", "otlp-protocol": "OTEL_EXPORTER_OTLP_PROTOCOL",
+    "service-name": "OTEL_SERVICE_NAME",
+}
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from .config import ConfigError
+    from .launch import run
+
+    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not command:
+        parser.error("run needs a command: commlens run [options] -- COMMAND [ARGS...]")
+    settings = {variable: getattr(args, option.replace("-", "_")) for option, variable in _RUN_OPTIONS.items()
+                if getattr(args, option.replace("-", "_")) is not None}
+    try:
+        return run(command, settings)
+    except ConfigError as error:
+        print(f"commlens run: {error}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="commlens", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -42,9 +67,19 @@ def main(argv: list[str] | None = None) -> int:
                       help="a fault: nan|hang|desync|size|skip:rank=R:step=S, or slow:rank=R:ms=M")
     demo.add_argument("--keep-serving", action="store_true",
                       help="after training, keep serving metrics until SIGTERM (for a Prometheus to scrape)")
+    launch = commands.add_parser("run", help="run COMMAND with commlens started in every distributed rank",
+                                 description="Options set the COMMLENS_*/OTEL_* variable named in their help; "
+                                 "the environment configures the rest.")
+    for option, variable in _RUN_OPTIONS.items():
+        launch.add_argument(f"--{option}", help=f"sets {variable}")
+    launch.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]",
+                        help="the command to run, e.g. torchrun ... train.py")
     args = parser.parse_args(argv)
 
     from .config import DEFAULT_METRICS_PORT, ConfigError
+
+    if args.command == "run":
+        return _run(parser, args)
     from .demo import run
 
     out = args.out or tempfile.mkdtemp(prefix="commlens-demo-")

@@ -1,0 +1,43 @@
+"""Imported at start-up by every Python process that ``commlens run`` starts (see agent/launch.py).
+
+In a distributed rank it starts commlens; in any other process it does nothing. Telemetry never
+stops the job: if commlens cannot start, the rank says why on stderr and trains without it.
+"""
+
+import os
+import sys
+
+
+def _start_in_rank() -> None:
+    if os.environ.get("COMMLENS_AUTOSTART") != "1" or "RANK" not in os.environ:
+        return
+    import atexit
+
+    try:
+        import commlens.agent
+
+        commlens.agent.start()
+    except Exception as error:  # noqa: BLE001 — whatever it was, the job goes on without commlens
+        print(f"commlens: not started in rank {os.environ['RANK']}: {error}", file=sys.stderr)
+        return
+    atexit.register(commlens.agent.stop)
+
+
+def _chain() -> None:
+    """Import the ``sitecustomize`` this one shadows, if the job had one."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    ours = sys.modules.pop("sitecustomize", None)
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    try:
+        import sitecustomize  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        sys.path[:] = saved
+        if ours is not None:
+            sys.modules["sitecustomize"] = ours
+
+
+_chain()
+_start_in_rank()

@@ -1,0 +1,78 @@
+"""``commlens run -- torchrun …``: an unmodified script gets metrics and traces for all its ranks."""
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+from commlens.agent.demo import free_port
+
+TRAIN = """
+import os, sys, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+for _ in range(5):
+    dist.all_reduce(torch.ones(8))
+dist.barrier()
+folder = sys.argv[1]
+open(os.path.join(folder, f"ready-{dist.get_rank()}"), "w").close()
+while not os.path.exists(os.path.join(folder, "done")):  # the test scrapes our metrics meanwhile
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
+
+
+def _commlens(*args, **kwargs):
+    return subprocess.Popen([sys.executable, "-m", "commlens.agent.cli", *args], **kwargs)
+
+
+def test_an_unmodified_torchrun_job_is_instrumented_in_every_rank(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    base = free_port()
+    while not _free(base + 1):
+        base = free_port()
+    job = _commlens("run", "--metrics-port", str(base), "--metrics-addr", "127.0.0.1", "--job-id", "zero-code",
+                    "--trace-file", str(tmp_path / "spans-{rank}.jsonl"), "--",
+                    "torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()), str(script), str(tmp_path))
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)):
+            assert job.poll() is None, "the job ended before its ranks were ready"
+            assert time.monotonic() < deadline, "the ranks never got ready"
+            time.sleep(0.1)
+        for rank in (0, 1):  # the sidecar drains every 50 ms: a scrape may come just before it
+            barrier = f'commlens_collectives_total{{op="barrier",pg="0",rank="{rank}",status="ok"}} 1.0'
+            text = ""
+            while barrier not in text:
+                assert time.monotonic() < deadline, text
+                text = urllib.request.urlopen(f"http://127.0.0.1:{base + rank}/metrics", timeout=10).read().decode()
+            assert f'commlens_collectives_total{{op="all_reduce",pg="0",rank="{rank}",status="ok"}} 5.0' in text
+            assert 'job="zero-code"' in text and 'world_size="2"' in text
+    finally:
+        (tmp_path / "done").touch()
+        assert job.wait(120) == 0
+    for rank in (0, 1):
+        spans = (tmp_path / f"spans-{rank}.jsonl").read_text()
+        assert spans.count('"name":"all_reduce"') == 5 and spans.count('"name":"barrier"') == 1
+    assert not (tmp_path / "spans-None.jsonl").exists() and len(list(tmp_path.glob("spans-*.jsonl"))) == 2
+
+
+def _free(port):
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_a_bad_option_fails_before_the_command_starts(tmp_path):
+    marker = tmp_path / "started"
+    job = _commlens("run", "--hang-threshold", "-1", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')",
+                    stderr=subprocess.PIPE, text=True)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 2 and "COMMLENS_HANG_THRESHOLD_S='-1'" in err and ">= 0.1" in err
+    assert not marker.exists()
