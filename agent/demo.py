@@ -84,12 +84,6 @@ class _Stopped(Exception):
     """The injected ``skip`` fault: this rank stops issuing collectives."""
 
 
-def _allreduce_hook(_state, bucket):
-    """DDP's gradient averaging through ``dist.all_reduce``, so commlens records every bucket."""
-    grads = bucket.buffer().div_(dist.get_world_size())
-    return dist.all_reduce(grads, async_op=True).get_future().then(lambda future: future.value()[0])
-
-
 def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, fault: Fault | None,
            keep_serving: bool, environment: dict[str, str]) -> None:
     import commlens.agent
@@ -108,7 +102,6 @@ def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faul
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(
         torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
-    model.register_comm_hook(None, _allreduce_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     generator = torch.Generator().manual_seed(rank)
     step_seqs = []

@@ -21,7 +21,7 @@ import time
 from typing import Callable, NamedTuple
 
 from commlens.hooks.ops import OPS
-from commlens.hooks.recorder import FLAG_ASYNC, STATUS
+from commlens.hooks.recorder import FLAG_ASYNC, FLAG_LAST_BUCKET, STATUS
 from commlens.hooks.ring import END, NAN, START, Record, Ring, RingReader
 
 from .stats import Stats, bus_factor, size_class
@@ -55,6 +55,11 @@ class Collective(NamedTuple):
     hang: bool
     slow: bool
     in_flight: bool
+    bucket: int = -1
+    """The DDP gradient bucket's index, -1 for other collectives."""
+    last_bucket: bool = False
+    wire_bytes: int = 0
+    """For a DDP bucket: bytes its hook's collectives carried, after compression."""
 
 
 class Shape(NamedTuple):
@@ -199,12 +204,14 @@ class Sidecar:
     def _collective(self, shape: Shape, start: Record, end: Record | None, status: str, nan: bool, hang: bool,
                     slow: bool, now_ns: int | None = None) -> Collective:
         offset = self.ring.clock_offset_ns
+        flags, aux = (start.flags, start.aux) if start.kind == START else (0, 0)  # START lost: END alone
         end_ns = end.t_ns if end is not None else now_ns
         seconds = (end_ns - start.t_ns) / 1e9
         busbw = shape.bus_bytes / seconds if seconds > 0 and end is not None else 0.0
         return Collective(shape.op, shape.pg, shape.pg_size, start.seq, shape.is_p2p, start.op_id, self.rank,
-                          shape.nbytes, shape.dtype, bool(start.flags & FLAG_ASYNC), status,
-                          start.t_ns + offset, end_ns + offset, busbw, nan, hang, slow, end is None)
+                          shape.nbytes, shape.dtype, bool(flags & FLAG_ASYNC), status,
+                          start.t_ns + offset, end_ns + offset, busbw, nan, hang, slow, end is None,
+                          aux - 1, bool(flags & FLAG_LAST_BUCKET), end.aux if end is not None and aux else 0)
 
     def _group(self, sid: int) -> tuple[str, int]:
         found = self._groups.get(sid)

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from . import recorder
+from . import ddp, recorder
 from .ops import OpName
 from .recorder import Group
 from .registry import abort_hooks, post_hooks, pre_hooks
@@ -128,7 +128,7 @@ _groups: dict[Any, Any] = {}
 """Process group (None for the default one) -> its recorder ``Group``, or _NOT_MEMBER."""
 
 
-def _group_of(handle: Any) -> Any:
+def group_of(handle: Any) -> Any:
     """Register ``handle`` (None: the default group); every handle of one group shares its Group."""
     pg = c10d._get_default_group() if handle is None else handle
     found = _groups.get(pg)
@@ -164,10 +164,10 @@ def _instrumented(op: OpName, original: Callable, describe: Callable, kind: str 
             return original(*args, **kwargs)
         try:
             group, async_op, tensors, outputs, target, group_target = describe(*args, **kwargs)
-            info = _groups.get(group) or _group_of(group)
+            info = _groups.get(group) or group_of(group)
         except Exception:  # bad arguments or no process group: torch says so itself
             return original(*args, **kwargs)
-        if info is _NOT_MEMBER:
+        if info is _NOT_MEMBER or (ddp.active and ddp.nested_collective(tensors, outputs)):
             return original(*args, **kwargs)
         if group_target is None and target is not None:
             group_target = info.group_rank(target)
@@ -258,6 +258,7 @@ def instrument() -> None:
             _patches.append(_Patch(getattr(c10d, name), lambda original, op=op, describe=describe, kind=kind:
                                    _instrumented(op, original, describe, kind)))
         _patches.append(_Patch(c10d.destroy_process_group, _destroy_process_group))
+        ddp.instrument_ddp()
 
 
 def uninstrument() -> None:
@@ -265,6 +266,7 @@ def uninstrument() -> None:
     with _lock:
         while _patches:
             _patches.pop().undo()
+        ddp.uninstrument_ddp()
         _groups.clear()
 
 

@@ -24,6 +24,7 @@ from .ring import END, NAN, START, Ring
 OK, ERROR, TIMEOUT = 0, 1, 2
 STATUS = ("ok", "error", "timeout")
 FLAG_ASYNC = 1
+FLAG_LAST_BUCKET = 2
 
 _op_ids = itertools.count(1)
 _ring: Ring | None = None
@@ -102,7 +103,7 @@ class Group:
 class InFlight(PreHookArgs):
     """One collective between ``begin()`` and completion; the pre-hook arguments are this object."""
 
-    __slots__ = ("code", "flags", "group", "sid", "nbytes", "sig", "wire_peer", "t0", "source_seq", "work")
+    __slots__ = ("code", "flags", "group", "sid", "nbytes", "sig", "wire_peer", "t0", "source_seq", "work", "bucket")
 
     def issued(self, result: Any) -> None:
         """The backend accepted the op. ``result`` is its work object when ``async_op`` is true."""
@@ -125,8 +126,9 @@ class InFlight(PreHookArgs):
 
     def complete(self, status: int, error: BaseException | None, in_caller: bool = False) -> int:
         """Write END, run the abort and post-hooks; returns the completion time."""
+        wire = 0 if self.bucket is None else min(self.bucket.wire_bytes, 0xFFFFFFFF)
         end = (_ring or ring()).write(END, self.code, status, self.sid, self.op_id, self.seq, self.nbytes, self.sig,
-                                      self.wire_peer, 0)
+                                      self.wire_peer, wire)
         if error is not None and abort_hooks.entries:
             abort_hooks.call(AbortHookArgs(self, error, STATUS[status]))
         if post_hooks.entries:
@@ -147,13 +149,16 @@ class InFlight(PreHookArgs):
 
 
 def begin(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async_op: bool,
-          root: int | None, peer: int | None) -> InFlight:
-    """Run the pre-hooks and write START for one op about to be issued; returns its record."""
+          root: int | None, peer: int | None, bucket: Any = None) -> InFlight:
+    """Run the pre-hooks and write START for one op about to be issued; returns its record.
+    ``bucket`` describes a DDP gradient bucket (``ddp.DdpBucket``); START's aux is its index + 1."""
     call = InFlight.__new__(InFlight)
     call.name, call.op_id, call.pg, call.pg_name, call.rank = op, next(_op_ids), group.handle, group.name, group.rank
     call.tensors, call.output_tensors, call.async_op, call.root, call.peer = tensors, output_tensors, async_op, root, peer
     call.group, call.sid, call.code, call.flags = group, group.sid, CODE[op], FLAG_ASYNC if async_op else 0
-    call.work = None
+    call.work, call.bucket = None, bucket
+    if bucket is not None and bucket.is_last:
+        call.flags |= FLAG_LAST_BUCKET
     if op.is_p2p:
         group.p2p_seq += 1
         call.seq = group.p2p_seq
@@ -216,7 +221,7 @@ def record_nan(call: InFlight, index: int, flags: int, count: int) -> None:
 
 def _write_start(call: InFlight) -> None:
     call.t0 = (_ring or ring()).write(START, call.code, call.flags, call.sid, call.op_id, call.seq, call.nbytes,
-                                      call.sig, call.wire_peer, 0)
+                                      call.sig, call.wire_peer, 0 if call.bucket is None else call.bucket.index + 1)
 
 
 def _is_timeout(error: BaseException) -> bool:
