@@ -36,7 +36,7 @@ _RUN_OPTIONS = {
     "job-id": "COMMLENS_JOB_ID", "metrics-port": "COMMLENS_METRICS_PORT", "metrics-addr": "COMMLENS_METRICS_ADDR",
     "hang-threshold": "COMMLENS_HANG_THRESHOLD_S", "trace-file": "COMMLENS_TRACE_FILE",
     "otlp-endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT", "otlp-protocol": "OTEL_EXPORTER_OTLP_PROTOCOL",
-    "service-name": "OTEL_SERVICE_NAME",
+    "service-name": "OTEL_SERVICE_NAME", "module-attribution": "COMMLENS_MODULE_ATTRIBUTION",
 }
 
 

@@ -52,6 +52,7 @@ class Config:
     sampler: str = "parentbased_always_on"
     sampler_ratio: float = 1.0
     span_queue: int = 8192
+    module_attribution: bool = False
     snapshot_timeout_s: float = 10.0
 
     @classmethod
@@ -92,6 +93,7 @@ class Config:
             trace_file=env.get("COMMLENS_TRACE_FILE") or "commlens-traces-{rank}.jsonl",
             sampler=sampler, sampler_ratio=ratio,
             span_queue=env.integer("COMMLENS_SPAN_QUEUE", 8192, minimum=1),
+            module_attribution=env.boolean("COMMLENS_MODULE_ATTRIBUTION", False),
             snapshot_timeout_s=env.number("COMMLENS_SNAPSHOT_TIMEOUT_S", 10, minimum=0.1),
         )
 

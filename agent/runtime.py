@@ -23,7 +23,7 @@ from typing import Any
 
 from commlens.exporters.otlp import GrpcTransport, HttpTransport, JsonLinesTransport, SpanExporter
 from commlens.exporters.prometheus import MetricsCollector, serve
-from commlens.hooks import FlightRecorderHook, instrument, recorder, register_abort_hook, uninstrument
+from commlens.hooks import FlightRecorderHook, attribution, instrument, recorder, register_abort_hook, uninstrument
 
 from .config import Config, ConfigError
 from .sidecar import Sidecar
@@ -57,6 +57,8 @@ class Agent:
                                   "(each rank uses base + LOCAL_RANK), or 0 to serve none") from None
         self.flight_recorder = FlightRecorderHook(max_entries=min(2048, ring.slots // 2)).register_with_comm()
         instrument()
+        if config.module_attribution:
+            attribution.enable()
         self._abort_handle = register_abort_hook(lambda _: self.snapshot("abort"))
         self.sidecar.start(config.drain_interval_s)
         self._previous_sigterm: Any = None
@@ -95,6 +97,7 @@ class Agent:
         """Stop recording; drain the ring, flush spans (within the snapshot timeout), stop serving."""
         timeout = self.config.snapshot_timeout_s
         self._abort_handle.remove()
+        attribution.disable()
         uninstrument()
         self.sidecar.stop(timeout)
         self.spans.shutdown(timeout)

@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Callable, NamedTuple
 
+from commlens.hooks.attribution import PHASES
 from commlens.hooks.ops import OPS
 from commlens.hooks.recorder import FLAG_ASYNC, FLAG_LAST_BUCKET, STATUS
 from commlens.hooks.ring import END, NAN, START, Record, Ring, RingReader
@@ -60,6 +61,9 @@ class Collective(NamedTuple):
     last_bucket: bool = False
     wire_bytes: int = 0
     """For a DDP bucket: bytes its hook's collectives carried, after compression."""
+    module: str = ""
+    """The module that issued it and the phase, when module attribution is on."""
+    phase: str = ""
 
 
 class Shape(NamedTuple):
@@ -211,7 +215,9 @@ class Sidecar:
         return Collective(shape.op, shape.pg, shape.pg_size, start.seq, shape.is_p2p, start.op_id, self.rank,
                           shape.nbytes, shape.dtype, bool(flags & FLAG_ASYNC), status,
                           start.t_ns + offset, end_ns + offset, busbw, nan, hang, slow, end is None,
-                          aux - 1, bool(flags & FLAG_LAST_BUCKET), end.aux if end is not None and aux else 0)
+                          aux - 1, bool(flags & FLAG_LAST_BUCKET), end.aux if end is not None and aux else 0,
+                          self.ring.string(start.module) if start.module else "",
+                          PHASES[start.phase] if start.phase < len(PHASES) else "")
 
     def _group(self, sid: int) -> tuple[str, int]:
         found = self._groups.get(sid)

@@ -36,8 +36,8 @@ def drain_rate() -> float:
         for _ in range(COLLECTIVES):
             op_id += 1
             t += 1000
-            ring.write(START, 0, 0, group, op_id, op_id, 4096, sig, -1, 0, t)
-            ring.write(END, 0, 0, group, op_id, op_id, 4096, sig, -1, 0, t + 500)
+            ring.write(START, 0, 0, group, op_id, op_id, 4096, sig, -1, 0, 0, t)
+            ring.write(END, 0, 0, group, op_id, op_id, 4096, sig, -1, 0, 0, t + 500)
         start = time.perf_counter()
         read = sidecar.drain()
         rates.append(read / (time.perf_counter() - start))

@@ -77,6 +77,8 @@ class SpanBuilder:
             "commlens.p2p": c.is_p2p, "commlens.busbw_bytes_per_s": c.busbw, "commlens.nan": c.nan,
             "commlens.hang": c.hang, "commlens.slow": c.slow,
         }))
+        if c.phase:
+            span.attributes.extend(attributes({"commlens.module": c.module, "commlens.phase": c.phase}))
         if c.bucket >= 0:
             span.attributes.extend(attributes({"commlens.ddp.bucket": c.bucket, "commlens.ddp.is_last": c.last_bucket,
                                                "commlens.ddp.wire_bytes": c.wire_bytes}))

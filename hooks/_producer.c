@@ -2,10 +2,11 @@
  * per collective on the training thread.
  *
  * Producer(buffer, slots, claim_offset, records_offset).write(kind, op, flags, pg, op_id, seq,
- * nbytes, sig, peer, aux, t_ns=-1) claims an index with an atomic add on the counter at claim_offset
+ * nbytes, sig, peer, aux, where=0, t_ns=now) claims an index with an atomic add on the counter at claim_offset
  * (in the shared header, so producers in several processes may share one ring), writes the head
  * sequence, the payload and the tail sequence with release ordering, and returns the record's
  * timestamp: CLOCK_MONOTONIC in ns, the clock of time.monotonic_ns(), unless t_ns is given.
+ * ``where`` is the module attribution: (module string id << 8) | phase.
  * It never waits, takes no lock and allocates nothing but the returned int.
  */
 #define PY_SSIZE_T_CLEAN
@@ -19,13 +20,13 @@
 #pragma pack(push, 1)
 typedef struct {
     uint64_t head;
-    uint8_t kind, op, flags, pad0;
+    uint8_t kind, op, flags, phase;
     uint32_t pg;
     uint64_t op_id, seq, t_ns, nbytes;
     uint32_t sig;
     int32_t peer;
     uint32_t aux;
-    uint8_t pad1[4];
+    uint32_t module;
     uint64_t tail;
 } record_t;
 #pragma pack(pop)
@@ -73,11 +74,11 @@ static void producer_dealloc(Producer *self) {
 }
 
 static PyObject *producer_write(Producer *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 10 && nargs != 11) {
-        PyErr_Format(PyExc_TypeError, "write() takes 10 or 11 arguments (%zd given)", nargs);
+    if (nargs < 10 || nargs > 12) {
+        PyErr_Format(PyExc_TypeError, "write() takes 10 to 12 arguments (%zd given)", nargs);
         return NULL;
     }
-    unsigned long long v[11];
+    unsigned long long v[12] = {0};
     for (Py_ssize_t i = 0; i < nargs; i++) {
         if (i == 8) {  /* peer is signed */
             long long peer = PyLong_AsLongLong(args[i]);
@@ -91,8 +92,8 @@ static PyObject *producer_write(Producer *self, PyObject *const *args, Py_ssize_
         }
     }
     uint64_t t_ns;
-    if (nargs == 11) {
-        t_ns = v[10];
+    if (nargs == 12) {
+        t_ns = v[11];
     } else {
         struct timespec now;
         clock_gettime(CLOCK_MONOTONIC, &now);
@@ -113,6 +114,8 @@ static PyObject *producer_write(Producer *self, PyObject *const *args, Py_ssize_
     r.sig = (uint32_t)v[7];
     r.peer = (int32_t)v[8];
     r.aux = (uint32_t)v[9];
+    r.phase = (uint8_t)(v[10] & 0xFF);
+    r.module = (uint32_t)(v[10] >> 8);
     r.tail = index + 1;
     /* head first, then the payload, then tail: a reader that finds head == tail == index + 1 after
      * reading the payload read it whole. */
@@ -125,7 +128,7 @@ static PyObject *producer_write(Producer *self, PyObject *const *args, Py_ssize_
 
 static PyMethodDef producer_methods[] = {
     {"write", (PyCFunction)(void (*)(void))producer_write, METH_FASTCALL,
-     "write(kind, op, flags, pg, op_id, seq, nbytes, sig, peer, aux, t_ns=now) -> t_ns"},
+     "write(kind, op, flags, pg, op_id, seq, nbytes, sig, peer, aux, where=0, t_ns=now) -> t_ns"},
     {NULL, NULL, 0, NULL},
 };
 

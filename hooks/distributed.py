@@ -28,10 +28,9 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from . import ddp, recorder
+from . import ddp, recorder, registry
 from .ops import OpName
 from .recorder import Group
-from .registry import abort_hooks, post_hooks, pre_hooks
 
 
 # Each mirrors the signature of the torch.distributed function of the same name and returns
@@ -171,7 +170,7 @@ def _instrumented(op: OpName, original: Callable, describe: Callable, kind: str 
             return original(*args, **kwargs)
         if group_target is None and target is not None:
             group_target = info.group_rank(target)
-        if unhooked_ok and not async_op and not (pre_hooks.entries or post_hooks.entries or abort_hooks.entries):
+        if unhooked_ok and not async_op and not registry.hooked:
             return recorder.run_unhooked(code, info, tensors, outputs, -1 if group_target is None else group_target,
                                          original, args, kwargs)
         try:

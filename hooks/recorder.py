@@ -28,6 +28,8 @@ FLAG_LAST_BUCKET = 2
 
 _op_ids = itertools.count(1)
 _ring: Ring | None = None
+where: Callable[[], int] | None = None
+"""Set by ``attribution.enable()``: the ``(module << 8) | phase`` of a collective issued now."""
 _ring_lock = threading.Lock()
 
 
@@ -189,7 +191,7 @@ def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple,
         op_id = next(_op_ids)
         seq = group.next_collective_seq()
         write, sid = (_ring or ring()).write, group.sid
-        write(START, code, 0, sid, op_id, seq, nbytes, sig, wire_peer, 0)
+        write(START, code, 0, sid, op_id, seq, nbytes, sig, wire_peer, 0, 0 if where is None else where())
     except Exception as error:
         internal_error("START", error)
         return call(*args, **kwargs)
@@ -221,7 +223,8 @@ def record_nan(call: InFlight, index: int, flags: int, count: int) -> None:
 
 def _write_start(call: InFlight) -> None:
     call.t0 = (_ring or ring()).write(START, call.code, call.flags, call.sid, call.op_id, call.seq, call.nbytes,
-                                      call.sig, call.wire_peer, 0 if call.bucket is None else call.bucket.index + 1)
+                                      call.sig, call.wire_peer, 0 if call.bucket is None else call.bucket.index + 1,
+                                      0 if where is None else where())
 
 
 def _is_timeout(error: BaseException) -> bool:

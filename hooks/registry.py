@@ -35,10 +35,12 @@ class _Hooks:
             raise ValueError(f"{hook!r} is already registered as a {self.kind}-hook; "
                              "remove its handle before registering it again")
         self.entries = self.entries + ((hook, propagate),)
+        _update_hooked()
         return RemovableHandle(self, hook)
 
     def discard(self, hook: Hook) -> None:
         self.entries = tuple(entry for entry in self.entries if entry[0] is not hook)
+        _update_hooked()
 
     def call(self, args: object, in_caller: bool = True) -> None:
         """Run every hook on ``args``. Off the caller's thread (``in_caller=False``) nothing can
@@ -85,6 +87,13 @@ def _report(kind: str, hook: Hook, error: Exception) -> None:
 
 
 pre_hooks, post_hooks, abort_hooks = _Hooks("pre"), _Hooks("post"), _Hooks("abort")
+hooked = False
+"""Whether any pre-, post- or abort hook is registered: one lookup for the hot path."""
+
+
+def _update_hooked() -> None:
+    global hooked
+    hooked = bool(pre_hooks.entries or post_hooks.entries or abort_hooks.entries)
 
 
 def register_pre_hook(hook: Hook, *, propagate: bool = False) -> RemovableHandle:

@@ -41,8 +41,8 @@ _HEADER = struct.Struct("<8sIIIIIqI")  # magic, version, slots, record size, str
 _HEADER_SIZE = 64
 _CLAIM_OFFSET = 56  # the producers' next index, a uint64 in the header
 _MAGIC = b"CMLNSRNG"
-_VERSION = 2
-RECORD = struct.Struct("<QBBBxIQQQQIiI4xQ")
+_VERSION = 3
+RECORD = struct.Struct("<QBBBBIQQQQIiIIQ")
 _SEQ = struct.Struct("<Q")
 _TAIL = RECORD.size - _SEQ.size
 _STRING = struct.Struct("<H254s")
@@ -57,6 +57,7 @@ class Record(NamedTuple):
     kind: int
     op: int
     flags: int
+    phase: int
     pg: int
     op_id: int
     seq: int
@@ -65,6 +66,7 @@ class Record(NamedTuple):
     sig: int
     peer: int
     aux: int
+    module: int
 
 
 def _check_power_of_two(name: str, value: int) -> None:
@@ -75,9 +77,9 @@ def _check_power_of_two(name: str, value: int) -> None:
 class Ring:
     """The ring's memory plus its producer side. ``Ring.attach(path)`` maps another process's ring.
 
-    ``write(kind, op, flags, pg, op_id, seq, nbytes, sig, peer, aux, t_ns=now) -> t_ns`` publishes
-    one record, stamped with ``time.monotonic_ns()`` unless ``t_ns`` is given, and returns the
-    stamp. It never blocks; when the ring is full it overwrites the oldest record.
+    ``write(kind, op, flags, pg, op_id, seq, nbytes, sig, peer, aux, where=0, t_ns=now) -> t_ns``
+    publishes one record, stamped with ``time.monotonic_ns()`` unless ``t_ns`` is given, and returns
+    the stamp; ``where`` is ``(module string id << 8) | phase`` (``attribution.py``). It never blocks; when the ring is full it overwrites the oldest record.
     """
 
     def __init__(self, slots: int = DEFAULT_SLOTS, path: str | None = None, strings: int = DEFAULT_STRINGS):

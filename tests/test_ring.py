@@ -13,13 +13,14 @@ from commlens.hooks import END, START, Ring, RingReader
 def write(ring, op_id, kind=START):
     # Every field derives from op_id, so a torn or mixed-up record is detectable.
     ring.write(kind, op_id % 14, op_id % 3, op_id % 1000, op_id, op_id * 3, op_id * 7,
-               op_id % 2000, -(op_id % 5), op_id % 11, op_id * 5)
+               op_id % 2000, -(op_id % 5), op_id % 11, (op_id % 4000) << 8 | op_id % 4, op_id * 5)
 
 
 def check(record):
     i = record.op_id
     assert (record.op, record.flags, record.pg, record.seq, record.t_ns, record.nbytes, record.sig,
-            record.peer, record.aux) == (i % 14, i % 3, i % 1000, i * 3, i * 5, i * 7, i % 2000, -(i % 5), i % 11)
+            record.peer, record.aux, record.module, record.phase) == \
+        (i % 14, i % 3, i % 1000, i * 3, i * 5, i * 7, i % 2000, -(i % 5), i % 11, i % 4000, i % 4)
 
 
 def test_reader_gets_records_in_order_and_then_nothing():
@@ -105,7 +106,7 @@ from commlens.hooks import Ring, START, END
 ring = Ring(slots=64, path=sys.argv[1])
 sid = ring.intern("group 0")
 for i in range(100):
-    ring.write(START if i % 2 == 0 else END, 1, 0, sid, i, i, 4 * i, 0, -1, 0, i)
+    ring.write(START if i % 2 == 0 else END, 1, 0, sid, i, i, 4 * i, 0, -1, 0, 0, i)
 print("written", flush=True)
 sys.stdin.read()  # stay alive while the other process reads
 """
