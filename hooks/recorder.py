@@ -187,9 +187,15 @@ def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple,
     """``call(*args, **kwargs)``, a synchronous collective, recorded as START and END with nothing
     else: the path taken while no hook of any kind is registered. Allocates no per-op object."""
     try:
-        sig, nbytes = signature(tensors, output_tensors)
+        # signature() and next_collective_seq(), with their common cases inlined: this runs per op
+        found = None
+        if len(tensors) == 1 and output_tensors is tensors:
+            t = tensors[0]
+            found = _signatures.get((t.shape, t.dtype))
+        sig, nbytes = found or signature(tensors, output_tensors)
         op_id = next(_op_ids)
-        seq = group.next_collective_seq()
+        source = group.seq_source
+        seq = source() + 1 - group.p2p_in_source if source is not None else group.next_collective_seq()
         write, sid = (_ring or ring()).write, group.sid
         write(START, code, 0, sid, op_id, seq, nbytes, sig, wire_peer, 0, 0 if where is None else where())
     except Exception as error:
