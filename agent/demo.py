@@ -71,6 +71,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int) -> int:
+    """A base port such that base .. base + count - 1 are all free on loopback now."""
+    while True:
+        base = free_port()
+        if base + count <= 65536 and all(_is_free(base + i) for i in range(1, count)):
+            return base
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def demo_environment(out_dir: str) -> dict[str, str]:
     """The demo's defaults; what the user's environment sets wins."""
     defaults = {"COMMLENS_METRICS_ADDR": "127.0.0.1", "COMMLENS_HANG_THRESHOLD_S": DEMO_HANG_THRESHOLD_S,

@@ -111,7 +111,6 @@ class Agent:
             sys.excepthook = self._previous_excepthook
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self.sidecar.stop(self.config.snapshot_timeout_s)
         self.snapshot("signal")
         previous = self._previous_sigterm
         if callable(previous):

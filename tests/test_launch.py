@@ -1,12 +1,11 @@
 """``commlens run -- torchrun …``: an unmodified script gets metrics and traces for all its ranks."""
 
-import os
 import subprocess
 import sys
 import time
 import urllib.request
 
-from commlens.agent.demo import free_port
+from commlens.agent.demo import free_port, free_ports
 
 TRAIN = """
 import os, sys, time, torch, torch.distributed as dist
@@ -29,9 +28,7 @@ def _commlens(*args, **kwargs):
 def test_an_unmodified_torchrun_job_is_instrumented_in_every_rank(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    base = free_port()
-    while not _free(base + 1):
-        base = free_port()
+    base = free_ports(2)
     job = _commlens("run", "--metrics-port", str(base), "--metrics-addr", "127.0.0.1", "--job-id", "zero-code",
                     "--trace-file", str(tmp_path / "spans-{rank}.jsonl"), "--",
                     "torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()), str(script), str(tmp_path))
@@ -56,17 +53,6 @@ def test_an_unmodified_torchrun_job_is_instrumented_in_every_rank(tmp_path):
         spans = (tmp_path / f"spans-{rank}.jsonl").read_text()
         assert spans.count('"name":"all_reduce"') == 5 and spans.count('"name":"barrier"') == 1
     assert not (tmp_path / "spans-None.jsonl").exists() and len(list(tmp_path.glob("spans-*.jsonl"))) == 2
-
-
-def _free(port):
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def test_a_bad_option_fails_before_the_command_starts(tmp_path):

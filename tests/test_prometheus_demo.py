@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from commlens.agent.demo import Fault, free_port, run
+from commlens.agent.demo import Fault, free_ports, run
 
 WORLD, STEPS = 3, 6
 CONTRACT = ["commlens_collective_duration_seconds_bucket", "commlens_collective_duration_seconds_sum",
@@ -21,24 +21,6 @@ CONTRACT = ["commlens_collective_duration_seconds_bucket", "commlens_collective_
             "commlens_collective_inflight", "commlens_collective_inflight_oldest_seconds", "commlens_hangs_total",
             "commlens_nan_events_total", "commlens_abort_snapshots_total", "commlens_ring_records_dropped_total",
             "commlens_spans_exported_total", "commlens_info"]
-
-
-def _free_ports(count):
-    while True:
-        base = free_port()
-        if base + count < 65536 and all(_is_free(base + i) for i in range(count)):
-            return base
-
-
-def _is_free(port):
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _query(port, expression):
@@ -67,7 +49,7 @@ def _wait_for(condition, what, timeout_s=90):
 
 @pytest.fixture
 def demo_serving(tmp_path):
-    base = _free_ports(WORLD)
+    base = free_ports(WORLD)
     env = {**os.environ, "COMMLENS_METRICS_PORT": str(base)}
     demo = subprocess.Popen([sys.executable, "-m", "commlens.agent.cli", "demo", "--world-size", str(WORLD),
                              "--steps", str(STEPS), "--out", str(tmp_path / "demo"), "--keep-serving"],
@@ -88,7 +70,7 @@ def demo_serving(tmp_path):
 def test_prometheus_scrapes_every_contract_metric_for_every_rank_with_the_right_values(demo_serving, tmp_path):
     base, out = demo_serving
     prometheus = _installed("prometheus")
-    web = _free_ports(1)
+    web = free_ports(1)
     targets = ", ".join(f"'127.0.0.1:{base + r}'" for r in range(WORLD))
     (tmp_path / "prometheus.yml").write_text(
         f"global: {{scrape_interval: 1s}}\nscrape_configs:\n  - job_name: commlens\n"
