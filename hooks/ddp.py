@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from . import recorder
+from . import groups, recorder
 from .ops import OpName
 
 @dataclasses.dataclass
@@ -67,19 +67,17 @@ def wrap(hook: Callable | None = None) -> Callable:
 
     @functools.wraps(inner)
     def recorded(state: Any, bucket: Any):
-        from .distributed import group_of
-
         buffer = bucket.buffer()
         info = DdpBucket(bucket.index(), len(bucket.parameters()), bucket.is_last(),
                          buffer.numel() * buffer.element_size())
         try:
-            group = group_of(_process_group(state))
-            flight = recorder.begin(OpName.all_reduce, group, (buffer,), (buffer,), True, None, None,
-                                    bucket=info)
-        except recorder.HookRaised as raised:
-            raise raised.error from None
+            group = groups.group_of(_process_group(state))
         except Exception as error:  # commlens could not record it: the bucket goes on unrecorded
             recorder.internal_error("ddp bucket", error)
+            return inner(state, bucket)
+        tensors = (buffer,)
+        flight = recorder.start(OpName.all_reduce, group, tensors, tensors, True, None, None, bucket=info)
+        if flight is None:
             return inner(state, bucket)
         global active
         with _active_lock:

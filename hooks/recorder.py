@@ -182,6 +182,30 @@ def begin(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async
     return call
 
 
+def start(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async_op: bool,
+          root: int | None, peer: int | None, bucket: Any = None) -> InFlight | None:
+    """``begin()`` as a source calls it: a propagating pre-hook's error is raised to the caller as it
+    is; a failure of commlens itself is counted and gives None (the op then goes on unrecorded)."""
+    try:
+        return begin(op, group, tensors, output_tensors, async_op, root, peer, bucket)
+    except HookRaised as raised:
+        raise raised.error from None
+    except Exception as error:
+        internal_error("begin", error)
+        return None
+
+
+def settle(step: Callable[[Any], None], result: Any) -> None:
+    """``step(result)`` once the op is issued (``InFlight.issued`` or a source's own): as ``start()``
+    does, a propagating post-hook's error reaches the caller, a failure of commlens is counted."""
+    try:
+        step(result)
+    except HookRaised as raised:
+        raise raised.error from None
+    except Exception as error:
+        internal_error("issued", error)
+
+
 def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple, wire_peer: int,
                  call: Callable, args: tuple, kwargs: dict) -> Any:
     """``call(*args, **kwargs)``, a synchronous collective, recorded as START and END with nothing
