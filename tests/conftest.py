@@ -1,4 +1,4 @@
-"""Runs real multi-process gloo jobs for the tests: ``run_ranks(fn, world_size, **kwargs)``."""
+"""Runs real multi-process jobs for the tests: ``run_ranks(fn, world_size, **kwargs)``."""
 
 import datetime
 import os
@@ -13,11 +13,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from commlens.agent.demo import free_port  # noqa: E402
 
 
-def _rank_main(rank, fn, world_size, port, result_dir, timeout_s, kwargs):
+def _rank_main(rank, fn, world_size, port, result_dir, timeout_s, backend, kwargs):
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
         result = fn(rank, world_size, **kwargs)
@@ -29,10 +33,11 @@ def _rank_main(rank, fn, world_size, port, result_dir, timeout_s, kwargs):
 
 @pytest.fixture
 def run_ranks(tmp_path):
-    """Run ``fn(rank, world_size, **kwargs)`` in ``world_size`` gloo processes; return their results."""
+    """Run ``fn(rank, world_size, **kwargs)`` in ``world_size`` processes (gloo; "nccl": one GPU
+    each); return their results."""
 
-    def run(fn, world_size, timeout_s=60, **kwargs):
-        mp.start_processes(_rank_main, args=(fn, world_size, free_port(), str(tmp_path), timeout_s, kwargs),
+    def run(fn, world_size, timeout_s=60, backend="gloo", **kwargs):
+        mp.start_processes(_rank_main, args=(fn, world_size, free_port(), str(tmp_path), timeout_s, backend, kwargs),
                            nprocs=world_size, start_method="spawn")
         results = []
         for rank in range(world_size):

@@ -17,14 +17,15 @@ def _model(layers=2, width=16):
 
 def _grads(model, rank, steps=2, nan=False, after_backward=lambda model: None):
     out = []
+    device = next(model.parameters()).device
     for step in range(steps):
-        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank * 100 + step))
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank * 100 + step)).to(device)
         if nan:
             x[0, 0] = float("nan")
         model.zero_grad()
         model(x).pow(2).mean().backward()
         after_backward(model)
-        out.append([p.grad.clone() for p in model.parameters()])
+        out.append([p.grad.to("cpu", copy=True) for p in model.parameters()])
     return out
 
 
@@ -132,3 +133,33 @@ def test_the_wrapper_passes_the_quantize_hooks_errors_through_unchanged(run_rank
     for errors in run_ranks(quantize_errors, 2):
         for name in ("per_tensor", "per_channel"):
             assert (name, False) in errors and errors[(name, True)] == errors[(name, False)]
+
+
+def gpu_hooks(rank, world_size):
+    def model():
+        return DDP(_model().cuda(), device_ids=[rank])
+
+    results = {"plain": _grads(model(), rank)}
+    for name, hook in (("bf16", default_hooks.bf16_compress_hook),
+                       ("per_tensor", quantization_hooks.quantization_pertensor_hook),
+                       ("per_channel", quantization_hooks.quantization_perchannel_hook)):
+        unwrapped = model()
+        unwrapped.register_comm_hook(None, hook)
+        results[name] = _grads(unwrapped, rank)
+        wrapped = model()
+        wrapped.register_comm_hook(None, ddp.wrap(hook))
+        results[name + " wrapped"] = _grads(wrapped, rank)
+    return results
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="the bf16 hook needs NCCL and the quantize hooks CUDA: 2 GPUs, one per rank")
+def test_wrapped_bf16_and_quantize_hooks_give_the_unwrapped_hooks_gradients_on_nccl(run_ranks):
+    for r in run_ranks(gpu_hooks, 2, backend="nccl"):
+        for name, atol in (("bf16", 0), ("per_tensor", 1e-4), ("per_channel", 1e-4)):
+            for got, want in zip(r[name + " wrapped"], r[name]):
+                for g, w in zip(got, want):
+                    torch.testing.assert_close(g, w, rtol=0, atol=atol)
+        for got, want in zip(r["bf16"], r["plain"]):  # bf16 keeps 8 bits of mantissa
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-3)
