@@ -63,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--world-size", type=_positive, default=4, help="gloo processes (default 4)")
     demo.add_argument("--steps", type=_positive, default=20, help="training steps (default 20)")
     demo.add_argument("--out", help="folder for the flight-recorder dumps (default: a new temporary one)")
-    demo.add_argument("--inject", type=_fault,
-                      help="a fault: nan|hang|desync|size|skip:rank=R:step=S, or slow:rank=R:ms=M")
+    demo.add_argument("--inject", type=_fault, action="append", default=[],
+                      help="a fault, repeatable: nan|hang|desync|size|skip:rank=R:step=S (hang also takes "
+                      ":s=SECONDS), or slow:rank=R:ms=M")
     demo.add_argument("--keep-serving", action="store_true",
                       help="after training, keep serving metrics until SIGTERM (for a Prometheus to scrape)")
     launch = commands.add_parser("run", help="run COMMAND with commlens started in every distributed rank",
@@ -83,13 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     from .demo import run
 
     out = args.out or tempfile.mkdtemp(prefix="commlens-demo-")
-    if args.inject and args.inject.rank >= args.world_size:
-        parser.error(f"--inject rank={args.inject.rank} is not accepted: ranks are 0..{args.world_size - 1}")
+    for fault in args.inject:
+        if fault.rank >= args.world_size:
+            parser.error(f"--inject rank={fault.rank} is not accepted: ranks are 0..{args.world_size - 1}")
     port = os.environ.get("COMMLENS_METRICS_PORT", str(DEFAULT_METRICS_PORT))
     print(f"commlens demo: {args.world_size} ranks x {args.steps} steps of DDP on gloo/CPU; metrics on "
           f"127.0.0.1:{port}+rank; traces and flight-recorder dumps in {out}", flush=True)
     try:
-        outcome = run(args.world_size, args.steps, out, args.inject, args.keep_serving)
+        outcome = run(args.world_size, args.steps, out, tuple(args.inject), args.keep_serving)
     except ConfigError as error:
         print(f"commlens demo: {error}", file=sys.stderr)
         return 2

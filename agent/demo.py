@@ -9,7 +9,8 @@ verdict on the dumps. Faults can be injected to see what commlens catches:
 
     nan:rank=R:step=S      rank R's batch holds NaN at step S (its gradient bucket is flagged)
     slow:rank=R:ms=M       rank R computes M ms longer every step (it becomes the slowest rank)
-    hang:rank=R:step=S     rank R stalls at step S for the hang threshold + 2 s (the others hang)
+    hang:rank=R:step=S     rank R stalls at step S for the hang threshold + 2 s (the others hang);
+                           hang:rank=R:step=S:s=N stalls it N seconds
     desync:rank=R:step=S   rank R issues a broadcast where the others all_reduce
     size:rank=R:step=S     rank R receives the step's learning-rate broadcast into a larger tensor
     skip:rank=R:step=S     rank R stops at step S: it never joins that step's collectives
@@ -43,15 +44,21 @@ class Fault:
     rank: int
     step: int = 0
     ms: int = 0
+    s: int = 0
+    """hang only: seconds to stall (0: the hang threshold + 2 s)."""
 
     @classmethod
     def parse(cls, text: str) -> Fault:
-        """``kind:rank=R:step=S`` (``slow:rank=R:ms=M``), e.g. ``nan:rank=1:step=3``."""
+        """``kind:rank=R:step=S`` (``slow:rank=R:ms=M``, ``hang:...:s=N``), e.g. ``nan:rank=1:step=3``."""
         usage = (f"--inject {text!r} is not accepted: use KIND:rank=R:step=S with KIND one of "
-                 f"{', '.join(k for k in FAULTS if k != 'slow')}, or slow:rank=R:ms=M")
+                 f"{', '.join(k for k in FAULTS if k != 'slow')}, hang:rank=R:step=S:s=SECONDS, "
+                 "or slow:rank=R:ms=M")
         kind, _, rest = text.partition(":")
         fields = dict(part.partition("=")[::2] for part in rest.split(":") if part)
-        if kind not in FAULTS or set(fields) != ({"rank", "ms"} if kind == "slow" else {"rank", "step"}):
+        accepted = [{"rank", "ms"}] if kind == "slow" else [{"rank", "step"}]
+        if kind == "hang":
+            accepted.append({"rank", "step", "s"})
+        if kind not in FAULTS or set(fields) not in accepted:
             raise ValueError(usage)
         try:
             values = {key: int(value) for key, value in fields.items()}
@@ -63,6 +70,10 @@ class Fault:
 
     def hits(self, kind: str, rank: int, step: int) -> bool:
         return (self.kind, self.rank) == (kind, rank) and (kind == "slow" or self.step == step)
+
+
+def _hit(faults: tuple[Fault, ...], kind: str, rank: int, step: int) -> Fault | None:
+    return next((fault for fault in faults if fault.hits(kind, rank, step)), None)
 
 
 def free_port() -> int:
@@ -101,7 +112,7 @@ class _Stopped(Exception):
     """The injected ``skip`` fault: this rank stops issuing collectives."""
 
 
-def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, fault: Fault | None,
+def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faults: tuple[Fault, ...],
            keep_serving: bool, environment: dict[str, str]) -> None:
     import commlens.agent
     from commlens.hooks import NanCheckHook
@@ -110,8 +121,9 @@ def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faul
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     threshold = float(os.environ["COMMLENS_HANG_THRESHOLD_S"])
-    timeout = datetime.timedelta(seconds=threshold + 10 if fault and fault.kind in ("desync", "size", "skip")
-                                 else 300)
+    kinds = {fault.kind for fault in faults}
+    timeout = datetime.timedelta(seconds=threshold + 10 if kinds & {"desync", "size", "skip"}
+                                 else max([300] + [fault.s + 60 for fault in faults]))
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
     agent = commlens.agent.start()
     NanCheckHook(mode="report").register_with_comm()
@@ -125,24 +137,26 @@ def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faul
     try:
         for step in range(steps):
             step_seqs.append(pg._get_sequence_number_for_group())
-            if fault and fault.hits("skip", rank, step):
+            if _hit(faults, "skip", rank, step):
                 raise _Stopped
-            if fault and fault.hits("hang", rank, step):
-                time.sleep(threshold + 2)  # the injected fault: this rank is late by more than the threshold
-            if fault and fault.hits("slow", rank, step):
-                time.sleep(fault.ms / 1000)
-            size_fault = fault is not None and fault.hits("size", rank, step)
+            hang = _hit(faults, "hang", rank, step)
+            if hang:
+                time.sleep(hang.s or threshold + 2)  # the injected fault: this rank is late past the threshold
+            slow = _hit(faults, "slow", rank, step)
+            if slow:
+                time.sleep(slow.ms / 1000)
+            size_fault = _hit(faults, "size", rank, step) is not None
             lr = torch.tensor([0.05, 0.0] if size_fault else [0.05])
             dist.broadcast(lr, src=0)
             optimizer.param_groups[0]["lr"] = float(lr[0])
             x = torch.randn(64, 32, generator=generator)
-            if fault and fault.hits("nan", rank, step):
+            if _hit(faults, "nan", rank, step):
                 x[0, 0] = float("nan")
             loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            if fault and fault.hits("desync", rank, step):
+            if _hit(faults, "desync", rank, step):
                 dist.broadcast(loss.detach(), src=0)
             else:
                 dist.all_reduce(loss.detach())
@@ -205,7 +219,7 @@ class Outcome:
     analyzer: subprocess.CompletedProcess
 
 
-def run(world_size: int, steps: int, out_dir: str, fault: Fault | None = None,
+def run(world_size: int, steps: int, out_dir: str, faults: tuple[Fault, ...] = (),
         keep_serving: bool = False) -> Outcome:
     """Train with ``world_size`` ranks; returns the summary, each rank's result and torchfrtrace's run."""
     os.makedirs(out_dir, exist_ok=True)
@@ -213,7 +227,7 @@ def run(world_size: int, steps: int, out_dir: str, fault: Fault | None = None,
     from commlens.agent.config import Config
 
     Config.from_env({**os.environ, **environment})  # a bad setting fails here, before any rank starts
-    mp.start_processes(_train, args=(world_size, steps, out_dir, free_port(), fault, keep_serving, environment),
+    mp.start_processes(_train, args=(world_size, steps, out_dir, free_port(), faults, keep_serving, environment),
                        nprocs=world_size, start_method="spawn")
     results = []
     for rank in range(world_size):
@@ -221,10 +235,10 @@ def run(world_size: int, steps: int, out_dir: str, fault: Fault | None = None,
             results.append(json.load(f))
     analyzer = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", out_dir],
                               capture_output=True, text=True)
-    return Outcome(summarize(results, fault), results, analyzer)
+    return Outcome(summarize(results, faults), results, analyzer)
 
 
-def summarize(results: list[dict], fault: Fault | None = None) -> str:
+def summarize(results: list[dict], faults: tuple[Fault, ...] = ()) -> str:
     """The closing summary: per op, then per rank, then what went wrong and where."""
     lines = [f"{'op':<16}{'count':>8}{'p50 ms':>10}{'p99 ms':>10}{'busbw MB/s':>12}"]
     ops: dict[str, list] = {}
@@ -257,7 +271,7 @@ def summarize(results: list[dict], fault: Fault | None = None) -> str:
         step = _step(results[waiting[0]], seq)
         lines.append(f"hang: ranks {waiting} waited over the threshold in {op} (group {pg}, seq {seq}, step {step}); "
                      f"late: rank {', '.join(map(str, late)) or 'unknown'}")
-    if fault is not None:
+    for fault in faults:
         where = f"ms={fault.ms}" if fault.kind == "slow" else f"step {fault.step}"
         lines.append(f"injected: {fault.kind} on rank {fault.rank}, {where}")
     return "\n".join(lines)

@@ -1,0 +1,169 @@
+"""The real monitoring stack for the tests: the demo serving metrics, Debian's Prometheus and
+Alertmanager on loopback, and a webhook receiver that Alertmanager delivers to.
+
+Example::
+
+    with Demo(tmp_path, world=3, steps=6, inject=["nan:rank=1:step=5"]) as demo, \\
+            Prometheus(tmp_path, demo.targets) as prometheus:
+        demo.wait_serving()
+        wait_for(lambda: prometheus.query("commlens_info"), "the first scrape")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+
+from commlens.agent.demo import free_ports
+
+
+def installed(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} is not installed: CI installs Debian's prometheus and prometheus-alertmanager (.ci/run)"
+    return path
+
+
+def wait_for(condition, what: str, timeout_s: float = 90):
+    """Poll ``condition`` until it returns something true (a server still starting counts as false)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            found = condition()
+        except OSError:
+            found = None
+        if found:
+            return found
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.25)
+
+
+class Demo:
+    """``commlens demo --keep-serving`` in its own process group; metrics on ``base + rank``."""
+
+    def __init__(self, tmp_path, world: int, steps: int, inject=(), env=None):
+        self.world, self.base, self.out = world, free_ports(world), tmp_path / "demo"
+        command = [sys.executable, "-m", "commlens.agent.cli", "demo", "--world-size", str(world), "--steps",
+                   str(steps), "--out", str(self.out), "--keep-serving"]
+        for fault in inject:
+            command += ["--inject", fault]
+        self.process = subprocess.Popen(
+            command, env={**os.environ, "COMMLENS_METRICS_PORT": str(self.base), **(env or {})},
+            stdout=subprocess.PIPE, stderr=open(tmp_path / "demo.log", "w"), text=True, start_new_session=True)
+        self.targets = [f"127.0.0.1:{self.base + rank}" for rank in range(world)]
+
+    def wait_serving(self) -> None:
+        """Block until every rank has finished training and serves its final metrics."""
+        serving = 0
+        while serving < self.world:
+            line = self.process.stdout.readline()
+            assert line, "the demo ended before serving its metrics"
+            serving += line.count("serving metrics until SIGTERM")
+
+    def result(self, rank: int) -> dict:
+        return json.loads((self.out / f"result-rank{rank}.json").read_text())
+
+    def __enter__(self) -> Demo:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+class _Server:
+    def __init__(self, command: list[str]):
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+
+
+class Prometheus(_Server):
+    """Debian's Prometheus scraping ``targets`` every second as job "commlens", evaluating ``rule_files``
+    every second and sending alerts to ``alertmanager`` (host:port) when given."""
+
+    def __init__(self, tmp_path, targets: list[str], rule_files=(), alertmanager: str | None = None):
+        self.port = free_ports(1)
+        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                  "rule_files": [str(path) for path in rule_files],
+                  "scrape_configs": [{"job_name": "commlens", "static_configs": [{"targets": targets}]}]}
+        if alertmanager:
+            config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
+        (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+        super().__init__([installed("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+                          f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.port}"])
+
+    def query(self, expression: str, at: float | None = None) -> list[dict]:
+        params = {"query": expression, **({"time": repr(at)} if at is not None else {})}
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode(params)
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return json.load(response)["data"]["result"]
+
+    def by_rank(self, expression: str) -> dict[int, float]:
+        return {int(r["metric"]["rank"]): float(r["value"][1]) for r in self.query(expression)}
+
+
+class Webhook:
+    """An HTTP receiver for Alertmanager's webhook: ``alerts`` holds every alert it was sent."""
+
+    def __init__(self):
+        self.alerts: list[dict] = []
+        received = self.alerts
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                received.extend(json.loads(body)["alerts"])
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def firing(self, alertname: str) -> list[dict]:
+        return [a for a in list(self.alerts) if a["labels"]["alertname"] == alertname and a["status"] == "firing"]
+
+    def __enter__(self) -> Webhook:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Alertmanager(_Server):
+    """Debian's Alertmanager on loopback, delivering every alert to ``webhook_url`` at once."""
+
+    def __init__(self, tmp_path, webhook_url: str):
+        self.port = free_ports(1)
+        config = {"route": {"receiver": "test", "group_by": ["..."], "group_wait": "0s", "group_interval": "1s",
+                            "repeat_interval": "1h"},
+                  "receivers": [{"name": "test", "webhook_configs": [{"url": webhook_url}]}]}
+        (tmp_path / "alertmanager.yml").write_text(json.dumps(config))
+        self.address = f"127.0.0.1:{self.port}"
+        super().__init__([installed("prometheus-alertmanager"), f"--config.file={tmp_path / 'alertmanager.yml'}",
+                          f"--storage.path={tmp_path / 'alertmanager'}", f"--web.listen-address={self.address}",
+                          "--cluster.listen-address="])
