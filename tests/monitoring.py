@@ -33,6 +33,10 @@ def installed(name: str) -> str:
     return path
 
 
+def promtool(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([installed("promtool"), *args], capture_output=True, text=True, cwd=cwd)
+
+
 def wait_for(condition, what: str, timeout_s: float = 90):
     """Poll ``condition`` until it returns something true (a server still starting counts as false)."""
     deadline = time.monotonic() + timeout_s
