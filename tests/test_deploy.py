@@ -1,6 +1,14 @@
-"""What ships in deploy/: the alert rules pass promtool's checks and their own unit tests."""
+"""What ships in deploy/: the alert rules pass promtool's checks and their own unit tests; the
+Kubernetes manifests validate against Kubernetes' and the prometheus-operator's schemas and carry
+the same rules and dashboards as the files they are built from."""
 
+import copy
+import importlib.util
+import json
 import pathlib
+
+import pytest
+import yaml
 
 from monitoring import promtool
 
@@ -12,3 +20,66 @@ def test_the_alert_rules_parse_and_pass_their_promtool_unit_tests():
     assert check.returncode == 0, check.stdout + check.stderr
     tests = promtool("test", "rules", "prometheus-rules.test.yaml", cwd=DEPLOY)
     assert tests.returncode == 0 and "SUCCESS" in tests.stdout, tests.stdout + tests.stderr
+
+
+def _build():
+    spec = importlib.util.spec_from_file_location("deploy_build", DEPLOY / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _documents():
+    """(file name, document) of every manifest in deploy/kubernetes except the kustomization."""
+    return [(path.name, document) for path in sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+            if path.name != "kustomization.yaml" for document in yaml.safe_load_all(path.read_text())]
+
+
+def test_the_prometheus_rule_and_dashboards_config_map_hold_the_files_they_are_built_from():
+    build = _build()
+    for name, (make, source) in build.OUTPUTS.items():
+        assert (DEPLOY / "kubernetes" / name).read_text() == build.render(make(), source), \
+            f"deploy/kubernetes/{name} is out of date: run python deploy/build.py"
+    documents = dict(_documents())
+    rules = yaml.safe_load((DEPLOY / "prometheus-rules.yaml").read_text())
+    assert documents["prometheusrule.yaml"]["spec"]["groups"] == rules["groups"]
+    dashboards = documents["grafana-dashboards.yaml"]["data"]
+    for path in (DEPLOY.parent / "dashboards").glob("*.json"):
+        assert json.loads(dashboards[path.name]) == json.loads(path.read_text())
+
+
+def test_the_kustomization_lists_every_manifest():
+    kustomization = yaml.safe_load((DEPLOY / "kubernetes" / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted({name for name, _ in _documents()})
+
+
+def test_the_manifests_validate_strictly_against_the_kubernetes_and_prometheus_operator_schemas():
+    import kubernetes_validate
+    from cloudcoil.models.prometheus_operator import v1 as operator
+
+    version = kubernetes_validate.latest_version()
+    kinds = set()
+    for name, document in _documents():
+        kinds.add(document["kind"])
+        model = {"PodMonitor": operator.PodMonitor, "PrometheusRule": operator.PrometheusRule}.get(document["kind"])
+        if model is None:
+            kubernetes_validate.validate(document, version, strict=True)  # raises, naming the field
+        else:  # the operator's CRD schema as pydantic models; an unknown field is dropped, so compare
+            parsed = model.model_validate(document).model_dump(by_alias=True, exclude_none=True, mode="json")
+            assert parsed == document, name
+    assert kinds == {"ConfigMap", "Job", "PodMonitor", "PrometheusRule"}
+
+
+def test_the_schema_checks_reject_a_misspelt_field():
+    import kubernetes_validate
+    from cloudcoil.models.prometheus_operator import v1 as operator
+
+    documents = dict(_documents())
+    job = copy.deepcopy(documents["training-job.yaml"])
+    job["spec"]["template"]["spec"]["containers"][0]["comand"] = ["train"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(job, kubernetes_validate.latest_version(), strict=True)
+    monitor = copy.deepcopy(documents["podmonitor.yaml"])
+    monitor["spec"]["podMetricsEndpoints"][0]["intervall"] = "15s"
+    parsed = operator.PodMonitor.model_validate(monitor).model_dump(by_alias=True, exclude_none=True, mode="json")
+    assert parsed != monitor

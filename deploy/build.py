@@ -1,0 +1,57 @@
+"""Builds the Kubernetes objects that carry files kept elsewhere in the repository:
+
+* ``kubernetes/prometheusrule.yaml``: the PrometheusRule holding ``prometheus-rules.yaml``'s groups;
+* ``kubernetes/grafana-dashboards.yaml``: a ConfigMap holding ``dashboards/*.json`` for Grafana's
+  dashboard sidecar.
+
+    python deploy/build.py      # tests/test_deploy.py checks the committed files match
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import yaml
+
+HERE = pathlib.Path(__file__).resolve().parent
+DASHBOARDS = HERE.parent / "dashboards"
+LABELS = {"app.kubernetes.io/part-of": "commlens"}
+
+
+def prometheus_rule() -> dict:
+    rules = yaml.safe_load((HERE / "prometheus-rules.yaml").read_text())
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+            "metadata": {"name": "commlens", "labels": LABELS}, "spec": {"groups": rules["groups"]}}
+
+
+def dashboards_config_map() -> dict:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "commlens-grafana-dashboards", "labels": {**LABELS, "grafana_dashboard": "1"}},
+            "data": {path.name: path.read_text() for path in sorted(DASHBOARDS.glob("*.json"))}}
+
+
+def _literal_blocks(dumper: yaml.SafeDumper, text: str) -> yaml.Node:
+    style = "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+def render(document: dict, source: str) -> str:
+    dumper = type("Dumper", (yaml.SafeDumper,), {})
+    dumper.add_representer(str, _literal_blocks)
+    header = f"# Built by deploy/build.py from {source}; do not edit: run python deploy/build.py\n"
+    return header + yaml.dump(document, Dumper=dumper, sort_keys=False, width=120)
+
+
+OUTPUTS = {"prometheusrule.yaml": (prometheus_rule, "deploy/prometheus-rules.yaml"),
+           "grafana-dashboards.yaml": (dashboards_config_map, "dashboards/*.json")}
+
+
+def main() -> int:
+    for name, (build, source) in OUTPUTS.items():
+        (HERE / "kubernetes" / name).write_text(render(build(), source))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
