@@ -37,15 +37,22 @@ def bus_factor(op: str, group_size: int) -> float:
 
 
 class Histogram:
-    __slots__ = ("counts", "total", "count")
+    """Counts per bucket, and per bucket the latest collective that fell in it: ``(seq, seconds)``,
+    which the Prometheus exporter shows as an exemplar naming that collective's trace."""
+
+    __slots__ = ("counts", "total", "count", "exemplars")
 
     def __init__(self) -> None:
         self.counts = [0] * (len(DURATION_BUCKETS) + 1)
+        self.exemplars: list[tuple[int, float] | None] = [None] * (len(DURATION_BUCKETS) + 1)
         self.total = 0.0
         self.count = 0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(DURATION_BUCKETS, value)] += 1
+    def observe(self, value: float, seq: int | None = None) -> None:
+        index = bisect.bisect_left(DURATION_BUCKETS, value)
+        self.counts[index] += 1
+        if seq is not None:
+            self.exemplars[index] = (seq, value)
         self.total += value
         self.count += 1
 
@@ -76,7 +83,7 @@ class Stats:
         self.bytes[key] += shape.nbytes
         self.bus_bytes[key] += shape.bus_bytes
         if seconds is not None:
-            self.durations[shape.duration_key].observe(seconds)
+            self.durations[shape.duration_key].observe(seconds, seq)
             self.recent[shape.op].append((seconds, shape.bus_bytes / seconds if seconds > 0 else 0.0))
         if seq is not None and seq > self.last_seq.get((shape.pg, "completed"), -1):
             self.last_seq[(shape.pg, "completed")] = seq

@@ -16,6 +16,9 @@ from typing import Any, Callable, Mapping
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.samples import Exemplar
+
+from .otlp import trace_id
 
 
 SNAPSHOT_REASONS = ("abort", "hang", "signal", "exception")
@@ -38,7 +41,7 @@ class MetricsCollector:
     def collect(self):
         rank, s = self.rank, self.stats
         with s.lock:
-            durations = {key: (list(h.counts), h.total) for key, h in s.durations.items()}
+            durations = {key: (list(h.counts), list(h.exemplars), h.total) for key, h in s.durations.items()}
             completed, nbytes, bus = dict(s.completed), dict(s.bytes), dict(s.bus_bytes)
             last_seq, hangs, nans, snapshots = dict(s.last_seq), dict(s.hangs), dict(s.nans), dict(s.snapshots)
         inflight = self.inflight()
@@ -46,11 +49,16 @@ class MetricsCollector:
         family = HistogramMetricFamily("commlens_collective_duration_seconds",
                                        "Time from issue to completion of a collective",
                                        labels=("op", "pg", "size_class", "rank"))
-        for (op, pg, size), (counts, total) in sorted(durations.items()):
+        job = str(self.info()["job"])
+        for (op, pg, size), (counts, exemplars, total) in sorted(durations.items()):
             cumulative, running = [], 0
-            for bound, count in zip((*map(_bound, self.buckets), "+Inf"), counts):
+            for bound, count, exemplar in zip((*map(_bound, self.buckets), "+Inf"), counts, exemplars):
                 running += count
-                cumulative.append((bound, running))
+                if exemplar is None:
+                    cumulative.append((bound, running))
+                else:  # the latest collective in this bucket, by its trace id (OpenMetrics scrapes only)
+                    seq, seconds = exemplar
+                    cumulative.append((bound, running, Exemplar({"trace_id": trace_id(job, pg, seq).hex()}, seconds)))
             family.add_metric((op, pg, size, rank), cumulative, total)
         yield family
 

@@ -102,8 +102,8 @@ class _Server:
 
 
 class Prometheus(_Server):
-    """Debian's Prometheus scraping ``targets`` every second as job "commlens", evaluating ``rule_files``
-    every second and sending alerts to ``alertmanager`` (host:port) when given."""
+    """Debian's Prometheus scraping ``targets`` every second as job "commlens" (exemplars kept),
+    evaluating ``rule_files`` every second and sending alerts to ``alertmanager`` (host:port) if given."""
 
     def __init__(self, tmp_path, targets: list[str], rule_files=(), alertmanager: str | None = None):
         self.port = free_ports(1)
@@ -114,13 +114,22 @@ class Prometheus(_Server):
             config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
         (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
         super().__init__([installed("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
-                          f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.port}"])
+                          f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{self.port}",
+                          "--enable-feature=exemplar-storage"])
 
     def query(self, expression: str, at: float | None = None) -> list[dict]:
         params = {"query": expression, **({"time": repr(at)} if at is not None else {})}
         url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode(params)
         with urllib.request.urlopen(url, timeout=10) as response:
             return json.load(response)["data"]["result"]
+
+    def exemplars(self, expression: str, seconds: float = 600) -> list[dict]:
+        """The exemplars of ``expression``'s series over the last ``seconds``."""
+        now = time.time()
+        params = {"query": expression, "start": repr(now - seconds), "end": repr(now)}
+        url = f"http://127.0.0.1:{self.port}/api/v1/query_exemplars?" + urllib.parse.urlencode(params)
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return [e for series in json.load(response)["data"] for e in series["exemplars"]]
 
     def by_rank(self, expression: str) -> dict[int, float]:
         return {int(r["metric"]["rank"]): float(r["value"][1]) for r in self.query(expression)}

@@ -141,3 +141,10 @@ def test_every_panel_shows_data_from_a_demo_with_a_nan_and_a_hang(tmp_path):
                 if not any(re.fullmatch(r"-?[0-9.e+]+", s["value"][1]) for s in series):
                     empty.append((name, title, expr))
         assert not empty, empty
+        # latency panels link to traces: the histograms' exemplars name traces the ranks exported
+        exemplars = prometheus.exemplars('commlens_collective_duration_seconds_bucket{op="all_reduce"}')
+    traces = {span["traceId"] for rank in range(world)
+              for line in (demo.out / f"traces-rank{rank}.jsonl").read_text().splitlines()
+              for spans in json.loads(line)["resourceSpans"] for scope in spans["scopeSpans"] for span in scope["spans"]}
+    linked = {e["labels"]["trace_id"] for e in exemplars}
+    assert linked and linked <= traces, (linked - traces, len(traces))
