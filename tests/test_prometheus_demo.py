@@ -19,31 +19,36 @@ CONTRACT = ["commlens_collective_duration_seconds_bucket", "commlens_collective_
 
 
 def test_prometheus_scrapes_every_contract_metric_for_every_rank_with_the_right_values(tmp_path):
-    with Demo(tmp_path, WORLD, STEPS) as demo, Prometheus(tmp_path, demo.targets) as prometheus:
-        demo.wait_serving()
-        by_rank = prometheus.by_rank
-        for name in CONTRACT:
-            wait_for(lambda: set(by_rank(f"count by (rank) ({name})")) == set(range(WORLD)), f"{name} for every rank")
-        results = [demo.result(r) for r in range(WORLD)]
-        # What every rank did: per step a learning-rate broadcast, DDP's bucket all_reduce, the loss
-        # all_reduce; then one barrier.
-        expected_count = 3 * STEPS + 1
-        assert by_rank("sum by (rank) (commlens_collectives_total)") == {r: expected_count for r in range(WORLD)}
-        assert by_rank("sum by (rank) (commlens_collective_duration_seconds_count)") == \
-            {r: expected_count for r in range(WORLD)}
-        all_reduce_bytes = {r: STEPS * (results[r]["param_bytes"] + 4) for r in range(WORLD)}
-        assert by_rank('commlens_collective_bytes_total{op="all_reduce"}') == all_reduce_bytes
-        assert by_rank('commlens_collective_bus_bytes_total{op="all_reduce"}') == \
-            {r: b * 2 * (WORLD - 1) / WORLD for r, b in all_reduce_bytes.items()}
-        assert by_rank('commlens_collective_bytes_total{op="broadcast"}') == {r: 4 * STEPS for r in range(WORLD)}
-        last = by_rank('commlens_collective_last_seq{state="completed"}')
-        assert last == {r: results[r]["step_seqs"][-1] for r in range(WORLD)}  # c10d's own count at the end
-        assert by_rank("sum by (rank) (commlens_hangs_total) + sum by (rank) (commlens_nan_events_total)") == \
-            {r: 0 for r in range(WORLD)}
-        assert by_rank("commlens_collective_inflight") == {r: 0 for r in range(WORLD)}
-        live = urllib.request.urlopen(f"http://127.0.0.1:{demo.base}/metrics", timeout=5).read()
-        check = subprocess.run([installed("promtool"), "check", "metrics"], input=live, capture_output=True)
-        assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), check
+    with Demo(tmp_path, WORLD, STEPS) as demo:
+        demo.wait_serving()  # Prometheus starts after training: its first scrape sees the final counts
+        with Prometheus(tmp_path, demo.targets) as prometheus:
+            _check_contract(demo, prometheus)
+
+
+def _check_contract(demo, prometheus):
+    by_rank = prometheus.by_rank
+    for name in CONTRACT:
+        wait_for(lambda: set(by_rank(f"count by (rank) ({name})")) == set(range(WORLD)), f"{name} for every rank")
+    results = [demo.result(r) for r in range(WORLD)]
+    # What every rank did: per step a learning-rate broadcast, DDP's bucket all_reduce, the loss
+    # all_reduce; then one barrier.
+    expected_count = 3 * STEPS + 1
+    assert by_rank("sum by (rank) (commlens_collectives_total)") == {r: expected_count for r in range(WORLD)}
+    assert by_rank("sum by (rank) (commlens_collective_duration_seconds_count)") == \
+        {r: expected_count for r in range(WORLD)}
+    all_reduce_bytes = {r: STEPS * (results[r]["param_bytes"] + 4) for r in range(WORLD)}
+    assert by_rank('commlens_collective_bytes_total{op="all_reduce"}') == all_reduce_bytes
+    assert by_rank('commlens_collective_bus_bytes_total{op="all_reduce"}') == \
+        {r: b * 2 * (WORLD - 1) / WORLD for r, b in all_reduce_bytes.items()}
+    assert by_rank('commlens_collective_bytes_total{op="broadcast"}') == {r: 4 * STEPS for r in range(WORLD)}
+    last = by_rank('commlens_collective_last_seq{state="completed"}')
+    assert last == {r: results[r]["step_seqs"][-1] for r in range(WORLD)}  # c10d's own count at the end
+    assert by_rank("sum by (rank) (commlens_hangs_total) + sum by (rank) (commlens_nan_events_total)") == \
+        {r: 0 for r in range(WORLD)}
+    assert by_rank("commlens_collective_inflight") == {r: 0 for r in range(WORLD)}
+    live = urllib.request.urlopen(f"http://127.0.0.1:{demo.base}/metrics", timeout=5).read()
+    check = subprocess.run([installed("promtool"), "check", "metrics"], input=live, capture_output=True)
+    assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), check
 
 
 @pytest.mark.parametrize("fault, expected", [
