@@ -32,6 +32,7 @@ _SLOW_AFTER = 20
 """Completions of one (op, group, size class) seen before a slow outlier can be called."""
 _SHAPES = 4096
 """Shapes kept before the cache starts over (variable-size payloads would otherwise grow it)."""
+_make = tuple.__new__
 
 
 class Collective(NamedTuple):
@@ -78,6 +79,10 @@ class Shape(NamedTuple):
     dtype: str
     counter_key: tuple[str, str]
     duration_key: tuple[str, str, str]
+    ok_key: tuple[str, str, str]
+    """``counter_key`` + "ok": the completed counter's key for the common status, built once."""
+    enqueued_key: tuple[str, str]
+    completed_key: tuple[str, str]
 
 
 class Sidecar:
@@ -152,7 +157,7 @@ class Sidecar:
         self.inflight[record.op_id] = record
         shape = self._shape(record)
         if not shape.is_p2p:
-            self.stats.enqueued(shape.pg, record.seq)
+            self.stats.enqueued(shape, record.seq)
 
     def _ended(self, end: Record) -> None:
         op_id = end.op_id
@@ -200,7 +205,8 @@ class Sidecar:
             op, (pg, size) = OPS[record.op], self._group(record.pg)
             found = self._shapes[key] = Shape(op.value, op.is_p2p, pg, size, record.nbytes,
                                               record.nbytes * bus_factor(op.value, size), self._dtype(record.sig),
-                                              (op.value, pg), (op.value, pg, size_class(record.nbytes)))
+                                              (op.value, pg), (op.value, pg, size_class(record.nbytes)),
+                                              (op.value, pg, "ok"), (pg, "enqueued"), (pg, "completed"))
         return found
 
     # -- what exporters see -------------------------------------------------------------------------
@@ -212,12 +218,12 @@ class Sidecar:
         end_ns = end.t_ns if end is not None else now_ns
         seconds = (end_ns - start.t_ns) / 1e9
         busbw = shape.bus_bytes / seconds if seconds > 0 and end is not None else 0.0
-        return Collective(shape.op, shape.pg, shape.pg_size, start.seq, shape.is_p2p, start.op_id, self.rank,
-                          shape.nbytes, shape.dtype, bool(flags & FLAG_ASYNC), status,
-                          start.t_ns + offset, end_ns + offset, busbw, nan, hang, slow, end is None,
-                          aux - 1, bool(flags & FLAG_LAST_BUCKET), end.aux if end is not None and aux else 0,
-                          self.ring.string(start.module) if start.module else "",
-                          PHASES[start.phase] if start.phase < len(PHASES) else "")
+        return _make(Collective, (  # every field, in order: without NamedTuple's slower __new__
+            shape.op, shape.pg, shape.pg_size, start.seq, shape.is_p2p, start.op_id, self.rank, shape.nbytes,
+            shape.dtype, bool(flags & FLAG_ASYNC), status, start.t_ns + offset, end_ns + offset, busbw, nan, hang,
+            slow, end is None, aux - 1, bool(flags & FLAG_LAST_BUCKET), end.aux if end is not None and aux else 0,
+            self.ring.string(start.module) if start.module else "",
+            PHASES[start.phase] if start.phase < len(PHASES) else ""))
 
     def _group(self, sid: int) -> tuple[str, int]:
         found = self._groups.get(sid)

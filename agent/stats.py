@@ -72,18 +72,19 @@ class Stats:
         self.events: collections.deque = collections.deque(maxlen=256)
         """The latest NaN and hang events: (kind, op, pg, seq, age or None)."""
 
-    def enqueued(self, pg: str, seq: int) -> None:
-        if seq > self.last_seq.get((pg, "enqueued"), -1):
-            self.last_seq[(pg, "enqueued")] = seq
+    def enqueued(self, shape, seq: int) -> None:
+        """A collective of ``shape`` (the sidecar's ``Shape``) was issued."""
+        if seq > self.last_seq.get(shape.enqueued_key, -1):
+            self.last_seq[shape.enqueued_key] = seq
 
     def finished(self, shape, seq: int | None, status: str, seconds: float | None) -> None:
         """One collective of ``shape`` (the sidecar's ``Shape``) completed with ``status``."""
         key = shape.counter_key
-        self.completed[(*key, status)] += 1
+        self.completed[shape.ok_key if status == "ok" else (*key, status)] += 1
         self.bytes[key] += shape.nbytes
         self.bus_bytes[key] += shape.bus_bytes
         if seconds is not None:
             self.durations[shape.duration_key].observe(seconds, seq)
             self.recent[shape.op].append((seconds, shape.bus_bytes / seconds if seconds > 0 else 0.0))
-        if seq is not None and seq > self.last_seq.get((shape.pg, "completed"), -1):
-            self.last_seq[(shape.pg, "completed")] = seq
+        if seq is not None and seq > self.last_seq.get(shape.completed_key, -1):
+            self.last_seq[shape.completed_key] = seq

@@ -51,9 +51,11 @@ DEFAULT_STRINGS = 4096
 
 
 class Record(NamedTuple):
-    """One decoded ring record; ``index`` is its position in the ring's total write order."""
+    """One decoded ring record, field for field as stored: ``head`` and ``tail`` both hold its
+    position in the ring's total write order + 1 (how a reader knows it is whole); ``index`` is that
+    position."""
 
-    index: int
+    head: int
     kind: int
     op: int
     flags: int
@@ -67,6 +69,11 @@ class Record(NamedTuple):
     peer: int
     aux: int
     module: int
+    tail: int
+
+    @property
+    def index(self) -> int:
+        return self.head - 1
 
 
 def _check_power_of_two(name: str, value: int) -> None:
@@ -162,7 +169,7 @@ class Ring:
         (head,) = _SEQ.unpack_from(self._view, offset)
         if head != tail or head != index + 1:
             return head, None
-        return head, Record(index, *fields[1:-1])
+        return head, tuple.__new__(Record, fields)
 
     def snapshot(self) -> list[Record]:
         """Every whole record now in the ring, oldest first, without moving any reader."""
@@ -225,11 +232,12 @@ class RingReader:
         if count <= 0 or claimed - index > slots:
             return []
         offset = _HEADER_SIZE + (index & (slots - 1)) * RECORD.size
-        run, make = [], tuple.__new__  # a Record from a ready tuple, without NamedTuple's Python __new__
-        for i, fields in enumerate(RECORD.iter_unpack(ring._view[offset:offset + count * RECORD.size])):
-            if fields[0] != index + i + 1 or fields[-1] != index + i + 1:
+        run, make, expected = [], tuple.__new__, index + 1  # make: a Record without NamedTuple's __new__
+        for fields in RECORD.iter_unpack(ring._view[offset:offset + count * RECORD.size]):
+            if fields[0] != expected or fields[14] != expected:
                 break
-            run.append(make(Record, (index + i, *fields[1:-1])))
+            run.append(make(Record, fields))
+            expected += 1
         if index < ring.claimed() - slots:  # a producer lapped into the run while it was read
             return []
         self.cursor = index + len(run)
