@@ -74,10 +74,10 @@ def _metric(text, name, **labels):
                if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
 
 
-def dtensor_and_fsdp2(rank, world_size, base_port):
+def dtensor_and_fsdp2(rank, world_size, base_port, trace_file):
     agent = commlens.agent.start(Config.from_env({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "COMMLENS_METRICS_ADDR": "127.0.0.1", "COMMLENS_METRICS_PORT": str(base_port), "COMMLENS_TRACE_FILE": ""}))
+        "COMMLENS_METRICS_ADDR": "127.0.0.1", "COMMLENS_METRICS_PORT": str(base_port), "COMMLENS_TRACE_FILE": trace_file}))
     reader = ch.RingReader(ch.ring(), start=ch.ring().claimed())
     mesh = init_device_mesh("cpu", (world_size,))
     sharded = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
@@ -102,9 +102,9 @@ def dtensor_and_fsdp2(rank, world_size, base_port):
     return records, metrics, inflight, replicated, grad_is_sharded, c10d_seq
 
 
-def test_a_dtensor_and_fsdp2_program_shows_every_collective_in_the_ring_and_the_metrics(run_ranks):
+def test_a_dtensor_and_fsdp2_program_shows_every_collective_in_the_ring_and_the_metrics(run_ranks, tmp_path):
     for rank, (records, metrics, inflight, replicated, grad_is_sharded, c10d_seq) in enumerate(
-            run_ranks(dtensor_and_fsdp2, 2, base_port=free_ports(2))):
+            run_ranks(dtensor_and_fsdp2, 2, base_port=free_ports(2), trace_file=str(tmp_path / "spans-{rank}.jsonl"))):
         assert torch.equal(replicated, torch.arange(8.0)) and grad_is_sharded
         ends = [(op, seq) for kind, op, seq in records if kind == ch.END]
         seqs = sorted(seq for _, seq in ends)
