@@ -67,3 +67,20 @@ def test_the_demo_summary_names_the_injected_rank_and_step(tmp_path, fault, expe
         spans = [s for line in lines for rs in json.loads(line)["resourceSpans"] for ss in rs["scopeSpans"]
                  for s in ss["spans"]]
         assert spans and all(len(s["traceId"]) == 32 and len(s["spanId"]) == 16 for s in spans)
+
+
+def test_faults_parse_with_a_hang_length_and_bad_ones_are_refused_naming_what_is_accepted():
+    assert Fault.parse("hang:rank=1:step=2:s=30") == Fault("hang", 1, 2, s=30)
+    assert Fault.parse("hang:rank=1:step=2").s == 0
+    for bad in ("hang:rank=1:step=2:ms=5", "nan:rank=1:step=2:s=3", "slow:rank=1", "nan:rank=-1:step=0"):
+        with pytest.raises(ValueError, match="is not accepted: use KIND:rank=R:step=S .*hang:rank=R:step=S:s=SECONDS"):
+            Fault.parse(bad)
+
+
+def test_the_demo_refuses_a_fault_on_a_rank_it_does_not_have(capsys):
+    from commlens.agent.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--world-size", "2", "--inject", "nan:rank=0:step=1", "--inject", "hang:rank=2:step=1"])
+    assert exit_info.value.code == 2
+    assert "--inject rank=2 is not accepted: ranks are 0..1" in capsys.readouterr().err
