@@ -44,12 +44,12 @@ class MetricsCollector:
             durations = {key: (list(h.counts), list(h.exemplars), h.total) for key, h in s.durations.items()}
             completed, nbytes, bus = dict(s.completed), dict(s.bytes), dict(s.bus_bytes)
             last_seq, hangs, nans, snapshots = dict(s.last_seq), dict(s.hangs), dict(s.nans), dict(s.snapshots)
-        inflight = self.inflight()
+        inflight, info = self.inflight(), self.info()
 
         family = HistogramMetricFamily("commlens_collective_duration_seconds",
                                        "Time from issue to completion of a collective",
                                        labels=("op", "pg", "size_class", "rank"))
-        job = str(self.info()["job"])
+        job = str(info["job"])
         for (op, pg, size), (counts, exemplars, total) in sorted(durations.items()):
             cumulative, running = [], 0
             for bound, count, exemplar in zip((*map(_bound, self.buckets), "+Inf"), counts, exemplars):
@@ -95,7 +95,6 @@ class MetricsCollector:
         yield _counter("commlens_spans_exported", "Spans handed to OTLP, by result", ("result",),
                        {(result,): n for result, n in {**dict.fromkeys(SPAN_RESULTS, 0), **self.spans()}.items()},
                        rank)
-        info = self.info()
         family = GaugeMetricFamily("commlens_info", "Who this is", labels=tuple(info))
         family.add_metric(tuple(str(v) for v in info.values()), 1)
         yield family

@@ -12,19 +12,18 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import http.server
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.parse
 import urllib.request
 
 from commlens.agent.demo import free_ports
+from receivers import serve_posts
 
 
 def installed(name: str) -> str:
@@ -140,21 +139,8 @@ class Webhook:
 
     def __init__(self):
         self.alerts: list[dict] = []
-        received = self.alerts
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                received.extend(json.loads(body)["alerts"])
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = serve_posts(lambda path, headers, body: self.alerts.extend(json.loads(body)["alerts"]))
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def firing(self, alertname: str) -> list[dict]:
         return [a for a in list(self.alerts) if a["labels"]["alertname"] == alertname and a["status"] == "firing"]

@@ -47,33 +47,44 @@ class GrpcReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         self.server.stop(None)
 
 
+def serve_posts(handle) -> http.server.ThreadingHTTPServer:
+    """An HTTP server on a free loopback port, on a daemon thread, that answers each POST with
+    ``handle(path, headers, body)``: ``(content type, body)``, or None for an empty 200."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            answer = handle(self.path, {k.lower(): v for k, v in self.headers.items()}, body)
+            self.send_response(200)
+            if answer is not None:
+                self.send_header("Content-Type", answer[0])
+                self.send_header("Content-Length", str(len(answer[1])))
+            self.end_headers()
+            if answer is not None:
+                self.wfile.write(answer[1])
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 class HttpReceiver:
     def __init__(self):
         self.requests, self.headers, self.paths = [], [], []
-        receiver = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 (http.server's name)
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                request = trace_service_pb2.ExportTraceServiceRequest()
-                request.ParseFromString(body)
-                receiver.requests.append(request)
-                receiver.headers.append({k.lower(): v for k, v in self.headers.items()})
-                receiver.paths.append(self.path)
-                answer = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = serve_posts(self._export)
         self.port = self.server.server_address[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _export(self, path, headers, body):
+        request = trace_service_pb2.ExportTraceServiceRequest()
+        request.ParseFromString(body)
+        self.requests.append(request)
+        self.headers.append(headers)
+        self.paths.append(path)
+        return "application/x-protobuf", trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
 
     def close(self):
         self.server.shutdown()

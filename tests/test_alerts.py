@@ -23,7 +23,7 @@ def test_a_nan_on_one_rank_fires_the_nan_alert_naming_that_rank(tmp_path):
     # at the last step: earlier, the all-reduce would spread it into every rank's next step
     with _stack(tmp_path, ["nan:rank=1:step=3"]) as (webhook, demo, prometheus):
         demo.wait_serving()
-        alerts = wait_for(lambda: webhook.firing("CommlensNaNDetected"), "the NaN alert at the webhook")
+        wait_for(lambda: webhook.firing("CommlensNaNDetected"), "the NaN alert at the webhook")
         wait_for(lambda: prometheus.query('ALERTS{alertname="CommlensNaNDetected", alertstate="firing"}'),
                  "Prometheus to list the alert")  # everything it fires has reached Alertmanager by now
         alerts = webhook.firing("CommlensNaNDetected")

@@ -7,6 +7,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from prometheus_client.parser import text_string_to_metric_families
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import commlens.agent
@@ -70,8 +71,9 @@ def test_functional_collectives_are_recorded_with_c10d_sequence_numbers_and_thei
 
 def _metric(text, name, **labels):
     """The sum of ``name``'s samples whose labels include ``labels``."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()))
+    want = {k: str(v) for k, v in labels.items()}
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and want.items() <= sample.labels.items())
 
 
 def dtensor_and_fsdp2(rank, world_size, base_port, trace_file):
