@@ -157,12 +157,25 @@ _lock = threading.Lock()
 
 
 def start(config: Config | None = None) -> Agent:
-    """Start hooks and sidecar (idempotent); ``config`` defaults to ``Config.from_env()``."""
+    """Start hooks and sidecar (idempotent); ``config`` defaults to ``Config.from_env()`` with rank
+    and world size taken from the default process group when it is initialised (``mp.spawn`` jobs
+    that pass ``rank=`` to ``init_process_group``), and the local rank from ``LOCAL_RANK``, else the
+    rank (one node)."""
     global _agent
     with _lock:
         if _agent is None:
-            _agent = Agent(config or Config.from_env())
+            _agent = Agent(config or Config.from_env({**os.environ, **ranks_from_group()}))
         return _agent
+
+
+def ranks_from_group() -> dict[str, str]:
+    """``RANK``, ``WORLD_SIZE`` (and ``LOCAL_RANK`` when unset) of the initialised default group; {} without one."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return {}
+    rank = str(dist.get_rank())
+    return {"RANK": rank, "WORLD_SIZE": str(dist.get_world_size()), "LOCAL_RANK": os.environ.get("LOCAL_RANK", rank)}
 
 
 def stop() -> None:

@@ -12,7 +12,11 @@ Example::
     model.register_comm_hook(None, commlens.hooks.ddp.wrap(default_hooks.fp16_compress_hook))
 
 With ``instrument()`` on, a hook a user registers is wrapped the same way, and a DDP model that
-registers none gets PyTorch's ``allreduce_hook``, wrapped, before its first forward.
+registers none has its buckets reduced by PyTorch's ``allreduce_hook``, wrapped, from its first
+forward. Transparently: DDP validates the user's hook itself and raises its own errors; the model
+keeps the user's hook object (``_comm_hooks``, logging data), so it pickles and copies as without
+commlens; a hookless model's wrapped default goes to its reducer only, which is never pickled; a
+built-in C++ hook (``_register_builtin_comm_hook``) is left alone, its buckets unrecorded.
 """
 
 from __future__ import annotations
@@ -20,14 +24,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import weakref
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from . import groups, recorder
 from .ops import OpName
+from .patch import Patches
 
 @dataclasses.dataclass
 class DdpBucket:
@@ -92,6 +99,9 @@ def wrap(hook: Callable | None = None) -> Callable:
             _scope.bucket = None
             with _active_lock:
                 active -= 1
+        if not isinstance(future, torch._C.Future):  # DDP raises its own error for this
+            flight.complete(recorder.ERROR, TypeError(f"communication hook returned {type(future).__name__}"))
+            return future
         future.add_done_callback(flight._future_done)
         return future
 
@@ -105,36 +115,50 @@ def _process_group(state: Any) -> Any:
     return getattr(state, "process_group", None)
 
 
-_patched: dict[str, Any] = {}
+_hooked: weakref.WeakSet = weakref.WeakSet()
+"""DDP models that registered a communication hook of their own, Python or built-in."""
+_started: weakref.WeakSet = weakref.WeakSet()
+"""DDP models that have run a forward under commlens."""
 
 
-def instrument_ddp() -> None:
-    """Wrap every hook registered from now on; give hookless models a wrapped default. Idempotent."""
-    if _patched:
-        return
-    original_register, original_init = DistributedDataParallel.register_comm_hook, DistributedDataParallel.__init__
+def instrument_ddp(patches: Patches) -> None:
+    """Add the patches that wrap every hook registered from now on and record hookless models."""
 
-    def register_comm_hook(self, state, hook):
-        self._commlens_hooked = True
-        return original_register(self, state, wrap(hook))
+    def register_comm_hook(original):
+        def register_comm_hook(self, state, hook):
+            _hooked.add(self)
+            if not callable(hook) or getattr(hook, "_commlens_wrapped", False):
+                return original(self, state, hook)
+            recorded = wrap(hook)
+            result = original(self, state, recorded)  # DDP checks the hook through ``__wrapped__``
+            if self._comm_hooks and self._comm_hooks[-1][0] is recorded:
+                self._comm_hooks[-1] = (hook, state)  # the model holds the user's hook, as without commlens
+            return result
 
-    def __init__(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        self._commlens_hooked = False
-        self._commlens_default = self.register_forward_pre_hook(_default_before_first_forward)
+        return register_comm_hook
 
-    DistributedDataParallel.register_comm_hook = functools.wraps(original_register)(register_comm_hook)
-    DistributedDataParallel.__init__ = functools.wraps(original_init)(__init__)
-    _patched.update(register_comm_hook=original_register, __init__=original_init)
+    def register_builtin_comm_hook(original):
+        def _register_builtin_comm_hook(self, comm_hook_type):
+            _hooked.add(self)
+            return original(self, comm_hook_type)
 
+        return _register_builtin_comm_hook
 
-def _default_before_first_forward(model: DistributedDataParallel, _inputs: Any) -> None:
-    model._commlens_default.remove()
-    if not getattr(model, "_commlens_hooked", True):
-        model.register_comm_hook(model.process_group, None)
+    def pre_forward(original):
+        def _pre_forward(self, *inputs, **kwargs):
+            if self not in _started:
+                _started.add(self)
+                reducer = getattr(self, "reducer", None)
+                if self not in _hooked and not self._comm_hooks and reducer is not None \
+                        and not getattr(self, "_use_python_reducer", False):
+                    _hooked.add(self)
+                    dist._register_comm_hook(reducer, self.process_group, wrap(None))
+            return original(self, *inputs, **kwargs)
 
+        return _pre_forward
 
-def uninstrument_ddp() -> None:
-    for name, original in _patched.items():
-        setattr(DistributedDataParallel, name, original)
-    _patched.clear()
+    patches.add(DistributedDataParallel.register_comm_hook, register_comm_hook,
+                "DistributedDataParallel.register_comm_hook")
+    patches.add(DistributedDataParallel._register_builtin_comm_hook, register_builtin_comm_hook,
+                "DistributedDataParallel._register_builtin_comm_hook")
+    patches.add(DistributedDataParallel._pre_forward, pre_forward, "DistributedDataParallel._pre_forward")

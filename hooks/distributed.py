@@ -26,7 +26,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from . import ddp, functional, groups, recorder, registry
 from .ops import OpName
-from .patch import Patch
+from .patch import Patches, PatchError
 
 
 # Each mirrors the signature of the torch.distributed function of the same name and returns
@@ -174,30 +174,37 @@ def _destroy_process_group(original: Callable) -> Callable:
     return destroy_process_group
 
 
-_patches: list[Patch] = []
+_patches = Patches()
 _lock = threading.Lock()
 
 
 def instrument() -> None:
-    """Record every public torch.distributed collective and p2p op from now on. Idempotent."""
+    """Record every public torch.distributed collective and p2p op from now on. Idempotent.
+
+    All or nothing: if any function cannot be patched, everything patched so far is undone and a
+    ``PatchError`` names the function."""
     with _lock:
         if _patches:
             return
-        for name, (op, describe) in _DESCRIBE.items():
-            kind = {"send": "sync_p2p", "recv": "sync_p2p", "isend": "async_p2p", "irecv": "async_p2p"}.get(name, "collective")
-            _patches.append(Patch(getattr(c10d, name), lambda original, op=op, describe=describe, kind=kind:
-                                   _instrumented(op, original, describe, kind)))
-        _patches.append(Patch(c10d.destroy_process_group, _destroy_process_group))
-        ddp.instrument_ddp()
-        functional.instrument_functional()
+        try:
+            for name, (op, describe) in _DESCRIBE.items():
+                kind = {"send": "sync_p2p", "recv": "sync_p2p", "isend": "async_p2p", "irecv": "async_p2p"}.get(
+                    name, "collective")
+                _patches.add(getattr(c10d, name), lambda original, op=op, describe=describe, kind=kind:
+                             _instrumented(op, original, describe, kind), f"torch.distributed.{name}")
+            _patches.add(c10d.destroy_process_group, _destroy_process_group, "torch.distributed.destroy_process_group")
+            _patches.add((c10d.Work, "wait"), recorder.waited, "torch.distributed.Work.wait")
+            ddp.instrument_ddp(_patches)
+            functional.instrument_functional(_patches)
+        except PatchError:
+            _patches.undo()
+            raise
 
 
 def uninstrument() -> None:
     """Restore torch.distributed exactly as it was. Idempotent."""
     with _lock:
-        while _patches:
-            _patches.pop().undo()
-        ddp.uninstrument_ddp()
+        _patches.undo()
         functional.uninstrument_functional()
         groups.known.clear()
 

@@ -26,7 +26,7 @@ import torch.distributed._functional_collectives as funcol
 
 from . import groups, recorder
 from .ops import OpName
-from .patch import Patch
+from .patch import Patches
 
 
 def _resized(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -190,21 +190,15 @@ def _wait_tensor(original: Callable) -> Callable:
     return wait_tensor
 
 
-_patches: list[Patch] = []
-
-
-def instrument_functional() -> None:
-    """Record every functional collective issued from now on. Idempotent; called by ``instrument()``."""
-    if _patches:
-        return
+def instrument_functional(patches: Patches) -> None:
+    """Add the patches that record every functional collective; called by ``instrument()``."""
     for name, (op, describe) in _DESCRIBE.items():
-        _patches.append(Patch(getattr(funcol, name),
-                              lambda original, op=op, describe=describe: _instrumented(op, original, describe)))
-    _patches.append(Patch(funcol.wait_tensor, _wait_tensor))
+        patches.add(getattr(funcol, name), lambda original, op=op, describe=describe: _instrumented(op, original, describe),
+                    f"torch.distributed._functional_collectives.{name}")
+    patches.add(funcol.wait_tensor, _wait_tensor, "torch.distributed._functional_collectives.wait_tensor")
 
 
 def uninstrument_functional() -> None:
-    while _patches:
-        _patches.pop().undo()
+    """Forget the functional collectives waiting for completion; ``instrument()``'s patches are undone by it."""
     with _pending_lock:
         _pending.clear()

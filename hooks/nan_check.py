@@ -30,7 +30,8 @@ class NanCheckHook:
     non-finite elements in ``nbytes``, ``FLAG_*`` bits in ``flags``) and the collective proceeds.
     ``mode="raise"``: the collective is not issued; a ``RuntimeError`` names op, rank, group,
     tensor index and what was found (an output of an async op completes on another thread, so its
-    finding is reported instead). Tensors that are not floating point or complex are skipped.
+    finding is reported instead). Tensors that are not floating point or complex are skipped; of a
+    sparse tensor, the stored values are checked.
     """
 
     def __init__(self, mode: str = "report", check_outputs: bool = False):
@@ -67,6 +68,7 @@ class NanCheckHook:
 
     def _check(self, call: PreHookArgs, tensors: tuple, which: int) -> None:
         for index, t in enumerate(tensors):
+            t = _values(t)
             if not (t.is_floating_point() or t.is_complex()) or bool(torch.isfinite(t).all()):
                 continue
             nans, infs = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
@@ -85,3 +87,15 @@ class NanCheckHook:
 
     def __exit__(self, *exc: object) -> None:
         self.unregister()
+
+
+_SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """The stored values of a sparse tensor (COO, CSR, CSC, BSR, BSC); a dense tensor itself."""
+    if t.layout is torch.strided:
+        return t
+    if t.layout is torch.sparse_coo:
+        return t._values()
+    return t.values() if t.layout in _SPARSE_COMPRESSED else t

@@ -15,6 +15,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Callable
 
 from .ops import CODE, OpName, AbortHookArgs, PostHookArgs, PreHookArgs
@@ -305,46 +306,101 @@ def signature(tensors: tuple, output_tensors: tuple) -> tuple[int, int]:
 
 
 class CompletionPoller:
-    """Completes async works that have no future (gloo point-to-point) by polling ``is_completed()``
-    on a daemon thread, so the post-hook fires at completion without anyone blocking on ``wait()``."""
+    """Completes async works that have no future (gloo point-to-point, gloo reduce_scatter), so the
+    post-hook fires at completion without anyone blocking on ``wait()``:
 
-    def __init__(self, period_s: float = 0.0005):
-        self.period_s = period_s
-        self._pending: list[tuple[Any, InFlight]] = []
+    * ``wait()`` returning completes the op at once (``waited`` wraps ``Work.wait``);
+    * a daemon thread polls ``is_completed()``, backing off from 0.5 ms to 50 ms while nothing
+      completes, and sleeping while nothing is watched — it never spins on a work;
+    * a work the caller drops without waiting, and that never said it completed (gloo's
+      reduce_scatter reports ``is_completed() == False`` for good), cannot be judged: it is completed
+      when dropped and counted in ``unjudged``, never left to look like a hang.
+
+    Works are held by weak reference, so watching one never keeps it alive.
+    """
+
+    FIRST_PERIOD_S, LAST_PERIOD_S = 0.0005, 0.05
+
+    def __init__(self) -> None:
+        self._pending: dict[int, tuple[weakref.ref, InFlight]] = {}
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a weak reference's callback may run while it is held
+        self.unjudged = 0
 
     def watch(self, work: Any, call: InFlight) -> None:
-        call.work = work
+        key = id(work)
         with self._lock:
-            self._pending.append((work, call))
+            self._pending[key] = (weakref.ref(work, lambda _, key=key: self._dropped(key)), call)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="commlens-completion", daemon=True)
                 self._thread.start()
         self._wake.set()
 
+    def _take(self, key: int) -> InFlight | None:
+        with self._lock:
+            entry = self._pending.pop(key, None)
+        return None if entry is None else entry[1]
+
+    def waited(self, work: Any, error: BaseException | None) -> None:
+        """``work.wait()`` returned (or raised ``error``): its op has completed."""
+        call = self._take(id(work))
+        if call is not None:
+            call.work = work
+            call.complete(OK if error is None else (TIMEOUT if _is_timeout(error) else ERROR), error)
+
+    def _dropped(self, key: int) -> None:
+        call = self._take(key)
+        if call is not None:
+            self.unjudged += 1
+            call.complete(OK, None)
+
     def _run(self) -> None:
+        period = self.FIRST_PERIOD_S
         while True:
-            self._wake.wait()
+            if not self._pending:
+                self._wake.wait()
+                period = self.FIRST_PERIOD_S
+            self._wake.clear()
             with self._lock:
-                pending, self._pending = self._pending, []
-            still = []
-            for work, call in pending:
+                pending = list(self._pending.items())
+            completed = False
+            for key, (ref, _) in pending:
+                work = ref()
+                if work is None:
+                    continue
                 try:
                     if not work.is_completed():
-                        still.append((work, call))
                         continue
                     error = None if work.is_success() else (work.exception() or RuntimeError("work failed"))
+                except Exception as raised:  # a work that cannot say: it failed, as far as anyone can tell
+                    error = raised
+                completed = True
+                call = self._take(key)
+                if call is not None:
+                    call.work = work
                     call.complete(OK if error is None else (TIMEOUT if _is_timeout(error) else ERROR), error)
-                except Exception as error:  # a work that cannot say: count it as failed, keep polling others
-                    call.complete(ERROR, error)
-            with self._lock:
-                self._pending = still + self._pending
-                if not self._pending:
-                    self._wake.clear()
-            if still:
-                time.sleep(self.period_s)
+            period = self.FIRST_PERIOD_S if completed else min(period * 2, self.LAST_PERIOD_S)
+            if self._pending:
+                self._wake.wait(period)
 
 
 poller = CompletionPoller()
+
+
+def waited(original: Callable) -> Callable:
+    """``Work.wait`` that tells the poller when a watched work has been waited for."""
+
+    def wait(work, *args, **kwargs):
+        if not poller._pending:
+            return original(work, *args, **kwargs)
+        try:
+            result = original(work, *args, **kwargs)
+        except BaseException as error:
+            poller.waited(work, error)
+            raise
+        poller.waited(work, None)
+        return result
+
+    wait.__wrapped__ = original
+    return wait
