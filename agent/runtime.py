@@ -23,7 +23,8 @@ from typing import Any
 
 from commlens.exporters.otlp import GrpcTransport, HttpTransport, JsonLinesTransport, SpanExporter
 from commlens.exporters.prometheus import MetricsCollector, serve
-from commlens.hooks import FlightRecorderHook, attribution, instrument, recorder, register_abort_hook, uninstrument
+from commlens.hooks import (FlightRecorderHook, attribution, hook_errors, instrument, recorder, register_abort_hook,
+                            uninstrument)
 
 from .config import Config, ConfigError
 from .sidecar import Sidecar
@@ -47,7 +48,7 @@ class Agent:
         if config.metrics_port is not None:
             collector = MetricsCollector(self.sidecar.stats, self.sidecar.inflight_by_group,
                                          lambda: self.sidecar.reader.dropped, lambda: dict(self.spans.counts),
-                                         self._info, DURATION_BUCKETS)
+                                         self._info, DURATION_BUCKETS, _telemetry_errors)
             try:
                 self.server = serve(collector, config.metrics_addr, config.metrics_port)
             except OSError as error:
@@ -122,6 +123,12 @@ class Agent:
     def _on_exception(self, kind: type, value: BaseException, traceback: Any) -> None:
         self.snapshot("exception")
         self._previous_excepthook(kind, value, traceback)
+
+
+def _telemetry_errors() -> dict[str, int]:
+    """What commlens lost inside the training process, by ``commlens_telemetry_errors_total``'s kind."""
+    return {"hook": sum(hook_errors.values()), "recorder": recorder.internal_errors,
+            "string_dropped": recorder.ring().strings_dropped, "work_unjudged": recorder.poller.unjudged}
 
 
 def _transport(config: Config) -> Any:

@@ -5,7 +5,7 @@ at that moment; ``serve()`` puts it on its own registry behind prometheus-client
 
 Example::
 
-    server = serve(MetricsCollector(stats, inflight, dropped, spans, info, buckets), "0.0.0.0", 9464)
+    server = serve(MetricsCollector(stats, inflight, dropped, spans, info, buckets, errors), "0.0.0.0", 9464)
     ...
     server.shutdown()
 """
@@ -23,6 +23,7 @@ from .otlp import trace_id
 
 SNAPSHOT_REASONS = ("abort", "hang", "signal", "exception")
 SPAN_RESULTS = ("exported", "failed", "dropped", "sampled_out")
+TELEMETRY_ERRORS = ("hook", "recorder", "string_dropped", "work_unjudged")
 
 
 class MetricsCollector:
@@ -34,8 +35,10 @@ class MetricsCollector:
 
     def __init__(self, stats: Any, inflight: Callable[[], Mapping[str, tuple[int, float]]],
                  dropped: Callable[[], int], spans: Callable[[], Mapping[str, int]],
-                 info: Callable[[], Mapping[str, Any]], buckets: tuple[float, ...]):
+                 info: Callable[[], Mapping[str, Any]], buckets: tuple[float, ...],
+                 telemetry_errors: Callable[[], Mapping[str, int]] = dict):
         self.stats, self.inflight, self.dropped, self.spans = stats, inflight, dropped, spans
+        self.telemetry_errors = telemetry_errors
         self.info, self.rank, self.buckets = info, str(info()["rank"]), buckets
 
     def collect(self):
@@ -94,6 +97,11 @@ class MetricsCollector:
                        (), {(): self.dropped()}, rank)
         yield _counter("commlens_spans_exported", "Spans handed to OTLP, by result", ("result",),
                        {(result,): n for result, n in {**dict.fromkeys(SPAN_RESULTS, 0), **self.spans()}.items()},
+                       rank)
+        yield _counter("commlens_telemetry_errors", "Telemetry lost inside commlens, by kind: hooks that raised, "
+                       "collectives commlens failed to record, strings the ring's table had no room for, async "
+                       "works dropped before their completion could be observed", ("kind",),
+                       {(kind,): n for kind, n in {**dict.fromkeys(TELEMETRY_ERRORS, 0), **self.telemetry_errors()}.items()},
                        rank)
         family = GaugeMetricFamily("commlens_info", "Who this is", labels=tuple(info))
         family.add_metric(tuple(str(v) for v in info.values()), 1)

@@ -258,6 +258,10 @@ def _write_start(call: InFlight) -> None:
                                       0 if where is None else where())
 
 
+def _status(error: BaseException | None) -> int:
+    return OK if error is None else (TIMEOUT if _is_timeout(error) else ERROR)
+
+
 def _is_timeout(error: BaseException) -> bool:
     return "timed out" in str(error).lower() or "timeout" in type(error).__name__.lower()
 
@@ -347,7 +351,8 @@ class CompletionPoller:
         call = self._take(id(work))
         if call is not None:
             call.work = work
-            call.complete(OK if error is None else (TIMEOUT if _is_timeout(error) else ERROR), error)
+            call.complete(_status(error), error)
+            call.work = None
 
     def _dropped(self, key: int) -> None:
         call = self._take(key)
@@ -362,27 +367,32 @@ class CompletionPoller:
                 self._wake.wait()
                 period = self.FIRST_PERIOD_S
             self._wake.clear()
-            with self._lock:
-                pending = list(self._pending.items())
-            completed = False
-            for key, (ref, _) in pending:
-                work = ref()
-                if work is None:
-                    continue
-                try:
-                    if not work.is_completed():
-                        continue
-                    error = None if work.is_success() else (work.exception() or RuntimeError("work failed"))
-                except Exception as raised:  # a work that cannot say: it failed, as far as anyone can tell
-                    error = raised
-                completed = True
-                call = self._take(key)
-                if call is not None:
-                    call.work = work
-                    call.complete(OK if error is None else (TIMEOUT if _is_timeout(error) else ERROR), error)
-            period = self.FIRST_PERIOD_S if completed else min(period * 2, self.LAST_PERIOD_S)
+            period = self.FIRST_PERIOD_S if self._poll() else min(period * 2, self.LAST_PERIOD_S)
             if self._pending:
                 self._wake.wait(period)
+
+    def _poll(self) -> bool:
+        """Complete the watched works that say they completed; True if any did. Holds no work after."""
+        with self._lock:
+            pending = list(self._pending.items())
+        completed = False
+        for key, (ref, _) in pending:
+            work = ref()
+            if work is None:
+                continue
+            try:
+                if not work.is_completed():
+                    continue
+                error = None if work.is_success() else (work.exception() or RuntimeError("work failed"))
+            except Exception as raised:  # a work that cannot say: it failed, as far as anyone can tell
+                error = raised
+            completed = True
+            call = self._take(key)
+            if call is not None:
+                call.work = work
+                call.complete(_status(error), error)
+                call.work = None
+        return completed
 
 
 poller = CompletionPoller()

@@ -1,0 +1,80 @@
+"""Runs a selection of PyTorch's own gloo CPU distributed tests, plain or with commlens in every rank.
+
+The tests come from the installed wheel (``torch.testing._internal.distributed.distributed_test``)
+and are driven the way PyTorch's ``test_distributed_spawn.py`` drives them: one spawned process per
+rank, gloo, a file store. With ``commlens``, every rank process runs what a user of commlens runs:
+``commlens.agent.start()`` right after ``init_process_group`` (hooks, sidecar, flight recorder,
+exporters) plus ``NanCheckHook(mode="report")``.
+
+    python tests/pytorch_suite.py {plain,commlens} RESULTS.json TEST_NAME...
+
+writes ``{test name: outcome}``: "passed", "skipped: why", "failed: the error's last line".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import unittest
+
+os.environ.setdefault("BACKEND", "gloo")
+os.environ.setdefault("WORLD_SIZE", "2")
+os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="commlens-suite-"))
+
+import torch.distributed as dist  # noqa: E402
+from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
+
+
+def _with_commlens() -> None:
+    """In a rank process: start commlens after each ``init_process_group``, as a user would."""
+    import commlens.agent
+    from commlens.hooks import NanCheckHook
+
+    init = dist.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        init(*args, **kwargs)
+        commlens.agent.start()
+        if not getattr(init_process_group, "nan_check", None):
+            init_process_group.nan_check = NanCheckHook(mode="report").register_with_comm()
+
+    dist.init_process_group = init_process_group
+
+
+class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
+    @classmethod
+    def _run(cls, rank, test_name, file_name, pipe, **kwargs):
+        if os.environ.get("COMMLENS_SUITE_MODE") == "commlens":
+            _with_commlens()
+        super()._run(rank, test_name, file_name, pipe, **kwargs)
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+
+def _outcome(result: unittest.TestResult) -> str:
+    if result.failures or result.errors:
+        text = (result.failures + result.errors)[0][1].strip().splitlines()
+        return "failed: " + (text[-1] if text else "?")
+    if result.skipped:
+        return "skipped: " + result.skipped[0][1]
+    return "passed"
+
+
+def main(mode: str, out: str, names: list[str]) -> None:
+    os.environ["COMMLENS_SUITE_MODE"] = mode
+    outcomes = {}
+    for name in names:
+        result = unittest.TestResult()
+        TestDistBackendWithSpawn(name).run(result)
+        outcomes[name] = _outcome(result)
+        print(f"{mode} {name}: {outcomes[name]}", file=sys.stderr, flush=True)
+    with open(out, "w") as f:
+        json.dump(outcomes, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
