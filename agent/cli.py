@@ -3,6 +3,7 @@
     commlens demo --world-size 4 --steps 20        train on CPU with every collective recorded
     commlens demo --inject nan:rank=1:step=3       ... and see commlens name the rank and step
     commlens run -- torchrun --nproc-per-node 4 train.py   instrument every rank of your own job
+    commlens diagnose ./commlens-out               which rank, which collective, why
 """
 
 from __future__ import annotations
@@ -75,6 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         launch.add_argument(f"--{option}", help=f"sets {variable}")
     launch.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]",
                         help="the command to run, e.g. torchrun ... train.py")
+    commands.add_parser("diagnose", add_help=False, help="name the rank, collective and cause of what went wrong "
+                        "(live from metrics or Prometheus, or from trace files and dumps)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["diagnose"]:
+        from .diagnose import main as diagnose
+
+        return diagnose(argv[1:])
     args = parser.parse_args(argv)
 
     from .config import DEFAULT_METRICS_PORT, ConfigError

@@ -20,6 +20,7 @@ PROTOCOLS = ("grpc", "http/protobuf")
 SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
             "parentbased_traceidratio")
 DEFAULT_METRICS_PORT = 9464
+NAN_CHECKS = ("report", "raise", "off")
 
 
 class ConfigError(ValueError):
@@ -54,6 +55,8 @@ class Config:
     span_queue: int = 8192
     module_attribution: bool = False
     snapshot_timeout_s: float = 10.0
+    nan_check: str = "report"
+    """``NanCheckHook``'s mode on the inputs of every collective, or "off"."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -95,6 +98,7 @@ class Config:
             span_queue=env.integer("COMMLENS_SPAN_QUEUE", 8192, minimum=1),
             module_attribution=env.boolean("COMMLENS_MODULE_ATTRIBUTION", False),
             snapshot_timeout_s=env.number("COMMLENS_SNAPSHOT_TIMEOUT_S", 10, minimum=0.1),
+            nan_check=env.choice("COMMLENS_NAN_CHECK", "report", NAN_CHECKS),
         )
 
 

@@ -4,11 +4,11 @@ Every rank runs ``commlens.agent.start()``: collectives are recorded, metrics se
 ``COMMLENS_METRICS_PORT + rank`` (default 9464 + rank, on 127.0.0.1), spans written to
 ``OUT/traces-rank<R>.jsonl`` unless an OTLP endpoint is configured, and flight-recorder dumps to
 ``OUT/rank_<R>``. At the end the launcher prints a summary (per op: count, p50/p99 latency, busbw;
-per rank: NaN events, hangs, time spent in collectives, and the slowest rank) and PyTorch's analyzer
-verdict on the dumps. Faults can be injected to see what commlens catches:
+per rank: NaN events, hangs, time spent in collectives), the verdict of ``commlens diagnose`` on
+those files, and PyTorch's analyzer's verdict on the dumps. Faults can be injected to see what commlens catches:
 
     nan:rank=R:step=S      rank R's batch holds NaN at step S (its gradient bucket is flagged)
-    slow:rank=R:ms=M       rank R computes M ms longer every step (it becomes the slowest rank)
+    slow:rank=R:ms=M       rank R computes M ms longer every step (a straggler)
     hang:rank=R:step=S     rank R stalls at step S for the hang threshold + 2 s (the others hang);
                            hang:rank=R:step=S:s=N stalls it N seconds
     desync:rank=R:step=S   rank R issues a broadcast where the others all_reduce
@@ -115,7 +115,6 @@ class _Stopped(Exception):
 def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faults: tuple[Fault, ...],
            keep_serving: bool, environment: dict[str, str]) -> None:
     import commlens.agent
-    from commlens.hooks import NanCheckHook
 
     os.environ.update(environment)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -125,8 +124,7 @@ def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faul
     timeout = datetime.timedelta(seconds=threshold + 10 if kinds & {"desync", "size", "skip"}
                                  else max([300] + [fault.s + 60 for fault in faults]))
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
-    agent = commlens.agent.start()
-    NanCheckHook(mode="report").register_with_comm()
+    agent = commlens.agent.start()  # with the NaN/Inf check, on by default
     pg = dist.distributed_c10d._get_default_group()
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(
@@ -235,11 +233,15 @@ def run(world_size: int, steps: int, out_dir: str, faults: tuple[Fault, ...] = (
             results.append(json.load(f))
     analyzer = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", out_dir],
                               capture_output=True, text=True)
-    return Outcome(summarize(results, faults), results, analyzer)
+    return Outcome(summarize(results, out_dir, faults), results, analyzer)
 
 
-def summarize(results: list[dict], faults: tuple[Fault, ...] = ()) -> str:
-    """The closing summary: per op, then per rank, then what went wrong and where."""
+def summarize(results: list[dict], out_dir: str, faults: tuple[Fault, ...] = ()) -> str:
+    """The closing summary: per op, then per rank, then the verdict that ``commlens diagnose`` gives
+    on the job's trace files and dumps, with the training step of each finding; the injected faults
+    are listed apart, labelled as such — no verdict line is derived from them."""
+    from .diagnose import findings, from_files
+
     lines = [f"{'op':<16}{'count':>8}{'p50 ms':>10}{'p99 ms':>10}{'busbw MB/s':>12}"]
     ops: dict[str, list] = {}
     for result in results:
@@ -255,25 +257,15 @@ def summarize(results: list[dict], faults: tuple[Fault, ...] = ()) -> str:
         kinds = [event[0] for event in result["events"]]
         lines.append(f"{result['rank']:<6}{kinds.count('nan'):>12}{kinds.count('hang'):>8}"
                      f"{result['collective_seconds']:>18.3f}")
-    slowest = min(results, key=lambda r: r["collective_seconds"])
-    lines.append(f"slowest rank: {slowest['rank']} (in a synchronous collective the last to arrive waits "
-                 "least; it spent the least time in collectives)")
-    nans = sorted((event[3], r["rank"], _step(r, event[3]), event[1]) for r in results for event in r["events"]
-                  if event[0] == "nan")
-    if nans:
-        seq, rank, step, op = nans[0]
-        lines.append(f"NaN: first on rank {rank} at step {step} ({op}, seq {seq})")
-    hangs = [(r["rank"], event) for r in results for event in r["events"] if event[0] == "hang"]
-    if hangs:
-        waiting = sorted({rank for rank, _ in hangs})
-        _, (_, op, pg, seq, age) = hangs[0]
-        late = [r["rank"] for r in results if r["rank"] not in waiting]
-        step = _step(results[waiting[0]], seq)
-        lines.append(f"hang: ranks {waiting} waited over the threshold in {op} (group {pg}, seq {seq}, step {step}); "
-                     f"late: rank {', '.join(map(str, late)) or 'unknown'}")
+    verdict = findings(from_files(out_dir))
+    for finding in verdict:
+        step = f" (step {_step(results[0], finding.seq)})" if finding.seq is not None and results else ""
+        lines.append(f"verdict{step}: {finding.line()}")
+    if not verdict:
+        lines.append("verdict: nothing wrong found")
     for fault in faults:
         where = f"ms={fault.ms}" if fault.kind == "slow" else f"step {fault.step}"
-        lines.append(f"injected: {fault.kind} on rank {fault.rank}, {where}")
+        lines.append(f"injected (not used by the verdict): {fault.kind} on rank {fault.rank}, {where}")
     return "\n".join(lines)
 
 

@@ -19,14 +19,16 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from commlens.exporters.otlp import GrpcTransport, HttpTransport, JsonLinesTransport, SpanExporter
 from commlens.exporters.prometheus import MetricsCollector, serve
-from commlens.hooks import (FlightRecorderHook, attribution, hook_errors, instrument, recorder, register_abort_hook,
-                            uninstrument)
+from commlens.hooks import (FlightRecorderHook, NanCheckHook, attribution, hook_errors, instrument, recorder,
+                            register_abort_hook, uninstrument)
 
 from .config import Config, ConfigError
+from .job_dumps import JobDumps
 from .sidecar import Sidecar
 from .stats import DURATION_BUCKETS
 
@@ -44,9 +46,9 @@ class Agent:
         ring = recorder.ring()
         self.sidecar = Sidecar(ring, config.rank, config.hang_threshold_s, config.slow_factor,
                                on_collective=self.spans.offer, on_hang=lambda _: self.snapshot("hang"))
-        self.server = None
+        self.server = self.collector = None
         if config.metrics_port is not None:
-            collector = MetricsCollector(self.sidecar.stats, self.sidecar.inflight_by_group,
+            self.collector = collector = MetricsCollector(self.sidecar.stats, self.sidecar.inflight_by_group,
                                          lambda: self.sidecar.reader.dropped, lambda: dict(self.spans.counts),
                                          self._info, DURATION_BUCKETS, _telemetry_errors)
             try:
@@ -57,10 +59,12 @@ class Agent:
                                   f"{config.metrics_port} ({error.strerror}); choose a free base port "
                                   "(each rank uses base + LOCAL_RANK), or 0 to serve none") from None
         self.flight_recorder = FlightRecorderHook(max_entries=min(2048, ring.slots // 2)).register_with_comm()
+        self.nan_check = None if config.nan_check == "off" else NanCheckHook(config.nan_check).register_with_comm()
         instrument()
         if config.module_attribution:
             attribution.enable()
         self._abort_handle = register_abort_hook(lambda _: self.snapshot("abort"))
+        self.job_dumps = JobDumps(config.job, min(1.0, config.hang_threshold_s / 4), lambda: self.snapshot("peer"))
         self.sidecar.start(config.drain_interval_s)
         self._previous_sigterm: Any = None
         if threading.current_thread() is threading.main_thread():
@@ -77,7 +81,13 @@ class Agent:
 
     def snapshot(self, reason: str) -> str | None:
         """Write a flight-recorder dump and flush pending spans, within the snapshot timeout; returns
-        the dump's path (None when another snapshot is being written, or the dump failed)."""
+        the dump's path (None when another snapshot is being written, or the dump failed). A hang or
+        an abort asks every other rank of the job for its dump too; on the way down (an unhandled
+        exception, a signal) the metrics wait for Prometheus' next scrape, within the same timeout,
+        so that what this rank saw last (a failed collective) is not lost with the process."""
+        deadline = time.monotonic() + self.config.snapshot_timeout_s
+        if reason in ("hang", "abort"):
+            self.job_dumps.request()
         if not self._snapshot_lock.acquire(blocking=False):
             return None
         try:
@@ -90,6 +100,8 @@ class Agent:
             with self.sidecar.stats.lock:
                 self.sidecar.stats.snapshots[reason] += 1
             self.spans.flush(self.config.snapshot_timeout_s)
+            if reason in ("exception", "signal") and self.collector is not None:
+                self.collector.wait_for_scrape(max(0.0, deadline - time.monotonic()))
             return path
         finally:
             self._snapshot_lock.release()
@@ -98,11 +110,14 @@ class Agent:
         """Stop recording; drain the ring, flush spans (within the snapshot timeout), stop serving."""
         timeout = self.config.snapshot_timeout_s
         self._abort_handle.remove()
+        self.job_dumps.stop()
         attribution.disable()
         uninstrument()
         self.sidecar.stop(timeout)
         self.spans.shutdown(timeout)
         self.flight_recorder.unregister()
+        if self.nan_check is not None:
+            self.nan_check.unregister()
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()

@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 from commlens.hooks.attribution import PHASES
 from commlens.hooks.ops import OPS
 from commlens.hooks.recorder import FLAG_ASYNC, FLAG_LAST_BUCKET, STATUS
-from commlens.hooks.ring import END, NAN, START, Record, Ring, RingReader
+from commlens.hooks.ring import END, NAN, NAN_HAS_INF, NAN_HAS_NAN, NAN_OUTPUT, START, Record, Ring, RingReader
 
 from .stats import Stats, bus_factor, size_class
 
@@ -54,6 +54,7 @@ class Collective(NamedTuple):
     busbw: float
     """Bytes per second, nccl-tests' bus bandwidth; 0 when unknown."""
     nan: bool
+    """A tensor held NaN (``inf``: a tensor held Inf)."""
     hang: bool
     slow: bool
     in_flight: bool
@@ -65,6 +66,17 @@ class Collective(NamedTuple):
     module: str = ""
     """The module that issued it and the phase, when module attribution is on."""
     phase: str = ""
+    inf: bool = False
+
+
+class GroupInFlight(NamedTuple):
+    """One group's in-flight collectives at a moment."""
+
+    count: int
+    oldest_s: float
+    hung_op: str | None
+    """The oldest collective (not point-to-point) in flight past the hang threshold: its op and seq."""
+    hung_seq: int | None
 
 
 class Shape(NamedTuple):
@@ -96,7 +108,8 @@ class Sidecar:
         self.slow_factor = slow_factor
         self.on_collective, self.on_hang = on_collective, on_hang
         self.inflight: dict[int, Record] = {}
-        self._nan: set[int] = set()
+        self._nan: dict[int, int] = {}
+        """op_id -> NAN_HAS_NAN | NAN_HAS_INF seen for it."""
         self._hung: set[int] = set()
         self._typical: dict[tuple, tuple[float, int]] = {}
         self._groups: dict[int, tuple[str, int]] = {}
@@ -152,7 +165,7 @@ class Sidecar:
         if len(self.inflight) >= self.ring.slots:  # its END was lost: forget the oldest
             oldest = min(self.inflight)
             del self.inflight[oldest]
-            self._nan.discard(oldest)
+            self._nan.pop(oldest, None)
             self._hung.discard(oldest)
         self.inflight[record.op_id] = record
         shape = self._shape(record)
@@ -165,9 +178,8 @@ class Sidecar:
         shape = self._shape(end)
         status = STATUS[end.flags] if end.flags < len(STATUS) else "error"
         seconds = (end.t_ns - start.t_ns) / 1e9 if start is not None else None
-        nan, hung = op_id in self._nan, op_id in self._hung
-        if nan or hung:
-            self._nan.discard(op_id)
+        nan, hung = self._nan.pop(op_id, 0), op_id in self._hung
+        if hung:
             self._hung.discard(op_id)
         self.stats.finished(shape, None if shape.is_p2p else end.seq, status, seconds)
         slow = seconds is not None and self._is_slow(shape, seconds)
@@ -175,8 +187,9 @@ class Sidecar:
 
     def _nan_found(self, record: Record) -> None:
         shape = self._shape(record)
-        self._nan.add(record.op_id)
-        self.stats.nans[shape.counter_key] += 1
+        self._nan[record.op_id] = self._nan.get(record.op_id, 0) | record.flags
+        kinds = tuple(kind for bit, kind in ((NAN_HAS_NAN, "nan"), (NAN_HAS_INF, "inf")) if record.flags & bit)
+        self.stats.nonfinite(shape, record.seq, kinds, not record.flags & NAN_OUTPUT)
         self.stats.events.append(("nan", shape.op, shape.pg, record.seq, None))
 
     def _watch(self, now_ns: int) -> list[Collective]:
@@ -188,7 +201,7 @@ class Sidecar:
             shape = self._shape(start)
             self.stats.hangs[shape.counter_key] += 1
             self.stats.events.append(("hang", shape.op, shape.pg, start.seq, (now_ns - start.t_ns) / 1e9))
-            hung.append(self._collective(shape, start, None, "in_flight", op_id in self._nan, True, False, now_ns))
+            hung.append(self._collective(shape, start, None, "in_flight", self._nan.get(op_id, 0), True, False, now_ns))
         return hung
 
     def _is_slow(self, shape: Shape, seconds: float) -> bool:
@@ -211,8 +224,9 @@ class Sidecar:
 
     # -- what exporters see -------------------------------------------------------------------------
 
-    def _collective(self, shape: Shape, start: Record, end: Record | None, status: str, nan: bool, hang: bool,
+    def _collective(self, shape: Shape, start: Record, end: Record | None, status: str, nan: int, hang: bool,
                     slow: bool, now_ns: int | None = None) -> Collective:
+        """``nan``: the NAN_HAS_* bits seen for it."""
         offset = self.ring.clock_offset_ns
         flags, aux = (start.flags, start.aux) if start.kind == START else (0, 0)  # START lost: END alone
         end_ns = end.t_ns if end is not None else now_ns
@@ -220,10 +234,10 @@ class Sidecar:
         busbw = shape.bus_bytes / seconds if seconds > 0 and end is not None else 0.0
         return _make(Collective, (  # every field, in order: without NamedTuple's slower __new__
             shape.op, shape.pg, shape.pg_size, start.seq, shape.is_p2p, start.op_id, self.rank, shape.nbytes,
-            shape.dtype, bool(flags & FLAG_ASYNC), status, start.t_ns + offset, end_ns + offset, busbw, nan, hang,
+            shape.dtype, bool(flags & FLAG_ASYNC), status, start.t_ns + offset, end_ns + offset, busbw, bool(nan & NAN_HAS_NAN), hang,
             slow, end is None, aux - 1, bool(flags & FLAG_LAST_BUCKET), end.aux if end is not None and aux else 0,
             self.ring.string(start.module) if start.module else "",
-            PHASES[start.phase] if start.phase < len(PHASES) else ""))
+            PHASES[start.phase] if start.phase < len(PHASES) else "", bool(nan & NAN_HAS_INF)))
 
     def _group(self, sid: int) -> tuple[str, int]:
         found = self._groups.get(sid)
@@ -245,13 +259,27 @@ class Sidecar:
 
     # -- scrape-time values -------------------------------------------------------------------------
 
-    def inflight_by_group(self, now_ns: int | None = None) -> dict[str, tuple[int, float]]:
-        """Group name -> (collectives in flight, age of the oldest in seconds), computed now."""
+    def inflight_by_group(self, now_ns: int | None = None) -> dict[str, GroupInFlight]:
+        """Group name -> its collectives in flight, computed now."""
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
-        found: dict[str, tuple[int, float]] = {name: (0, 0.0) for name, _ in self._groups.values()}
+        counts: dict[str, int] = {name: 0 for name, _ in self._groups.values()}
+        oldest: dict[str, Record] = {}
+        oldest_collective: dict[str, Record] = {}
         with self.stats.lock:
             for start in self.inflight.values():
                 name = self._group(start.pg)[0]
-                count, oldest = found.get(name, (0, 0.0))
-                found[name] = (count + 1, max(oldest, (now_ns - start.t_ns) / 1e9))
+                counts[name] = counts.get(name, 0) + 1
+                if name not in oldest or start.t_ns < oldest[name].t_ns:
+                    oldest[name] = start
+                if not OPS[start.op].is_p2p and (name not in oldest_collective
+                                                 or start.t_ns < oldest_collective[name].t_ns):
+                    oldest_collective[name] = start
+        found = {}
+        for name, count in counts.items():
+            age = (now_ns - oldest[name].t_ns) / 1e9 if name in oldest else 0.0
+            hung = oldest_collective.get(name)
+            if hung is not None and now_ns - hung.t_ns >= self.hang_threshold_ns:
+                found[name] = GroupInFlight(count, age, OPS[hung.op].value, hung.seq)
+            else:
+                found[name] = GroupInFlight(count, age, None, None)
         return found

@@ -66,7 +66,12 @@ class Stats:
         self.bus_bytes: collections.Counter[tuple[str, str]] = collections.Counter()
         self.last_seq: dict[tuple[str, str], int] = {}
         self.hangs: collections.Counter[tuple[str, str]] = collections.Counter()
-        self.nans: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.nans: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        """(op, pg, kind) -> collectives with a non-finite tensor; kind is "nan" or "inf"."""
+        self.first_nonfinite: dict[tuple[str, str], tuple[int, str]] = {}
+        """(pg, kind) -> (seq, op): the first collective whose *input* held NaN or Inf on this rank."""
+        self.failed: dict[str, tuple[int, str]] = {}
+        """pg -> (seq, op): the first collective that failed (error or timeout) on this rank."""
         self.snapshots: collections.Counter[str] = collections.Counter()
         self.recent: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=RESERVOIR))
         self.events: collections.deque = collections.deque(maxlen=256)
@@ -76,6 +81,14 @@ class Stats:
         """A collective of ``shape`` (the sidecar's ``Shape``) was issued."""
         if seq > self.last_seq.get(shape.enqueued_key, -1):
             self.last_seq[shape.enqueued_key] = seq
+
+    def nonfinite(self, shape, seq: int, kinds: tuple[str, ...], is_input: bool) -> None:
+        """A collective of ``shape`` had a tensor holding ``kinds`` ("nan", "inf")."""
+        for kind in kinds:
+            self.nans[(*shape.counter_key, kind)] += 1
+            key = (shape.pg, kind)
+            if is_input and not shape.is_p2p and seq < self.first_nonfinite.get(key, (seq + 1,))[0]:
+                self.first_nonfinite[key] = (seq, shape.op)
 
     def finished(self, shape, seq: int | None, status: str, seconds: float | None) -> None:
         """One collective of ``shape`` (the sidecar's ``Shape``) completed with ``status``."""
@@ -88,3 +101,5 @@ class Stats:
             self.recent[shape.op].append((seconds, shape.bus_bytes / seconds if seconds > 0 else 0.0))
         if seq is not None and seq > self.last_seq.get(shape.completed_key, -1):
             self.last_seq[shape.completed_key] = seq
+        if seq is not None and status != "ok" and seq < self.failed.get(shape.pg, (seq + 1,))[0]:
+            self.failed[shape.pg] = (seq, shape.op)

@@ -75,7 +75,7 @@ class SpanBuilder:
             "commlens.pg.size": c.pg_size, "commlens.rank": c.rank, "commlens.bytes": c.nbytes,
             "commlens.dtype": c.dtype, "commlens.async": c.async_op, "commlens.status": c.status,
             "commlens.p2p": c.is_p2p, "commlens.busbw_bytes_per_s": c.busbw, "commlens.nan": c.nan,
-            "commlens.hang": c.hang, "commlens.slow": c.slow,
+            "commlens.inf": c.inf, "commlens.hang": c.hang, "commlens.slow": c.slow,
         }))
         if c.phase:
             span.attributes.extend(attributes({"commlens.module": c.module, "commlens.phase": c.phase}))
@@ -85,8 +85,8 @@ class SpanBuilder:
         if c.in_flight:
             span.attributes.extend(attributes({"commlens.in_flight": True,
                                                "commlens.age_s": (c.end_ns - c.start_ns) / 1e9}))
-        if c.status not in ("ok", "in_flight") or c.hang or c.nan:
-            what = "hung" if c.hang else "non-finite values" if c.nan else c.status
+        if c.status not in ("ok", "in_flight") or c.hang or c.nan or c.inf:
+            what = "hung" if c.hang else "NaN" if c.nan else "Inf" if c.inf else c.status
             span.status.CopyFrom(Status(code=Status.STATUS_CODE_ERROR, message=f"{c.op} seq {c.seq}: {what}"))
         return span
 
@@ -109,7 +109,7 @@ class SpanExporter:
         self._thread.start()
 
     def keeps(self, c: Any) -> bool:
-        if c.nan or c.hang or c.slow or c.status != "ok":
+        if c.nan or c.inf or c.hang or c.slow or c.status != "ok":
             return True
         if self.sample_none:
             return False

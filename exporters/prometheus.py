@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Mapping
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -21,32 +22,50 @@ from prometheus_client.samples import Exemplar
 from .otlp import trace_id
 
 
-SNAPSHOT_REASONS = ("abort", "hang", "signal", "exception")
+SNAPSHOT_REASONS = ("abort", "hang", "signal", "exception", "peer")
 SPAN_RESULTS = ("exported", "failed", "dropped", "sampled_out")
+NONFINITE_KINDS = ("nan", "inf")
 TELEMETRY_ERRORS = ("hook", "recorder", "string_dropped", "work_unjudged")
 
 
 class MetricsCollector:
-    """``stats`` is the sidecar's ``Stats``; the callables are read at each scrape.
+    """``stats`` is the sidecar's ``Stats``, ``inflight`` gives its ``GroupInFlight`` by group; the
+    callables are read at each scrape.
 
     Counters of rare events (hangs, NaN, snapshots, span results) are shown at 0 for every op and
     group seen, so that ``increase()`` in an alert rule sees the first event.
     """
 
-    def __init__(self, stats: Any, inflight: Callable[[], Mapping[str, tuple[int, float]]],
+    def __init__(self, stats: Any, inflight: Callable[[], Mapping[str, Any]],
                  dropped: Callable[[], int], spans: Callable[[], Mapping[str, int]],
                  info: Callable[[], Mapping[str, Any]], buckets: tuple[float, ...],
                  telemetry_errors: Callable[[], Mapping[str, int]] = dict):
         self.stats, self.inflight, self.dropped, self.spans = stats, inflight, dropped, spans
         self.telemetry_errors = telemetry_errors
+        self.scrapes = 0
+        self.scraped = threading.Condition()
         self.info, self.rank, self.buckets = info, str(info()["rank"]), buckets
 
+    def wait_for_scrape(self, timeout_s: float) -> bool:
+        """Wait until the next scrape has read the metrics (on the way down: the final values reach
+        Prometheus); False after ``timeout_s``, or at once when nothing has ever scraped."""
+        with self.scraped:
+            seen = self.scrapes
+            return seen > 0 and self.scraped.wait_for(lambda: self.scrapes > seen, timeout_s)
+
     def collect(self):
+        yield from self._families()
+        with self.scraped:
+            self.scrapes += 1
+            self.scraped.notify_all()
+
+    def _families(self):
         rank, s = self.rank, self.stats
         with s.lock:
             durations = {key: (list(h.counts), list(h.exemplars), h.total) for key, h in s.durations.items()}
             completed, nbytes, bus = dict(s.completed), dict(s.bytes), dict(s.bus_bytes)
             last_seq, hangs, nans, snapshots = dict(s.last_seq), dict(s.hangs), dict(s.nans), dict(s.snapshots)
+            first_nonfinite, failed = dict(s.first_nonfinite), dict(s.failed)
         inflight, info = self.inflight(), self.info()
 
         family = HistogramMetricFamily("commlens_collective_duration_seconds",
@@ -81,17 +100,36 @@ class MetricsCollector:
                                   labels=("pg", "rank"))
         age = GaugeMetricFamily("commlens_collective_inflight_oldest_seconds",
                                 "Age of the oldest in-flight collective, 0 when none", labels=("pg", "rank"))
-        for pg, (count, oldest) in sorted(inflight.items()):
-            depth.add_metric((pg, rank), count)
-            age.add_metric((pg, rank), oldest)
+        hung = GaugeMetricFamily("commlens_collective_hung_seq",
+                                 "Sequence number of the oldest collective in flight past the hang threshold, by op; "
+                                 "absent when none", labels=("pg", "op", "rank"))
+        for pg, group in sorted(inflight.items()):
+            depth.add_metric((pg, rank), group.count)
+            age.add_metric((pg, rank), group.oldest_s)
+            if group.hung_seq is not None:
+                hung.add_metric((pg, group.hung_op, rank), group.hung_seq)
         yield depth
         yield age
+        yield hung
+        family = GaugeMetricFamily("commlens_collective_failed_seq",
+                                   "Sequence number of the first collective that failed (error or timeout), by op; "
+                                   "absent when none", labels=("pg", "op", "rank"))
+        for pg, (seq, op) in sorted(failed.items()):
+            family.add_metric((pg, op, rank), seq)
+        yield family
         seen = dict.fromkeys(nbytes, 0)
         yield _counter("commlens_hangs", "In-flight collectives that crossed the hang threshold", ("op", "pg"),
                        {**seen, **hangs}, rank)
-        yield _counter("commlens_nan_events", "Collectives whose input (or output) held NaN or Inf", ("op", "pg"),
-                       {**seen, **nans}, rank)
-        yield _counter("commlens_abort_snapshots", "Flight-recorder snapshots written on abort, hang or signal",
+        yield _counter("commlens_nan_events", "Collectives whose input (or output) held NaN (kind nan) or Inf (kind inf)",
+                       ("op", "pg", "kind"), {**{(*key, kind): 0 for key in seen for kind in NONFINITE_KINDS}, **nans},
+                       rank)
+        first = GaugeMetricFamily("commlens_nonfinite_first_seq",
+                                  "Sequence number of the first collective whose input held NaN or Inf on this rank; "
+                                  "the lowest across ranks is where the values entered", labels=("pg", "op", "kind", "rank"))
+        for (pg, kind), (seq, op) in sorted(first_nonfinite.items()):
+            first.add_metric((pg, op, kind, rank), seq)
+        yield first
+        yield _counter("commlens_abort_snapshots", "Flight-recorder snapshots written on abort, hang, signal, exception, or another rank's hang or abort (peer)",
                        ("reason",), {(reason,): snapshots.get(reason, 0) for reason in SNAPSHOT_REASONS}, rank)
         yield _counter("commlens_ring_records_dropped", "Ring records overwritten before the sidecar read them",
                        (), {(): self.dropped()}, rank)

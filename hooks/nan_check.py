@@ -16,9 +16,7 @@ import torch
 from . import recorder
 from .ops import PostHookArgs, PreHookArgs
 from .registry import register_post_hook, register_pre_hook
-
-FLAG_OUTPUT, FLAG_NAN, FLAG_INF = 1, 2, 4
-"""Bits of a NAN record's ``flags``: the tensor was an output; it held NaN; it held Inf."""
+from .ring import NAN_HAS_INF as FLAG_INF, NAN_HAS_NAN as FLAG_NAN, NAN_OUTPUT as FLAG_OUTPUT
 
 MODES = ("report", "raise")
 
@@ -69,9 +67,11 @@ class NanCheckHook:
     def _check(self, call: PreHookArgs, tensors: tuple, which: int) -> None:
         for index, t in enumerate(tensors):
             t = _values(t)
-            if not (t.is_floating_point() or t.is_complex()) or bool(torch.isfinite(t).all()):
+            if not (t.is_floating_point() or t.is_complex()) or _sum_is_finite(t):
                 continue
             nans, infs = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            if not nans and not infs:  # the sum overflowed; every element is finite
+                continue
             self.events += 1
             if self.mode == "raise" and not (which and call.async_op):
                 side = "output" if which else "input"
@@ -87,6 +87,15 @@ class NanCheckHook:
 
     def __exit__(self, *exc: object) -> None:
         self.unregister()
+
+
+_WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.complex32: torch.complex64}
+
+
+def _sum_is_finite(t: torch.Tensor) -> bool:
+    """One pass over ``t`` and no temporary of its size: a NaN or Inf anywhere makes the sum non-finite.
+    A finite sum proves every element finite; a non-finite one is checked element by element."""
+    return bool(torch.isfinite(t.sum(dtype=_WIDE.get(t.dtype))))
 
 
 _SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)

@@ -34,6 +34,8 @@ from typing import NamedTuple
 
 START, END, NAN = 1, 2, 3
 """Record kinds: a collective was issued, finished, or had a non-finite tensor."""
+NAN_OUTPUT, NAN_HAS_NAN, NAN_HAS_INF = 1, 2, 4
+"""Bits of a NAN record's ``flags``: the tensor was an output; it held NaN; it held Inf."""
 
 from ._producer import Producer
 

@@ -88,6 +88,50 @@ class Demo:
             self.process.wait()
 
 
+class TrainingJob:
+    """``commlens run -- torchrun`` of ``tests/faulty_train.py`` (an ordinary training script with a
+    fault written into it) in its own process group: metrics on ``base + rank``, traces and dumps in
+    ``out``; the wall time of the fault in ``out/fault_time``."""
+
+    SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faulty_train.py")
+
+    def __init__(self, tmp_path, world: int, fault: str, rank: int = 1, step: int = 100, steps: int = 1000,
+                 hang_threshold_s: float = 3, extra=()):
+        self.world, self.base, self.out = world, free_ports(world), tmp_path / "job"
+        self.out.mkdir(exist_ok=True)
+        self.fault_time = self.out / "fault_time"
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        command = [sys.executable, "-m", "commlens.agent.cli", "run", "--hang-threshold", str(hang_threshold_s),
+                   "--metrics-port", str(self.base), "--metrics-addr", "127.0.0.1", "--job-id", "verdict-test",
+                   "--trace-file", str(self.out / "traces-{rank}.jsonl"), "--",
+                   torchrun, "--nproc-per-node", str(world), "--master-port", str(free_ports(1)), self.SCRIPT,
+                   "--fault", fault, "--rank", str(rank), "--step", str(step), "--steps", str(steps), *extra]
+        self.process = subprocess.Popen(
+            command, env={**os.environ, "TORCHCOMM_FR_DUMP_TEMP_FILE": str(self.out / "rank_"),
+                          "FAULT_TIME_FILE": str(self.fault_time)},
+            stdout=open(tmp_path / "job.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.targets = [f"127.0.0.1:{self.base + rank}" for rank in range(world)]
+
+    def fault_at(self) -> float | None:
+        """The wall time at which the fault happened, once it has."""
+        return float(self.fault_time.read_text()) if self.fault_time.exists() else None
+
+    def wait(self, timeout_s: float) -> int:
+        return self.process.wait(timeout_s)
+
+    def __enter__(self) -> TrainingJob:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
 class _Server:
     def __init__(self, command: list[str]):
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -3,8 +3,8 @@
 The tests come from the installed wheel (``torch.testing._internal.distributed.distributed_test``)
 and are driven the way PyTorch's ``test_distributed_spawn.py`` drives them: one spawned process per
 rank, gloo, a file store. With ``commlens``, every rank process runs what a user of commlens runs:
-``commlens.agent.start()`` right after ``init_process_group`` (hooks, sidecar, flight recorder,
-exporters) plus ``NanCheckHook(mode="report")``.
+``commlens.agent.start()`` right after ``init_process_group``: hooks, the NaN/Inf check (report
+mode, the default), sidecar, flight recorder, exporters.
 
     python tests/pytorch_suite.py {plain,commlens} RESULTS.json TEST_NAME...
 
@@ -30,15 +30,12 @@ from torch.testing._internal.distributed.distributed_test import DistributedTest
 def _with_commlens() -> None:
     """In a rank process: start commlens after each ``init_process_group``, as a user would."""
     import commlens.agent
-    from commlens.hooks import NanCheckHook
 
     init = dist.init_process_group
 
     def init_process_group(*args, **kwargs):
         init(*args, **kwargs)
         commlens.agent.start()
-        if not getattr(init_process_group, "nan_check", None):
-            init_process_group.nan_check = NanCheckHook(mode="report").register_with_comm()
 
     dist.init_process_group = init_process_group
 

@@ -1,0 +1,495 @@
+"""The verdict: which rank, which collective, why — from telemetry alone.
+
+Facts about each rank come from one of three sources, always in the same shape (``RankFacts``):
+
+* live, from the ranks' metrics endpoints (``from_endpoints``: two scrapes ``window_s`` apart);
+* live, from a Prometheus server that scrapes them (``from_prometheus``);
+* after the fact, from a job's trace files and flight-recorder dumps (``from_files``).
+
+``findings()`` turns them into verdicts, the same way whatever the source; ``commlens diagnose``, the
+demo's closing verdict and the alert rules (``deploy/prometheus-rules.yaml``, which compute the same
+in PromQL) share this reasoning:
+
+* **NaN/Inf origin** — the rank whose *input* held NaN or Inf at the lowest sequence number of its
+  group: the values entered there; every rank they reached afterwards saw them later.
+* **Late or missing rank** — ranks wait past the hang threshold in collective ``seq``; the rank(s)
+  that have not issued ``seq`` (or stopped reporting) are the culprits; the waiting ranks are evidence.
+* **Desync** — at the same ``seq`` the ranks issued different ops: the minority issued the wrong one.
+* **Straggler** — in a synchronous collective a rank waits for the last to arrive, so the time rank
+  ``r`` spends in its collectives is ``(last arrival - r's arrival) + transfer``. The rank that waits
+  least arrives last; how much less it waits than the group's longest waiter is how much later it
+  arrives (no clock alignment needed). Offline, arrivals are read directly from span start times.
+* **Hang** with no rank behind and no desync: every rank waits in the same collective.
+
+Example::
+
+    facts = from_endpoints(["http://node1:9464/metrics", "http://node1:9465/metrics"])
+    for finding in findings(facts):
+        print(finding.line())
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import json
+import os
+import pickle
+import statistics
+import sys
+import time
+import urllib.parse
+import urllib.request
+from typing import Iterable
+
+STRAGGLER_MIN_S = 0.005
+"""A straggler arrives at least this much later, on average, than the group's first rank ..."""
+STRAGGLER_RATIO = 0.5
+"""... and waits less than this fraction of what the group's longest waiter waits (live) ..."""
+STRAGGLER_SHARE = 0.6
+"""... or, after the fact, is the last to arrive in this share of the collectives that arrived apart."""
+
+
+@dataclasses.dataclass
+class GroupFacts:
+    """What one rank shows of one process group."""
+
+    issued: int = 0
+    """The last collective sequence number it issued."""
+    hung: tuple[str, int] | None = None
+    """(op, seq) of its oldest collective in flight past the hang threshold."""
+    failed: tuple[str, int] | None = None
+    """(op, seq) of its first collective that failed (gloo fails at once where a peer's process ended)."""
+    nonfinite: tuple[int, str, str] | None = None
+    """(seq, op, kind) of the first collective whose input held NaN ("nan") or Inf ("inf")."""
+    wait_s: float | None = None
+    """Mean seconds per collective over the window (live)."""
+    arrivals: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    """seq -> (op, start ns) of each collective seen (offline)."""
+    hangs_seen: set[int] = dataclasses.field(default_factory=set)
+    """Sequence numbers it waited on past the hang threshold, resolved or not (offline)."""
+    threshold_s: float | None = None
+    """The hang threshold, as the age at which its first hang was reported (offline)."""
+
+
+@dataclasses.dataclass
+class RankFacts:
+    rank: int
+    groups: dict[str, GroupFacts] = dataclasses.field(default_factory=dict)
+    gone: bool = False
+    """It no longer reports (its process ended or its endpoint is unreachable)."""
+
+    def group(self, pg: str) -> GroupFacts:
+        return self.groups.setdefault(pg, GroupFacts())
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    kind: str
+    """nan_origin, late_rank, desync, straggler or hang."""
+    ranks: tuple[int, ...]
+    pg: str
+    op: str
+    seq: int | None
+    evidence: str
+
+    def line(self) -> str:
+        who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {', '.join(map(str, self.ranks))}"
+        where = f"{self.op} (group {self.pg}" + (f", seq {self.seq})" if self.seq is not None else ")")
+        title = {"nan_origin": "NaN/Inf entered on", "late_rank": "late or missing:", "desync": "desync:",
+                 "straggler": "straggler:", "hang": "hang: all waiting,"}[self.kind]
+        return f"{title} {who} in {where} — {self.evidence}"
+
+
+def findings(facts: Iterable[RankFacts]) -> list[Finding]:
+    """Every verdict the facts support, most severe first; [] for a healthy job."""
+    facts = list(facts)
+    found: list[Finding] = []
+    for pg in sorted({pg for f in facts for pg in f.groups}):
+        members = [f for f in facts if pg in f.groups or pg == "0"]
+        found += _nan_origin(pg, members)
+        stuck = _hang(pg, members)
+        if not any(f.kind == "desync" for f in stuck):
+            stuck += _mismatch(pg, members)
+        found += stuck
+        if not stuck:
+            found += _straggler(pg, members)
+    order = ("nan_origin", "desync", "late_rank", "hang", "straggler")
+    return sorted(found, key=lambda f: order.index(f.kind))
+
+
+def _nan_origin(pg: str, members: list[RankFacts]) -> list[Finding]:
+    seen = [(f.groups[pg].nonfinite, f.rank) for f in members if pg in f.groups and f.groups[pg].nonfinite]
+    if not seen:
+        return []
+    first = min(seq for (seq, _, _), _ in seen)
+    origin = sorted(rank for (seq, _, _), rank in seen if seq == first)
+    (_, op, kind), _ = next(item for item in seen if item[0][0] == first)
+    later = sorted(rank for (seq, _, _), rank in seen if seq > first)
+    evidence = f"its input held {'NaN' if kind == 'nan' else 'Inf'} at seq {first}" + (
+        f"; ranks {later} saw non-finite inputs only later" if later else "; no other rank saw any")
+    return [Finding("nan_origin", tuple(origin), pg, op, first, evidence)]
+
+
+def _hang(pg: str, members: list[RankFacts]) -> list[Finding]:
+    """Late, missing and desynced ranks around the collective others hang in."""
+    live = {f.rank: f.groups[pg].hung or f.groups[pg].failed for f in members
+            if pg in f.groups and (f.groups[pg].hung or f.groups[pg].failed)}
+    if live:
+        seq = collections.Counter(s for _, s in live.values()).most_common(1)[0][0]
+        ops = {rank: op for rank, (op, s) in live.items() if s == seq}
+    else:  # after the fact: a hang that resolved, known from the spans of the ranks that waited
+        waited = collections.Counter(s for f in members if pg in f.groups for s in f.groups[pg].hangs_seen)
+        if not waited:
+            return []
+        seq = waited.most_common(1)[0][0]
+        ops = {f.rank: f.groups[pg].arrivals[seq][0] for f in members
+               if pg in f.groups and seq in f.groups[pg].hangs_seen and seq in f.groups[pg].arrivals}
+        if not ops:
+            return []
+    majority, count = collections.Counter(ops.values()).most_common(1)[0]
+    waiting = sorted(rank for rank, op in ops.items() if op == majority)
+    found = []
+    wrong = sorted(rank for rank, op in ops.items() if op != majority)
+    if wrong and count > len(wrong):
+        found.append(_desync(pg, seq, {r: ops[r] for r in wrong}, waiting, majority))
+    starts = [f.groups[pg].arrivals[seq][1] for f in members if f.rank in waiting and seq in f.groups[pg].arrivals]
+    thresholds = [f.groups[pg].threshold_s for f in members if pg in f.groups and f.groups[pg].threshold_s]
+    late = {f.rank: why for f in members if f.rank not in ops
+            and (why := _late(f, pg, seq, bool(live), min(starts, default=None), min(thresholds, default=0.0)))
+            is not None}
+    if late:
+        how = "failed in" if live and all(not f.groups[pg].hung for f in members if f.rank in ops) else \
+            "waited past the hang threshold in"
+        evidence = "; ".join([f"ranks {waiting} {how} {majority} seq {seq}",
+                              *(f"rank {rank} {why}" for rank, why in sorted(late.items()))])
+        found.append(Finding("late_rank", tuple(sorted(late)), pg, majority, seq, evidence))
+    if not found and live:
+        found.append(Finding("hang", tuple(waiting), pg, majority, seq,
+                             f"ranks {waiting} wait in seq {seq} and no rank is behind: look at the network "
+                             "or the backend"))
+    return found
+
+
+def _late(f: RankFacts, pg: str, seq: int, live: bool, first_wait_ns: int | None, threshold_s: float) -> str | None:
+    """Why rank ``f`` is one the others waited for in ``seq``; None if it is not. After the fact, a
+    rank is late when it issued ``seq`` once the first waiting rank had waited the hang threshold."""
+    group = f.groups.get(pg)
+    if f.gone:
+        return f"stopped reporting, last at seq {group.issued if group else 0}"
+    if group is None:
+        return "never issued a collective in this group"
+    if seq not in group.arrivals:
+        return f"had issued only up to seq {group.issued}" if group.issued < seq else None
+    if live:
+        return None
+    start = group.arrivals[seq][1]
+    if first_wait_ns is not None and (start - first_wait_ns) / 1e9 >= threshold_s > 0:
+        return f"issued it {(start - first_wait_ns) / 1e9:.1f} s after the first waiting rank"
+    return None
+
+
+def _desync(pg: str, seq: int, wrong: dict[int, str], others: list[int], op: str) -> Finding:
+    theirs = ", ".join(sorted(set(wrong.values())))
+    return Finding("desync", tuple(sorted(wrong)), pg, theirs, seq,
+                   f"issued {theirs} at seq {seq} where ranks {others} issued {op}")
+
+
+def _mismatch(pg: str, members: list[RankFacts]) -> list[Finding]:
+    """After the fact: the first sequence number at which ranks issued different ops."""
+    by_seq: dict[int, dict[int, str]] = collections.defaultdict(dict)
+    for f in members:
+        for seq, (op, _) in f.groups.get(pg, GroupFacts()).arrivals.items():
+            by_seq[seq][f.rank] = op
+    for seq in sorted(by_seq):
+        ops = by_seq[seq]
+        majority, count = collections.Counter(ops.values()).most_common(1)[0]
+        wrong = {rank: op for rank, op in ops.items() if op != majority}
+        if wrong and count > len(wrong):
+            return [_desync(pg, seq, wrong, sorted(r for r, op in ops.items() if op == majority), majority)]
+    return []
+
+
+def _straggler(pg: str, members: list[RankFacts]) -> list[Finding]:
+    groups = {f.rank: f.groups[pg] for f in members if pg in f.groups and not f.gone}
+    if len(groups) < 2:
+        return []
+    waits = {rank: g.wait_s for rank, g in groups.items() if g.wait_s is not None}
+    if len(waits) == len(groups):  # live: lateness from waits
+        longest = max(waits.values())
+        rank = min(waits, key=waits.get)
+        lateness = longest - waits[rank]
+        if lateness > STRAGGLER_MIN_S and waits[rank] < STRAGGLER_RATIO * longest:
+            return [Finding("straggler", (rank,), pg, "all", None,
+                            f"it waits {waits[rank] * 1e3:.1f} ms per collective where the group's longest waiter "
+                            f"waits {longest * 1e3:.1f} ms: it arrives about {lateness * 1e3:.1f} ms after the others")]
+        return []
+    common = set.intersection(*(set(g.arrivals) for g in groups.values()))
+    late: dict[int, list[float]] = collections.defaultdict(list)
+    for seq in common:  # collectives whose ranks arrived far apart: who came last, by how much
+        starts = {rank: g.arrivals[seq][1] for rank, g in groups.items()}
+        first, last = min(starts.values()), max(starts, key=starts.get)
+        if (starts[last] - first) / 1e9 > STRAGGLER_MIN_S:
+            late[last].append((starts[last] - first) / 1e9)
+    spread = sum(len(values) for values in late.values())
+    if spread < 10:  # too few collectives with a late arrival to tell
+        return []
+    rank = max(late, key=lambda r: len(late[r]))
+    if len(late[rank]) >= STRAGGLER_SHARE * spread:
+        return [Finding("straggler", (rank,), pg, "all", None,
+                        f"of the {spread} collectives whose ranks arrived over {STRAGGLER_MIN_S * 1e3:.0f} ms apart, "
+                        f"it arrived last in {len(late[rank])}, on average {statistics.fmean(late[rank]) * 1e3:.1f} ms "
+                        "after the first rank")]
+    return []
+
+
+# -- sources: metrics endpoints ---------------------------------------------------------------------
+
+
+def from_metrics_texts(first: Iterable[str], second: Iterable[str] | None = None) -> list[RankFacts]:
+    """Facts from the Prometheus text of each rank's endpoint; with a ``second`` scrape of each, taken
+    later, waits come from what happened between the two (else from the whole run)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples(text: str):
+        return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+    ranks: dict[int, RankFacts] = {}
+    totals: dict[tuple[int, str], list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
+    reporting: list[set[int]] = [set(), set()]
+    world_size = 0
+    for index, texts in enumerate((first, second or ())):
+        for text in texts:
+            for s in samples(text):
+                rank = int(s.labels.get("rank", -1))
+                if rank < 0:
+                    continue
+                reporting[index].add(rank)
+                facts = ranks.setdefault(rank, RankFacts(rank))
+                pg = s.labels.get("pg")
+                if s.name == "commlens_collective_duration_seconds_sum":
+                    totals[(rank, pg)][2 * index] += s.value
+                elif s.name == "commlens_collective_duration_seconds_count":
+                    totals[(rank, pg)][2 * index + 1] += s.value
+                elif s.name == "commlens_info":
+                    world_size = max(world_size, int(s.labels.get("world_size", 0)))
+                elif index == 1 or second is None:
+                    _metric_fact(facts, s.name, s.labels, s.value)
+    for (rank, pg), (sum0, count0, sum1, count1) in totals.items():
+        seconds, count = (sum1 - sum0, count1 - count0) if second is not None else (sum0, count0)
+        if count > 0:
+            ranks[rank].group(pg).wait_s = seconds / count
+    for rank in range(world_size):  # a rank no endpoint answered for
+        ranks.setdefault(rank, RankFacts(rank))
+    for rank, facts in ranks.items():
+        facts.gone = rank not in reporting[1 if second is not None else 0]
+    return [ranks[rank] for rank in sorted(ranks)]
+
+
+def _metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> None:
+    pg = labels.get("pg")
+    if name == "commlens_collective_last_seq" and labels.get("state") == "enqueued":
+        facts.group(pg).issued = int(value)
+    elif name == "commlens_collective_hung_seq":
+        facts.group(pg).hung = (labels["op"], int(value))
+    elif name == "commlens_collective_failed_seq":
+        facts.group(pg).failed = (labels["op"], int(value))
+    elif name == "commlens_nonfinite_first_seq":
+        group = facts.group(pg)
+        if group.nonfinite is None or value < group.nonfinite[0]:
+            group.nonfinite = (int(value), labels["op"], labels["kind"])
+
+
+def from_endpoints(urls: list[str], window_s: float = 5.0, timeout_s: float = 5.0) -> list[RankFacts]:
+    """Scrape each rank's metrics endpoint twice, ``window_s`` apart. An endpoint that does not
+    answer is left out (its rank is then missing from every group)."""
+    def scrape() -> list[str]:
+        texts = []
+        for url in urls:
+            try:
+                with urllib.request.urlopen(url, timeout=timeout_s) as response:
+                    texts.append(response.read().decode())
+            except OSError:
+                continue
+        return texts
+
+    first = scrape()
+    time.sleep(window_s)  # the window over which waits are measured
+    return from_metrics_texts(first, scrape())
+
+
+# -- sources: Prometheus ----------------------------------------------------------------------------
+
+
+def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> dict[str, list[RankFacts]]:
+    """Facts for each job Prometheus knows (or only ``job``), from instant queries of its HTTP API."""
+    selector = f'job="{job}"' if job else ""
+
+    def query(expr: str) -> list[dict]:
+        address = url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(address, timeout=10) as response:
+            body = json.load(response)
+        if body.get("status") != "success":
+            raise RuntimeError(f"Prometheus at {url} refused {expr!r}: {body.get('error')}")
+        return body["data"]["result"]
+
+    jobs: dict[str, dict[int, RankFacts]] = collections.defaultdict(dict)
+
+    def each(expr: str):
+        for item in query(expr):
+            labels, value = item["metric"], float(item["value"][1])
+            facts = jobs[labels.get("job", "")].setdefault(int(labels["rank"]), RankFacts(int(labels["rank"])))
+            yield facts, labels, value
+
+    enqueued = f'commlens_collective_last_seq{{state="enqueued"{"," + selector if selector else ""}}}'
+    for facts, labels, value in each(f"last_over_time({enqueued}[15m])"):
+        facts.group(labels["pg"]).issued = int(value)
+    live = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(enqueued)}
+    for name, window_of in (("commlens_collective_hung_seq", ""), ("commlens_nonfinite_first_seq", ""),
+                            ("commlens_collective_failed_seq", "[5m]")):
+        expr = f"{name}{{{selector}}}"
+        for facts, labels, value in each(f"last_over_time({expr}{window_of})" if window_of else expr):
+            _metric_fact(facts, name, labels, value)
+    by = "sum by (job, pg, rank)"
+    for facts, labels, value in each(f"{by} (rate(commlens_collective_duration_seconds_sum{{{selector}}}[{window}])) / "
+                                     f"{by} (rate(commlens_collective_duration_seconds_count{{{selector}}}[{window}]))"):
+        facts.group(labels["pg"]).wait_s = value
+    for name, ranks in jobs.items():
+        for rank, facts in ranks.items():
+            facts.gone = (name, rank) not in live
+    return {name: [ranks[r] for r in sorted(ranks)] for name, ranks in jobs.items()}
+
+
+# -- sources: trace files and dumps -----------------------------------------------------------------
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Admits plain containers and scalars only: reading a dump never runs code."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"refused {module}.{name}: a flight-recorder dump holds plain data only")
+
+
+def load_dump(path: str) -> dict:
+    """A flight-recorder dump, read without running code; a clear error for anything else."""
+    with open(path, "rb") as f:
+        try:
+            data = _PlainUnpickler(f).load()
+        except Exception as error:
+            raise ValueError(f"{path} is not a flight-recorder dump: {error}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+        raise ValueError(f"{path} is not a flight-recorder dump: no list of entries")
+    return data
+
+
+def from_files(folder: str) -> list[RankFacts]:
+    """Facts from the OTLP JSON-lines trace files (``*.jsonl``) and flight-recorder dumps in ``folder``."""
+    ranks: dict[int, RankFacts] = {}
+    completed: set[tuple[int, str, int]] = set()
+    for path in sorted(glob.glob(os.path.join(folder, "*.jsonl"))):
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    _spans_fact(ranks, json.loads(line), completed)
+    for f in ranks.values():  # a hang that the spans show resolved is no longer in flight
+        for pg, group in f.groups.items():
+            if group.hung is not None and (f.rank, pg, group.hung[1]) in completed:
+                group.hung = None
+    for path in sorted(glob.glob(os.path.join(folder, "*"))):
+        digits = len(path) - len(path.rstrip("0123456789"))
+        if not digits or os.path.isdir(path) or path.endswith((".json", ".jsonl")):
+            continue
+        try:
+            dump = load_dump(path)
+        except ValueError:
+            continue
+        _dump_fact(ranks.setdefault(int(path[-digits:]), RankFacts(int(path[-digits:]))), dump)
+    return [ranks[rank] for rank in sorted(ranks)]
+
+
+def _value(attribute: dict):
+    value = attribute["value"]
+    for key in ("intValue", "doubleValue", "boolValue", "stringValue"):
+        if key in value:
+            return int(value[key]) if key == "intValue" else value[key]
+    return None
+
+
+def _spans_fact(ranks: dict[int, RankFacts], request: dict, completed: set[tuple[int, str, int]]) -> None:
+    for resource_spans in request.get("resourceSpans", ()):
+        for scope_spans in resource_spans.get("scopeSpans", ()):
+            for span in scope_spans.get("spans", ()):
+                a = {item["key"]: _value(item) for item in span.get("attributes", ())}
+                if a.get("commlens.p2p") or "commlens.rank" not in a:
+                    continue
+                rank, seq, op, pg = int(a["commlens.rank"]), int(a["commlens.seq"]), a["commlens.op"], str(a["commlens.pg.name"])
+                group = ranks.setdefault(rank, RankFacts(rank)).group(pg)
+                if not a.get("commlens.in_flight"):
+                    completed.add((rank, pg, seq))
+                    if a.get("commlens.status") in ("error", "timeout") and (group.failed is None or seq < group.failed[1]):
+                        group.failed = (op, seq)
+                group.arrivals[seq] = (op, int(span["startTimeUnixNano"]))
+                group.issued = max(group.issued, seq)
+                if a.get("commlens.hang"):
+                    group.hangs_seen.add(seq)
+                    if a.get("commlens.in_flight"):
+                        group.hung = (op, seq)
+                        age = float(a.get("commlens.age_s", 0.0))
+                        group.threshold_s = age if group.threshold_s is None else min(group.threshold_s, age)
+                for kind in ("nan", "inf"):
+                    if a.get(f"commlens.{kind}") and (group.nonfinite is None or seq < group.nonfinite[0]):
+                        group.nonfinite = (seq, op, kind)
+
+
+def _dump_fact(facts: RankFacts, dump: dict) -> None:
+    for entry in dump["entries"]:
+        if entry.get("is_p2p"):
+            continue
+        group = facts.group(str(entry["process_group"][0]))
+        group.issued = max(group.issued, int(entry["collective_seq_id"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``commlens diagnose``: print the verdict; exit status 0 when nothing is wrong, 1 otherwise."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="commlens diagnose", description="Name the rank, collective and cause of what went wrong in a job.",
+        epilog="Examples: commlens diagnose ./commlens-out   |   commlens diagnose --metrics "
+        "http://node1:9464/metrics http://node1:9465/metrics   |   commlens diagnose --prometheus http://prom:9090 --job train-42")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("folder", nargs="?", help="a job's trace files (*.jsonl) and flight-recorder dumps")
+    source.add_argument("--metrics", nargs="+", metavar="URL", help="the ranks' metrics endpoints, live")
+    source.add_argument("--prometheus", metavar="URL", help="a Prometheus server that scrapes the ranks, live")
+    parser.add_argument("--job", help="with --prometheus: the job label to look at (default: every job)")
+    parser.add_argument("--window", type=float, default=5.0,
+                        help="with --metrics: seconds between the two scrapes that waits are measured over")
+    args = parser.parse_args(argv)
+    if args.folder is not None and not os.path.isdir(args.folder):
+        parser.error(f"{args.folder!r} is not a folder: give the folder of a job's trace files and dumps")
+    try:
+        if args.prometheus:
+            jobs = from_prometheus(args.prometheus, args.job)
+        else:
+            jobs = {"": from_endpoints(args.metrics, args.window) if args.metrics else from_files(args.folder)}
+    except OSError as error:
+        print(f"commlens diagnose: cannot read the telemetry: {error}", file=sys.stderr)
+        return 2
+    wrong = False
+    for job, facts in sorted(jobs.items()):
+        lines = report(facts)
+        wrong = wrong or lines != [NOTHING_WRONG]
+        for line in lines:
+            print(f"{job}: {line}" if job else line)
+    if not jobs:
+        print("no commlens telemetry found")
+    return 1 if wrong else 0
+
+
+NOTHING_WRONG = "nothing wrong found"
+
+
+def report(facts: list[RankFacts]) -> list[str]:
+    """The verdict as lines: one per finding, or ``NOTHING_WRONG``."""
+    return [finding.line() for finding in findings(facts)] or [NOTHING_WRONG]

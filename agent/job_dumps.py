@@ -1,0 +1,93 @@
+"""Every rank dumps when any rank sees a hang or an abort: a counter in the job's c10d store.
+
+A rank that snapshots for a hang or an abort adds one to ``commlens/<job>/dumps`` in the store that
+the default process group was initialised with; a daemon thread in every rank reads that counter
+(``add(key, 0)``: one round trip) every ``period_s`` and, when it grew, has its rank write its own
+flight-recorder dump. Nothing waits on the main thread of any rank: a rank that is late, or blocked in
+a collective, dumps all the same, so ``torchfrtrace`` gets every rank's dump. The thread talks to the
+store over a connection of its own (a TCPStore client of the same server), never the one the training
+thread uses.
+
+Example::
+
+    dumps = JobDumps("job-42", period_s=1.0, dump=lambda: agent.snapshot("peer"))
+    dumps.request()          # this rank saw a hang: every rank dumps within period_s
+    dumps.stop()
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+
+class JobDumps:
+    """Started with the agent, before or after ``init_process_group``: it connects to the default
+    group's store once there is one."""
+
+    def __init__(self, job: str, period_s: float, dump: Callable[[], None]):
+        self.key, self.period_s, self.dump = f"commlens/{job}/dumps", period_s, dump
+        self.store: Any = None
+        self.errors = 0
+        self._seen = -1
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="commlens-job-dumps", daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        """Ask every rank of the job, this one excepted, to write its dump."""
+        with self._lock:
+            if self._connect():
+                try:
+                    self._seen = self.store.add(self.key, 1)
+                except Exception:  # noqa: BLE001 — the store is gone (the job is ending): nothing to ask
+                    self.errors += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(self.period_s + 1)
+
+    def _connect(self) -> bool:
+        """Open our own connection to the default group's store, once it exists."""
+        if self.store is None:
+            store = _default_store(max(10.0, 4 * self.period_s))
+            if store is None:
+                return False
+            self.store, self._seen = store, self._read(store)
+        return True
+
+    def _read(self, store: Any) -> int:
+        try:
+            return store.add(self.key, 0)
+        except Exception:  # noqa: BLE001
+            self.errors += 1
+            return -1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            with self._lock:
+                if not self._connect():
+                    continue
+                current = self._read(self.store)
+                grew = current > self._seen >= 0
+                self._seen = max(self._seen, current)
+            if grew:
+                self.dump()
+
+
+def _default_store(timeout_s: float) -> Any:
+    """A client of the default process group's store of our own; None before ``init_process_group``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):  # the training thread's connection is not shared
+        store = dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+    return store

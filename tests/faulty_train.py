@@ -1,0 +1,81 @@
+"""An ordinary DDP training script with a fault written into it, for the end-to-end verdict tests.
+
+It knows nothing of commlens: the tests run it under ``commlens run -- torchrun ...``.
+
+    torchrun --nproc-per-node 3 faulty_train.py --fault late --rank 1 --step 5 --steps 400
+
+Faults, all on rank ``--rank`` from step ``--step`` (``--fault none`` for a healthy run):
+
+    nan      a parameter holds NaN before backward
+    inf      a tensor hook makes a gradient Inf
+    late     the rank sleeps ``--late-s`` seconds before the step's first collective
+    leave    the rank leaves the training loop (and ends)
+    slow     the rank computes 30 ms longer every step
+    desync   the rank issues all_gather where the others all_reduce
+
+The wall time at which the fault happens is written to ``FAULT_TIME_FILE`` (when set), so that a
+benchmark can measure how long detection takes.
+"""
+
+import argparse
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fault", default="none")
+    parser.add_argument("--rank", type=int, default=1)
+    parser.add_argument("--step", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--step-ms", type=float, default=20, help="compute time of a step")
+    parser.add_argument("--late-s", type=float, default=8)
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(rank)
+    for step in range(args.steps):
+        faulty = rank == args.rank and step >= args.step
+        first = faulty and step == args.step
+        if first:
+            _mark_fault_time()
+        if faulty and args.fault == "leave":
+            break
+        if first and args.fault == "late":
+            time.sleep(args.late_s)
+        time.sleep((args.step_ms + (30 if faulty and args.fault == "slow" else 0)) / 1000)
+        x = torch.randn(32, 64, generator=data)
+        loss = model(x).pow(2).mean()
+        if first and args.fault == "nan":
+            with torch.no_grad():
+                model.module[0].weight[0, 0] = float("nan")
+        if first and args.fault == "inf":
+            model.module[2].weight.register_hook(lambda grad: grad * float("inf"))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        report = loss.detach().reshape(1)
+        if first and args.fault == "desync":
+            dist.all_gather([torch.empty_like(report) for _ in range(dist.get_world_size())], report)
+        else:
+            dist.all_reduce(report)
+    dist.destroy_process_group()
+
+
+def _mark_fault_time() -> None:
+    path = os.environ.get("FAULT_TIME_FILE")
+    if path:
+        with open(path, "w") as f:
+            f.write(repr(time.time()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The verdict, end to end, on faults written into an ordinary training script run under
+``commlens run -- torchrun`` (3 gloo ranks): Debian's Prometheus (1 s scrape and evaluation) evaluates
+the shipped rules and sends to a real Alertmanager; the alert that fires, ``commlens diagnose`` live
+from Prometheus and after the fact from the job's files, and ``torchfrtrace`` where it can, all name
+the faulty rank — and only it. A healthy run fires nothing and leaves nothing pending."""
+
+import contextlib
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from monitoring import Alertmanager, Prometheus, TrainingJob, Webhook, wait_for
+
+RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
+WORLD, CULPRIT = 3, 1
+CULPRIT_ALERTS = ("CommlensNaNOrigin", "CommlensRankLate", "CommlensCollectiveDesync", "CommlensStraggler")
+
+
+@contextlib.contextmanager
+def _stack(tmp_path, fault, **job):
+    with Webhook() as webhook, Alertmanager(tmp_path, webhook.url) as alertmanager, \
+            TrainingJob(tmp_path, WORLD, fault, rank=CULPRIT, **job) as training, \
+            Prometheus(tmp_path, training.targets, [RULES], alertmanager.address) as prometheus:
+        yield webhook, training, prometheus
+
+
+def _culprits(report: str) -> set[int]:
+    """The ranks that the findings of ``commlens diagnose`` blame."""
+    found = re.findall(r"(?:entered on|late or missing:|desync:|straggler:|all waiting,) ranks? ([\d, ]+) in", report)
+    return {int(rank) for ranks in found for rank in ranks.split(",")}
+
+
+def _diagnose(*args) -> str:
+    done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "diagnose", *args], capture_output=True,
+                          text=True, timeout=60)
+    return done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("fault, alert, verdict, op", [
+    ("nan", "CommlensNaNOrigin", "NaN/Inf entered on rank 1", "all_reduce"),
+    ("inf", "CommlensNaNOrigin", "NaN/Inf entered on rank 1", "all_reduce"),
+    ("late", "CommlensRankLate", "late or missing: rank 1 ", "all_reduce"),
+    ("leave", "CommlensRankLate", "late or missing: rank 1 ", "all_reduce"),
+    ("slow", "CommlensStraggler", "straggler: rank 1 ", None),
+    ("desync", "CommlensCollectiveDesync", "desync: rank 1 ", "all_gather"),
+])
+def test_the_alert_and_diagnose_name_the_faulty_rank_and_only_it(tmp_path, fault, alert, verdict, op):
+    with _stack(tmp_path, fault) as (webhook, training, prometheus):
+        fired = wait_for(lambda: webhook.firing(alert), f"{alert} at the webhook", timeout_s=90)
+        named = {a["labels"]["rank"] for a in webhook.alerts
+                 if a["labels"]["alertname"] in CULPRIT_ALERTS and a["status"] == "firing"}
+        live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
+        hung = fault in ("late", "leave", "desync")
+        if hung:  # the others hang until gloo's timeout; the dumps of every rank are written meanwhile
+            wait_for(lambda: all((training.out / f"rank_{r}").exists() for r in range(WORLD) if fault != "leave"
+                                 or r != CULPRIT), "every rank's dump")
+    assert named == {str(CULPRIT)}, webhook.alerts
+    for a in fired:
+        assert a["labels"]["rank"] == str(CULPRIT) and a["labels"].get("pg", "0") == "0"
+        if op:
+            assert a["labels"]["op"] == op
+    assert verdict in live, live
+    assert _culprits(live) == {CULPRIT}, live
+    offline = _diagnose(str(training.out))
+    assert verdict in offline, offline
+    if hung:
+        seq = int(float(fired[0]["annotations"]["summary"].split("seq ")[1].split()[0]))
+        assert f"seq {seq})" in live and f"seq {seq})" in offline, (seq, live, offline)
+        analyzer = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
+                                   str(training.out)], capture_output=True, text=True, timeout=120)
+        report = analyzer.stdout + analyzer.stderr
+        if fault == "desync":
+            assert "COLLECTIVE_TYPE_MISMATCH" in report, report
+        elif fault == "leave":
+            assert f"{{{CULPRIT}}}" in report, report  # its process ended without a dump: "missing ... {1}"
+
+
+def test_a_healthy_run_fires_nothing_and_leaves_nothing_pending(tmp_path):
+    with _stack(tmp_path, "none", steps=6000) as (webhook, training, prometheus):
+        wait_for(lambda: prometheus.query("commlens:collective_wait_seconds:mean20s"), "the first recording")
+        started = time.monotonic()
+        while time.monotonic() - started < 150 and training.process.poll() is None:
+            time.sleep(1)  # not synchronisation: the healthy run lasts this long while the rules evaluate
+        pending = prometheus.query('max_over_time(count_over_time(ALERTS{alertstate="pending"}[3s])[5m:1s])')
+        firing = prometheus.query('ALERTS{alertstate="firing"}')
+        offline_files = training.out
+    assert not webhook.alerts and not firing, (webhook.alerts, firing)
+    assert all(float(p["value"][1]) <= 1 for p in pending), pending
+    assert "nothing wrong found" in _diagnose(str(offline_files))
