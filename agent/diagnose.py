@@ -176,7 +176,7 @@ def _late(f: RankFacts, pg: str, seq: int, live: bool, first_wait_ns: int | None
     """Why rank ``f`` is one the others waited for in ``seq``; None if it is not. After the fact, a
     rank is late when it issued ``seq`` once the first waiting rank had waited the hang threshold."""
     group = f.groups.get(pg)
-    if f.gone:
+    if f.gone and (group is None or group.issued < seq):
         return f"stopped reporting, last at seq {group.issued if group else 0}"
     if group is None:
         return "never issued a collective in this group"

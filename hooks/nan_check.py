@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import cmath
 from typing import Any
 
 import torch
@@ -95,7 +96,7 @@ _WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.comp
 def _sum_is_finite(t: torch.Tensor) -> bool:
     """One pass over ``t`` and no temporary of its size: a NaN or Inf anywhere makes the sum non-finite.
     A finite sum proves every element finite; a non-finite one is checked element by element."""
-    return bool(torch.isfinite(t.sum(dtype=_WIDE.get(t.dtype))))
+    return cmath.isfinite(t.sum(dtype=_WIDE.get(t.dtype)).item())
 
 
 _SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
