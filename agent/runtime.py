@@ -10,13 +10,13 @@ Example::
 
 Snapshots on the way down: a flight-recorder dump is written (and what is pending flushed, within
 ``COMMLENS_SNAPSHOT_TIMEOUT_S``) on a collective's abort, on a hang, on SIGTERM and on an unhandled
-exception; then the process goes on to end as it would have.
+exception; then the process goes on to end as it would have. SIGTERM's is written even while the
+main thread is blocked inside a collective (agent/signals.py).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
 import time
@@ -30,6 +30,7 @@ from commlens.hooks import (FlightRecorderHook, NanCheckHook, attribution, hook_
 from .config import Config, ConfigError
 from .job_dumps import JobDumps
 from .sidecar import Sidecar
+from .signals import SignalWatcher
 from .stats import DURATION_BUCKETS
 
 VERSION = "0.1.0"
@@ -66,9 +67,8 @@ class Agent:
         self._abort_handle = register_abort_hook(lambda _: self.snapshot("abort"))
         self.job_dumps = JobDumps(config.job, min(1.0, config.hang_threshold_s / 4), lambda: self.snapshot("peer"))
         self.sidecar.start(config.drain_interval_s)
-        self._previous_sigterm: Any = None
-        if threading.current_thread() is threading.main_thread():
-            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._signals = SignalWatcher(lambda: self.snapshot("signal", blocking=False), config.snapshot_timeout_s)
+        self._signals.install()  # from the main thread only, as Python's signal handlers
         self._previous_excepthook = sys.excepthook
         sys.excepthook = self._on_exception
 
@@ -79,32 +79,43 @@ class Agent:
         return {"rank": c.rank, "local_rank": c.local_rank, "world_size": c.world_size, "job": c.job,
                 "backend": str(dist.get_backend()) if dist.is_initialized() else "unknown", "version": VERSION}
 
-    def snapshot(self, reason: str) -> str | None:
+    def snapshot(self, reason: str, blocking: bool = True) -> str | None:
         """Write a flight-recorder dump and flush pending spans, within the snapshot timeout; returns
         the dump's path (None when another snapshot is being written, or the dump failed). A hang or
         an abort asks every other rank of the job for its dump too; on the way down (an unhandled
         exception, a signal) the metrics wait for Prometheus' next scrape, within the same timeout,
-        so that what this rank saw last (a failed collective) is not lost with the process."""
+        so that what this rank saw last (a failed collective) is not lost with the process.
+
+        ``blocking=False`` is a signal's (agent/signals.py): the thread it interrupted may hold any
+        lock, so it waits on none. The dump needs none and is written even beside another snapshot
+        (whole, by rename); the drain before the flush is skipped when another thread is draining, and
+        the count is kept without the stats lock when another thread holds it."""
         deadline = time.monotonic() + self.config.snapshot_timeout_s
         if reason in ("hang", "abort"):
             self.job_dumps.request()
-        if not self._snapshot_lock.acquire(blocking=False):
+        owner = self._snapshot_lock.acquire(blocking=False)
+        if not owner and blocking:
             return None
         try:
-            self.sidecar.drain()
             try:
                 path = self.flight_recorder.dump_file(self.config.rank)
             except (OSError, ValueError) as error:
                 print(f"commlens: no {reason} snapshot: {error}", file=sys.stderr)
                 path = None
-            with self.sidecar.stats.lock:
-                self.sidecar.stats.snapshots[reason] += 1
-            self.spans.flush(self.config.snapshot_timeout_s)
+            if owner:
+                self.sidecar.drain(blocking)
+            stats = self.sidecar.stats
+            locked = stats.lock.acquire(blocking)
+            stats.snapshots[reason] += 1  # unlocked only on a signal while another thread holds the lock:
+            if locked:  # under the GIL that cannot tear a scrape's copy, and one thread counts "signal"
+                stats.lock.release()
+            self.spans.flush(max(0.0, deadline - time.monotonic()))
             if reason in ("exception", "signal") and self.collector is not None:
                 self.collector.wait_for_scrape(max(0.0, deadline - time.monotonic()))
             return path
         finally:
-            self._snapshot_lock.release()
+            if owner:
+                self._snapshot_lock.release()
 
     def stop(self) -> None:
         """Stop recording; drain the ring, flush spans (within the snapshot timeout), stop serving."""
@@ -121,19 +132,9 @@ class Agent:
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
-        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
+        self._signals.uninstall()
         if sys.excepthook == self._on_exception:
             sys.excepthook = self._previous_excepthook
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self.snapshot("signal")
-        previous = self._previous_sigterm
-        if callable(previous):
-            previous(signum, frame)
-        elif previous != signal.SIG_IGN:  # the default: end the way SIGTERM ends a process
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
 
     def _on_exception(self, kind: type, value: BaseException, traceback: Any) -> None:
         self.snapshot("exception")

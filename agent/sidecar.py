@@ -136,15 +136,24 @@ class Sidecar:
         while not self._stop.wait(interval_s):
             self.drain()
 
-    def drain(self) -> int:
+    def drain(self, blocking: bool = True) -> int:
         """Read every new record, then run the watchdog; returns how many records were read.
-        Safe from any thread (a snapshot drains before it dumps)."""
-        with self._draining:
-            return self._drain()
+        Safe from any thread (a snapshot drains before it flushes); ``blocking=False`` (a signal's
+        snapshot) reads nothing and returns 0 rather than wait for a lock another thread holds."""
+        if not self._draining.acquire(blocking):
+            return 0
+        try:
+            return self._drain(blocking)
+        finally:
+            self._draining.release()
 
-    def _drain(self) -> int:
-        records = self.reader.read()
-        with self.stats.lock:
+    def _drain(self, blocking: bool = True) -> int:
+        records = self.reader.read() if blocking else None
+        if not self.stats.lock.acquire(blocking):
+            return 0  # nothing read yet: nothing lost
+        try:
+            if records is None:
+                records = self.reader.read()
             for record in records:
                 if record.kind == START:
                     self._started(record)
@@ -153,6 +162,8 @@ class Sidecar:
                 elif record.kind == NAN:
                     self._nan_found(record)
             hung = self._watch(time.monotonic_ns())
+        finally:
+            self.stats.lock.release()
         for collective in hung:
             self.on_collective(collective)
         if hung:

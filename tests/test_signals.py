@@ -1,0 +1,203 @@
+"""SIGTERM, as Kubernetes and torchrun stop a rank: the snapshot is written even while the main thread
+is blocked in a collective, the process ends as it would have, and a storm of them deadlocks nothing."""
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from commlens.agent.demo import free_port
+
+TIMEOUT_S = 5
+
+RANK = """
+import os, signal, sys, torch, torch.distributed as dist
+import commlens.agent
+
+rank, mode = int(os.environ["RANK"]), sys.argv[1]
+dist.init_process_group("gloo")
+if rank == 1:  # joins the first all_reduce; the second only when the test writes a line to its stdin
+    dist.all_reduce(torch.ones(4))
+    if sys.stdin.readline():
+        dist.all_reduce(torch.ones(4))
+    os._exit(0)
+if mode == "user":
+    def on_sigterm(signum, frame):
+        with open(sys.argv[2], "w") as f:
+            f.write("handled")
+        sys.exit(3)
+    signal.signal(signal.SIGTERM, on_sigterm)
+commlens.agent.start()
+dist.all_reduce(torch.ones(4))
+agent = commlens.agent.current()
+if mode == "in-snapshot":  # as if interrupted inside agent.snapshot() ...
+    agent._snapshot_lock.acquire()
+if mode in ("in-snapshot", "in-drain"):  # ... or inside sidecar.drain(), on this thread
+    agent.sidecar._draining.acquire()
+    agent.sidecar.stats.lock.acquire()
+print("ready", flush=True)
+while mode in ("python", "in-snapshot", "in-drain"):
+    pass
+dist.all_reduce(torch.ones(4))  # rank 1 is not there
+print("returned", flush=True)
+"""
+
+STORM = """
+import signal, sys, threading, torch, torch.distributed as dist
+import commlens.agent
+
+handled = 0
+def count(signum, frame):
+    global handled
+    handled += 1
+signal.signal(signal.SIGTERM, count)
+dist.init_process_group("gloo")
+agent = commlens.agent.start()
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+t, steps = torch.ones(16), 0
+while not stop.is_set():
+    for _ in range(10):
+        dist.all_reduce(t)
+    agent.sidecar.drain()  # from the main thread too: a signal may come while it holds the sidecar's locks
+    steps += 1
+    print(steps, flush=True)
+print("handled", handled, "snapshots", agent.sidecar.stats.snapshots["signal"], flush=True)
+commlens.agent.stop()
+"""
+
+FORK = """
+import os, signal, torch, torch.distributed as dist
+import commlens.agent
+
+dist.init_process_group("gloo")
+agent = commlens.agent.start()
+dist.all_reduce(torch.ones(4))
+ready, told = os.pipe()
+child = os.fork()
+if child == 0:  # a DataLoader worker, say: the parent's socket is shared, the thread is not
+    os.write(told, b"!")
+    signal.pause()
+    os._exit(0)
+os.read(ready, 1)
+os.kill(child, signal.SIGTERM)
+_, status = os.waitpid(child, 0)
+commlens.agent.stop()  # the thread reads what is in its socket before it ends
+print(os.WIFSIGNALED(status) and os.WTERMSIG(status), agent.sidecar.stats.snapshots["signal"], flush=True)
+"""
+
+
+def _ranks(tmp_path, script, world_size, *args):
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
+           "COMMLENS_METRICS_PORT": "0", "COMMLENS_TRACE_FILE": str(tmp_path / "spans-{rank}.jsonl"),
+           "TORCHCOMM_FR_DUMP_TEMP_FILE": str(tmp_path / "rank_"), "COMMLENS_SNAPSHOT_TIMEOUT_S": str(TIMEOUT_S),
+           "COMMLENS_HANG_THRESHOLD_S": "0.5"}
+    jobs = []
+    for rank in range(world_size):
+        with open(tmp_path / f"stderr-{rank}", "w") as stderr:
+            jobs.append(subprocess.Popen([sys.executable, "-c", script, *args],
+                                         env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True))
+    return jobs
+
+
+def _until(condition, what, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def _end(*jobs):
+    for job in jobs:
+        if job.poll() is None:
+            job.kill()
+        job.wait()
+        job.stdin.close()
+        job.stdout.close()
+
+
+def _states(dump):
+    return [(e["profiling_name"], e["state"]) for e in pickle.loads(dump.read_bytes())["entries"]]
+
+
+def _stuck(rank0, dump):
+    """Once rank 0 is inside the all_reduce rank 1 does not join (its hang snapshot says so), clear that snapshot."""
+    assert rank0.stdout.readline() == "ready\n"
+    _until(dump.exists, "no hang snapshot: rank 0 never got stuck in its all_reduce")
+    dump.unlink()
+
+
+def test_sigterm_inside_a_collective_writes_the_snapshot_and_ends_the_process_as_sigterm_does(tmp_path):
+    rank0, rank1 = _ranks(tmp_path, RANK, 2, "collective")
+    dump = tmp_path / "rank_0"
+    try:
+        _stuck(rank0, dump)
+        rank0.send_signal(signal.SIGTERM)
+        assert rank0.wait(TIMEOUT_S + 10) == -signal.SIGTERM
+    finally:
+        _end(rank0, rank1)
+    assert _states(dump) == [("gloo:all_reduce", "completed"), ("gloo:all_reduce", "started")]
+    assert (tmp_path / "spans-0.jsonl").read_text().count('"name":"all_reduce"') == 2  # done, and in flight
+
+
+@pytest.mark.parametrize("mode", ["python", "in-snapshot", "in-drain"])
+def test_sigterm_in_python_writes_the_snapshot_and_ends_the_process_as_sigterm_does(tmp_path, mode):
+    rank0, rank1 = _ranks(tmp_path, RANK, 2, mode)
+    try:
+        assert rank0.stdout.readline() == "ready\n"
+        rank0.send_signal(signal.SIGTERM)
+        assert rank0.wait(TIMEOUT_S + 10) == -signal.SIGTERM
+    finally:
+        _end(rank0, rank1)
+    assert _states(tmp_path / "rank_0") == [("gloo:all_reduce", "completed")]
+    if mode == "python":  # holding the drain's locks, the main thread may keep the span from the exporter
+        assert (tmp_path / "spans-0.jsonl").read_text().count('"name":"all_reduce"') == 1
+
+
+def test_the_users_own_handler_runs_once_the_collective_returns_after_the_snapshot(tmp_path):
+    handled = tmp_path / "handled"
+    rank0, rank1 = _ranks(tmp_path, RANK, 2, "user", str(handled))
+    dump = tmp_path / "rank_0"
+    try:
+        _stuck(rank0, dump)
+        rank0.send_signal(signal.SIGTERM)
+        _until(dump.exists, "no snapshot while the main thread is blocked in the collective", TIMEOUT_S + 10)
+        assert _states(dump) == [("gloo:all_reduce", "completed"), ("gloo:all_reduce", "started")]
+        assert rank0.poll() is None and not handled.exists()  # the user's handler waits for the main thread
+        rank1.stdin.write("join\n")
+        rank1.stdin.flush()
+        assert rank0.wait(60) == 3 and handled.read_text() == "handled"
+        assert "returned" not in rank0.stdout.read()
+    finally:
+        _end(rank0, rank1)
+
+
+def test_a_sigterm_storm_during_collectives_deadlocks_nothing(tmp_path):
+    [job] = _ranks(tmp_path, STORM, 1)
+    watchdog = threading.Timer(120, job.kill)  # a deadlock fails the test instead of hanging it
+    watchdog.start()
+    try:
+        for _ in range(50):  # 4 SIGTERMs after each step the job reports: 200, spread over its loop
+            assert job.stdout.readline().strip().isdigit(), "the job stopped looping"
+            for _ in range(4):
+                job.send_signal(signal.SIGTERM)
+        job.stdin.close()
+        out = job.stdout.read()
+        assert job.wait() == 0, (tmp_path / "stderr-0").read_text()
+    finally:
+        watchdog.cancel()
+        _end(job)
+    _, handled, _, snapshots = out.splitlines()[-1].split()
+    assert 1 <= int(handled) <= 200 and 1 <= int(snapshots) <= 200  # signals sent together may arrive as one
+
+
+def test_a_forked_childs_sigterm_is_its_own(tmp_path):
+    [job] = _ranks(tmp_path, FORK, 1)
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode == 0 and out.split() == [str(int(signal.SIGTERM)), "0"], out
