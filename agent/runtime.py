@@ -24,7 +24,7 @@ from typing import Any
 
 from commlens.exporters.otlp import GrpcTransport, HttpTransport, JsonLinesTransport, SpanExporter
 from commlens.exporters.prometheus import MetricsCollector, serve
-from commlens.hooks import (FlightRecorderHook, NanCheckHook, attribution, hook_errors, instrument, recorder,
+from commlens.hooks import (FlightRecorderHook, cuda, NanCheckHook, attribution, hook_errors, instrument, recorder,
                             register_abort_hook, uninstrument)
 
 from .config import Config, ConfigError
@@ -47,6 +47,7 @@ class Agent:
         ring = recorder.ring()
         self.sidecar = Sidecar(ring, config.rank, config.hang_threshold_s, config.slow_factor,
                                on_collective=self.spans.offer, on_hang=lambda _: self.snapshot("hang"))
+        self.sidecar.pollers.append(cuda.poll)
         self.server = self.collector = None
         if config.metrics_port is not None:
             self.collector = collector = MetricsCollector(self.sidecar.stats, self.sidecar.inflight_by_group,
@@ -144,7 +145,8 @@ class Agent:
 def _telemetry_errors() -> dict[str, int]:
     """What commlens lost inside the training process, by ``commlens_telemetry_errors_total``'s kind."""
     return {"hook": sum(hook_errors.values()), "recorder": recorder.internal_errors,
-            "string_dropped": recorder.ring().strings_dropped, "work_unjudged": recorder.poller.unjudged}
+            "string_dropped": recorder.ring().strings_dropped, "work_unjudged": recorder.poller.unjudged,
+            "gpu_pool_exhausted": cuda._tracker.exhausted if cuda._tracker is not None else 0}
 
 
 def _transport(config: Config) -> Any:

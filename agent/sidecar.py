@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 from commlens.hooks.attribution import PHASES
 from commlens.hooks.ops import OPS
 from commlens.hooks.recorder import FLAG_ASYNC, FLAG_LAST_BUCKET, STATUS
-from commlens.hooks.ring import END, NAN, NAN_HAS_INF, NAN_HAS_NAN, NAN_OUTPUT, START, Record, Ring, RingReader
+from commlens.hooks.ring import END, GPU_START, NAN, NAN_HAS_INF, NAN_HAS_NAN, NAN_OUTPUT, START, Record, Ring, RingReader
 
 from .stats import Stats, bus_factor, size_class
 
@@ -67,6 +67,9 @@ class Collective(NamedTuple):
     """The module that issued it and the phase, when module attribution is on."""
     phase: str = ""
     inf: bool = False
+    gpu_start_ns: int = -1
+    """When it started on the GPU (Unix ns), for a collective on CUDA tensors; -1 otherwise:
+    issue -> GPU start is its queueing time, GPU start -> end its execution time."""
 
 
 class GroupInFlight(NamedTuple):
@@ -108,6 +111,10 @@ class Sidecar:
         self.slow_factor = slow_factor
         self.on_collective, self.on_hang = on_collective, on_hang
         self.inflight: dict[int, Record] = {}
+        self.pollers: list[Callable[[], None]] = []
+        """Called before each drain: what completes collectives from outside the ring (the GPU's events)."""
+        self._gpu_start: dict[int, int] = {}
+        """op_id -> the time its collective started on the GPU."""
         self._nan: dict[int, int] = {}
         """op_id -> NAN_HAS_NAN | NAN_HAS_INF seen for it."""
         self._hung: set[int] = set()
@@ -161,6 +168,8 @@ class Sidecar:
                     self._ended(record)
                 elif record.kind == NAN:
                     self._nan_found(record)
+                elif record.kind == GPU_START:
+                    self._gpu_start[record.op_id] = record.t_ns
             hung = self._watch(time.monotonic_ns())
         finally:
             self.stats.lock.release()
@@ -177,6 +186,7 @@ class Sidecar:
             oldest = min(self.inflight)
             del self.inflight[oldest]
             self._nan.pop(oldest, None)
+            self._gpu_start.pop(oldest, None)
             self._hung.discard(oldest)
         self.inflight[record.op_id] = record
         shape = self._shape(record)
@@ -192,9 +202,12 @@ class Sidecar:
         nan, hung = self._nan.pop(op_id, 0), op_id in self._hung
         if hung:
             self._hung.discard(op_id)
+        gpu_start = self._gpu_start.pop(op_id, None)
+        if gpu_start is not None and start is not None:
+            self.stats.on_gpu(shape, (gpu_start - start.t_ns) / 1e9, (end.t_ns - gpu_start) / 1e9)
         self.stats.finished(shape, None if shape.is_p2p else end.seq, status, seconds)
         slow = seconds is not None and self._is_slow(shape, seconds)
-        self.on_collective(self._collective(shape, start or end, end, status, nan, hung, slow))
+        self.on_collective(self._collective(shape, start or end, end, status, nan, hung, slow, gpu_start=gpu_start))
 
     def _nan_found(self, record: Record) -> None:
         shape = self._shape(record)
@@ -206,7 +219,8 @@ class Sidecar:
     def _watch(self, now_ns: int) -> list[Collective]:
         hung = []
         for op_id, start in self.inflight.items():
-            if op_id in self._hung or now_ns - start.t_ns < self.hang_threshold_ns:
+            since = self._gpu_start.get(op_id, start.t_ns)  # on a GPU: from when it started there
+            if op_id in self._hung or now_ns - since < self.hang_threshold_ns:
                 continue
             self._hung.add(op_id)
             shape = self._shape(start)
@@ -236,7 +250,7 @@ class Sidecar:
     # -- what exporters see -------------------------------------------------------------------------
 
     def _collective(self, shape: Shape, start: Record, end: Record | None, status: str, nan: int, hang: bool,
-                    slow: bool, now_ns: int | None = None) -> Collective:
+                    slow: bool, now_ns: int | None = None, gpu_start: int | None = None) -> Collective:
         """``nan``: the NAN_HAS_* bits seen for it."""
         offset = self.ring.clock_offset_ns
         flags, aux = (start.flags, start.aux) if start.kind == START else (0, 0)  # START lost: END alone
@@ -248,7 +262,8 @@ class Sidecar:
             shape.dtype, bool(flags & FLAG_ASYNC), status, start.t_ns + offset, end_ns + offset, busbw, bool(nan & NAN_HAS_NAN), hang,
             slow, end is None, aux - 1, bool(flags & FLAG_LAST_BUCKET), end.aux if end is not None and aux else 0,
             self.ring.string(start.module) if start.module else "",
-            PHASES[start.phase] if start.phase < len(PHASES) else "", bool(nan & NAN_HAS_INF)))
+            PHASES[start.phase] if start.phase < len(PHASES) else "", bool(nan & NAN_HAS_INF),
+            -1 if gpu_start is None else gpu_start + offset))
 
     def _group(self, sid: int) -> tuple[str, int]:
         found = self._groups.get(sid)
@@ -274,22 +289,21 @@ class Sidecar:
         """Group name -> its collectives in flight, computed now."""
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
         counts: dict[str, int] = {name: 0 for name, _ in self._groups.values()}
-        oldest: dict[str, Record] = {}
-        oldest_collective: dict[str, Record] = {}
+        oldest: dict[str, int] = {}
+        oldest_collective: dict[str, tuple[int, Record]] = {}
         with self.stats.lock:
-            for start in self.inflight.values():
+            for op_id, start in self.inflight.items():
                 name = self._group(start.pg)[0]
+                since = self._gpu_start.get(op_id, start.t_ns)  # on a GPU: from when it started there
                 counts[name] = counts.get(name, 0) + 1
-                if name not in oldest or start.t_ns < oldest[name].t_ns:
-                    oldest[name] = start
-                if not OPS[start.op].is_p2p and (name not in oldest_collective
-                                                 or start.t_ns < oldest_collective[name].t_ns):
-                    oldest_collective[name] = start
+                oldest[name] = min(oldest.get(name, since), since)
+                if not OPS[start.op].is_p2p and since < oldest_collective.get(name, (since + 1,))[0]:
+                    oldest_collective[name] = (since, start)
         found = {}
         for name, count in counts.items():
-            age = (now_ns - oldest[name].t_ns) / 1e9 if name in oldest else 0.0
-            hung = oldest_collective.get(name)
-            if hung is not None and now_ns - hung.t_ns >= self.hang_threshold_ns:
+            age = (now_ns - oldest[name]) / 1e9 if name in oldest else 0.0
+            since, hung = oldest_collective.get(name, (now_ns, None))
+            if hung is not None and now_ns - since >= self.hang_threshold_ns:
                 found[name] = GroupInFlight(count, age, OPS[hung.op].value, hung.seq)
             else:
                 found[name] = GroupInFlight(count, age, None, None)

@@ -72,6 +72,9 @@ class Stats:
         """(pg, kind) -> (seq, op): the first collective whose *input* held NaN or Inf on this rank."""
         self.failed: dict[str, tuple[int, str]] = {}
         """pg -> (seq, op): the first collective that failed (error or timeout) on this rank."""
+        self.gpu_queue: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.gpu_exec: collections.Counter[tuple[str, str]] = collections.Counter()
+        """(op, pg) -> seconds collectives on CUDA tensors waited for the GPU / ran on it."""
         self.snapshots: collections.Counter[str] = collections.Counter()
         self.recent: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=RESERVOIR))
         self.events: collections.deque = collections.deque(maxlen=256)
@@ -89,6 +92,11 @@ class Stats:
             key = (shape.pg, kind)
             if is_input and not shape.is_p2p and seq < self.first_nonfinite.get(key, (seq + 1,))[0]:
                 self.first_nonfinite[key] = (seq, shape.op)
+
+    def on_gpu(self, shape, queue_s: float, exec_s: float) -> None:
+        """A collective of ``shape`` waited ``queue_s`` from issue to its start on the GPU, then ran ``exec_s``."""
+        self.gpu_queue[shape.counter_key] += max(queue_s, 0.0)
+        self.gpu_exec[shape.counter_key] += max(exec_s, 0.0)
 
     def finished(self, shape, seq: int | None, status: str, seconds: float | None) -> None:
         """One collective of ``shape`` (the sidecar's ``Shape``) completed with ``status``."""

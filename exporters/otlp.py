@@ -77,6 +77,9 @@ class SpanBuilder:
             "commlens.p2p": c.is_p2p, "commlens.busbw_bytes_per_s": c.busbw, "commlens.nan": c.nan,
             "commlens.inf": c.inf, "commlens.hang": c.hang, "commlens.slow": c.slow,
         }))
+        if c.gpu_start_ns >= 0:
+            span.attributes.extend(attributes({"commlens.gpu.queue_s": (c.gpu_start_ns - c.start_ns) / 1e9,
+                                               "commlens.gpu.exec_s": (c.end_ns - c.gpu_start_ns) / 1e9}))
         if c.phase:
             span.attributes.extend(attributes({"commlens.module": c.module, "commlens.phase": c.phase}))
         if c.bucket >= 0:

@@ -25,7 +25,7 @@ from .otlp import trace_id
 SNAPSHOT_REASONS = ("abort", "hang", "signal", "exception", "peer")
 SPAN_RESULTS = ("exported", "failed", "dropped", "sampled_out")
 NONFINITE_KINDS = ("nan", "inf")
-TELEMETRY_ERRORS = ("hook", "recorder", "string_dropped", "work_unjudged")
+TELEMETRY_ERRORS = ("hook", "recorder", "string_dropped", "work_unjudged", "gpu_pool_exhausted")
 
 
 class MetricsCollector:
@@ -66,6 +66,7 @@ class MetricsCollector:
             completed, nbytes, bus = dict(s.completed), dict(s.bytes), dict(s.bus_bytes)
             last_seq, hangs, nans, snapshots = dict(s.last_seq), dict(s.hangs), dict(s.nans), dict(s.snapshots)
             first_nonfinite, failed = dict(s.first_nonfinite), dict(s.failed)
+            gpu_queue, gpu_exec = dict(s.gpu_queue), dict(s.gpu_exec)
         inflight, info = self.inflight(), self.info()
 
         family = HistogramMetricFamily("commlens_collective_duration_seconds",
@@ -86,6 +87,10 @@ class MetricsCollector:
 
         yield _counter("commlens_collectives", "Completed collectives, by status", ("op", "pg", "status"),
                        completed, rank)
+        yield _counter("commlens_collective_gpu_queue_seconds", "Collectives on CUDA tensors: seconds from issue to "
+                       "their start on the GPU (the GPU busy with earlier work)", ("op", "pg"), gpu_queue, rank)
+        yield _counter("commlens_collective_gpu_exec_seconds", "Collectives on CUDA tensors: seconds from their start "
+                       "on the GPU to their end", ("op", "pg"), gpu_exec, rank)
         yield _counter("commlens_collective_bytes", "Payload bytes of completed collectives", ("op", "pg"),
                        nbytes, rank)
         yield _counter("commlens_collective_bus_bytes",

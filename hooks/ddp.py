@@ -102,7 +102,10 @@ def wrap(hook: Callable | None = None) -> Callable:
         if not isinstance(future, torch._C.Future):  # DDP raises its own error for this
             flight.complete(recorder.ERROR, TypeError(f"communication hook returned {type(future).__name__}"))
             return future
-        future.add_done_callback(flight._future_done)
+        if flight.gpu is not None:  # a bucket on a CUDA device completes when the GPU has reduced it
+            flight.gpu_end(future)
+        else:
+            future.add_done_callback(flight._future_done)
         return future
 
     recorded._commlens_wrapped = True

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import recorder
+from . import cuda, recorder
 from .ops import PostHookArgs, PreHookArgs
 from .registry import register_post_hook, register_pre_hook
 from .ring import NAN_HAS_INF as FLAG_INF, NAN_HAS_NAN as FLAG_NAN, NAN_OUTPUT as FLAG_OUTPUT
@@ -24,6 +24,10 @@ MODES = ("report", "raise")
 
 class NanCheckHook:
     """Checks inputs (and, with ``check_outputs``, outputs) of every collective for NaN and Inf.
+
+    On a CUDA tensor, report mode sums it on the device and reads the sum when it is ready, without
+    synchronising (``hooks/cuda.py``): NaN and Inf are then told apart by the sum (NaN, or ±Inf) and
+    the count is not known (0). Raise mode synchronises, since it must refuse the collective first.
 
     ``mode="report"``: each finding is a NAN record in the ring (tensor index in ``aux``, count of
     non-finite elements in ``nbytes``, ``FLAG_*`` bits in ``flags``) and the collective proceeds.
@@ -68,20 +72,29 @@ class NanCheckHook:
     def _check(self, call: PreHookArgs, tensors: tuple, which: int) -> None:
         for index, t in enumerate(tensors):
             t = _values(t)
-            if not (t.is_floating_point() or t.is_complex()) or _sum_is_finite(t):
+            if not (t.is_floating_point() or t.is_complex()):
+                continue
+            if t.is_cuda and self.mode == "report":  # on the device, read when ready: no host sync
+                cuda.tracker().check(t, lambda flags, index=index: self._found(call, index, which | flags, 0))
+                continue
+            if _sum_is_finite(t):  # on a CUDA tensor in raise mode, this waits for the device
                 continue
             nans, infs = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
             if not nans and not infs:  # the sum overflowed; every element is finite
                 continue
-            self.events += 1
             if self.mode == "raise" and not (which and call.async_op):
+                self.events += 1
                 side = "output" if which else "input"
                 raise RuntimeError(
                     f"commlens NaN check: {call.name.value} (op_id {call.op_id}, seq {call.seq}) on rank "
                     f"{call.rank}, group {call.pg_name!r}: {side} tensor {index} holds {nans} NaN and {infs} "
                     f"Inf of {t.numel()} elements")
-            flags = which | (FLAG_NAN if nans else 0) | (FLAG_INF if infs else 0)
-            recorder.record_nan(call, index, flags, nans + infs)
+            self._found(call, index, which | (FLAG_NAN if nans else 0) | (FLAG_INF if infs else 0), nans + infs)
+
+    def _found(self, call: PreHookArgs, index: int, flags: int, count: int) -> None:
+        """A NAN record: tensor ``index`` of ``call`` held ``count`` non-finite elements (0: not counted)."""
+        self.events += 1
+        recorder.record_nan(call, index, flags, count)
 
     def __enter__(self) -> NanCheckHook:
         return self.register_with_comm()

@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 from .ops import CODE, OpName, AbortHookArgs, PostHookArgs, PreHookArgs
 from .registry import abort_hooks, post_hooks, pre_hooks
-from .ring import END, NAN, START, Ring
+from . import cuda
+from .ring import END, GPU_START, NAN, START, Ring
 
 OK, ERROR, TIMEOUT = 0, 1, 2
 STATUS = ("ok", "error", "timeout")
@@ -106,12 +107,23 @@ class Group:
 class InFlight(PreHookArgs):
     """One collective between ``begin()`` and completion; the pre-hook arguments are this object."""
 
-    __slots__ = ("code", "flags", "group", "sid", "nbytes", "sig", "wire_peer", "t0", "source_seq", "work", "bucket")
+    __slots__ = ("code", "flags", "group", "sid", "nbytes", "sig", "wire_peer", "t0", "source_seq", "work", "bucket",
+                 "gpu")
 
     def issued(self, result: Any) -> None:
         """The backend accepted the op. ``result`` is its work object when ``async_op`` is true."""
         if self.source_seq is not None:
             self.group.p2p_in_source += self.group.seq_source() - self.source_seq
+        if self.gpu is not None:  # on a CUDA device: completes when the GPU has finished it (hooks/cuda.py)
+            future = None
+            if self.async_op and result is not None:
+                self.work = result
+                try:
+                    future = result.get_future()
+                except RuntimeError:  # no future to wait on: the end is marked where the op was queued
+                    pass
+            self.gpu_end(future)
+            return
         if not self.async_op or result is None:
             self.complete(OK, None, in_caller=True)
             return
@@ -127,11 +139,20 @@ class InFlight(PreHookArgs):
         """The op raised in the caller's thread: abort hooks run before the error propagates."""
         self.complete(TIMEOUT if _is_timeout(error) else ERROR, error)
 
-    def complete(self, status: int, error: BaseException | None, in_caller: bool = False) -> int:
-        """Write END, run the abort and post-hooks; returns the completion time."""
+    def complete(self, status: int, error: BaseException | None, in_caller: bool = False,
+                 gpu_ns: tuple[int, int] | None = None) -> int:
+        """Write END (after GPU_START, at the GPU's times ``gpu_ns``), run the abort and post-hooks;
+        returns the completion time."""
         wire = 0 if self.bucket is None else min(self.bucket.wire_bytes, 0xFFFFFFFF)
-        end = (_ring or ring()).write(END, self.code, status, self.sid, self.op_id, self.seq, self.nbytes, self.sig,
-                                      self.wire_peer, wire)
+        write = (_ring or ring()).write
+        if gpu_ns is None:
+            end = write(END, self.code, status, self.sid, self.op_id, self.seq, self.nbytes, self.sig, self.wire_peer,
+                        wire)
+        else:
+            write(GPU_START, self.code, 0, self.sid, self.op_id, self.seq, self.nbytes, self.sig, self.wire_peer, 0, 0,
+                  gpu_ns[0])
+            end = write(END, self.code, status, self.sid, self.op_id, self.seq, self.nbytes, self.sig, self.wire_peer,
+                        wire, 0, gpu_ns[1])
         if error is not None and abort_hooks.entries:
             abort_hooks.call(AbortHookArgs(self, error, STATUS[status]))
         if post_hooks.entries:
@@ -140,6 +161,17 @@ class InFlight(PreHookArgs):
             except Exception as raised:  # only hooks registered with propagate=True get here
                 raise HookRaised(raised) from raised
         return end
+
+    def gpu_end(self, future: Any) -> None:
+        """Complete this op on a CUDA device when the GPU has finished it (``future``: an async op's)."""
+        cuda.tracker().end(self.gpu, future, self._gpu_done,
+                           lambda error: self.complete(TIMEOUT if _is_timeout(error) else ERROR, error))
+
+    def _gpu_done(self, start_ns: int, end_ns: int) -> None:
+        try:
+            self.complete(OK, None, gpu_ns=(start_ns, end_ns))
+        except Exception as error:  # the sidecar's thread: a hook's error stays there, counted
+            internal_error("GPU completion", error)
 
     def _future_done(self, future: Any) -> None:
         try:
@@ -159,7 +191,7 @@ def begin(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async
     call.name, call.op_id, call.pg, call.pg_name, call.rank = op, next(_op_ids), group.handle, group.name, group.rank
     call.tensors, call.output_tensors, call.async_op, call.root, call.peer = tensors, output_tensors, async_op, root, peer
     call.group, call.sid, call.code, call.flags = group, group.sid, CODE[op], FLAG_ASYNC if async_op else 0
-    call.work, call.bucket = None, bucket
+    call.work, call.bucket, call.gpu = None, bucket, None
     if bucket is not None and bucket.is_last:
         call.flags |= FLAG_LAST_BUCKET
     if op.is_p2p:
@@ -180,6 +212,9 @@ def begin(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async
             call.failed(error)
             raise HookRaised(error) from error
     _write_start(call)
+    device = _cuda_device(tensors, output_tensors)
+    if device is not None:
+        call.gpu = cuda.tracker().start(device)
     return call
 
 
@@ -223,9 +258,20 @@ def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple,
         seq = source() + 1 - group.p2p_in_source if source is not None else group.next_collective_seq()
         write, sid = (_ring or ring()).write, group.sid
         write(START, code, 0, sid, op_id, seq, nbytes, sig, wire_peer, 0, 0 if where is None else where())
+        device = _cuda_device(tensors, output_tensors)
+        pair = None if device is None else cuda.tracker().start(device)
     except Exception as error:
         internal_error("START", error)
         return call(*args, **kwargs)
+    if pair is not None:  # completes when the GPU has finished it (hooks/cuda.py)
+        try:
+            result = call(*args, **kwargs)
+        except BaseException as error:
+            write(END, code, TIMEOUT if _is_timeout(error) else ERROR, sid, op_id, seq, nbytes, sig, wire_peer, 0)
+            raise
+        cuda.tracker().end(pair, None, lambda start_ns, end_ns: cuda.write_completion(
+            code, OK, sid, op_id, seq, nbytes, sig, wire_peer, 0, start_ns, end_ns), None)
+        return result
     try:
         result = call(*args, **kwargs)
     except BaseException as error:
@@ -256,6 +302,15 @@ def _write_start(call: InFlight) -> None:
     call.t0 = (_ring or ring()).write(START, call.code, call.flags, call.sid, call.op_id, call.seq, call.nbytes,
                                       call.sig, call.wire_peer, 0 if call.bucket is None else call.bucket.index + 1,
                                       0 if where is None else where())
+
+
+def _cuda_device(tensors: tuple, output_tensors: tuple) -> Any:
+    """The CUDA device of an op's tensors, or None (CPU tensors keep the CPU's timing)."""
+    for group in (tensors, output_tensors):
+        if group:
+            t = group[0]
+            return t.device if t.is_cuda else None
+    return None
 
 
 def _status(error: BaseException | None) -> int:

@@ -32,8 +32,8 @@ import struct
 import time
 from typing import NamedTuple
 
-START, END, NAN = 1, 2, 3
-"""Record kinds: a collective was issued, finished, or had a non-finite tensor."""
+START, END, NAN, GPU_START = 1, 2, 3, 4
+"""Record kinds: a collective was issued, finished, had a non-finite tensor, started on the GPU."""
 NAN_OUTPUT, NAN_HAS_NAN, NAN_HAS_INF = 1, 2, 4
 """Bits of a NAN record's ``flags``: the tensor was an output; it held NaN; it held Inf."""
 

@@ -1,0 +1,181 @@
+"""Collectives on CUDA tensors: completion and timing from the GPU, and the NaN/Inf check on the device.
+
+A synchronous NCCL collective returns to Python once it is queued, so timing it on the CPU measures
+the launch. For a collective whose tensors are on a CUDA device the hook instead records two CUDA
+events, taken from a bounded pool, with no host synchronisation:
+
+* ``start`` on the current stream before the collective is issued. The backend makes the
+  collective's stream wait for the current stream, so ``start`` completes when the GPU may start it:
+  from issue to ``start`` is **queueing** (the GPU was still busy with earlier work).
+* ``end`` after it: on the current stream for a synchronous op (which the backend makes wait for the
+  collective), and for an async op on a side stream made to wait for the collective's own completion
+  events through its CUDA-aware future. From ``start`` to ``end`` is **execution**.
+
+The sidecar's thread calls ``GpuTracker.poll()``: ``event.query()`` never blocks; a finished
+collective gets a GPU_START and an END record stamped on the CPU's monotonic clock, computed from the
+events' elapsed times against a reference event recorded on an idle stream of the same device (so
+converting GPU to CPU time needs no synchronisation either).
+
+The NaN/Inf check of a CUDA tensor (report mode) is one ``sum`` on the current stream, copied
+without blocking into a slot of pinned host memory; ``poll()`` reads the slot once the copy's event
+has completed and writes a NAN record. Raise mode has to synchronise, since it must refuse the
+collective before it is issued.
+
+Everything is bounded: ``POOL`` event pairs and ``POOL`` pinned slots; when either runs out, the op
+falls back to the CPU's timing (or goes unchecked) and ``exhausted`` counts it.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Callable
+
+import torch
+
+from .ring import END, GPU_START, NAN_HAS_INF, NAN_HAS_NAN
+
+POOL = 4096
+
+
+class GpuTracker:
+    def __init__(self, write: Callable[..., int], pool: int = POOL):
+        self.write, self.pool = write, pool
+        self.exhausted = 0
+        self._free: collections.deque = collections.deque()
+        self._created = 0
+        self._timed: collections.deque = collections.deque()
+        """(start, end, complete) of collectives in flight on the GPU, in issue order."""
+        self._checks: collections.deque = collections.deque()
+        """(event, slot, report) of NaN checks whose sums are on their way to the host."""
+        self._sums: torch.Tensor | None = None
+        self._free_slots: collections.deque = collections.deque()
+        self._references: dict[int, tuple[Any, int]] = {}
+        self._side: dict[int, Any] = {}
+
+    # -- the training thread ------------------------------------------------------------------------
+
+    def start(self, device: torch.device) -> tuple | None:
+        """Record ``start`` on the current stream; None when the pool is empty (the op is timed on the CPU)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        pair = self._take(index)
+        if pair is not None:
+            pair[0].record()
+        return pair
+
+    def end(self, pair: tuple, future: Any, complete: Callable[[int, int], None],
+            failed: Callable[[BaseException], None]) -> None:
+        """Record ``end`` after the op; ``future`` is an async op's (or a DDP hook's) future, None for a
+        synchronous op. ``complete(gpu_start_ns, gpu_end_ns)`` runs on the sidecar's thread once the GPU
+        has finished the op; ``failed(error)`` where its future failed."""
+        if future is None:
+            pair[1].record()
+            self._timed.append((pair, complete))
+        elif future.done():  # NCCL's future: done at once, its CUDA events mark the collective's end
+            self._after(pair, future, complete, failed)
+        else:  # a future completed by a CPU thread (gloo): the side stream waits once it has
+            future.add_done_callback(lambda done: self._after(pair, done, complete, failed))
+
+    def _after(self, pair: tuple, future: Any, complete: Callable, failed: Callable) -> None:
+        start, end, index = pair
+        side = self._side.get(index)
+        if side is None:
+            side = self._side[index] = torch.cuda.Stream(index)
+        try:
+            with torch.cuda.device(index), torch.cuda.stream(side):
+                future.wait()  # the side stream waits for the collective's events; the host does not
+                end.record()
+        except Exception as error:  # noqa: BLE001 — the op failed: it completes as such, on the CPU's clock
+            self._free.append(pair)
+            failed(error)
+            return
+        self._timed.append((pair, complete))
+
+    def check(self, tensor: torch.Tensor, report: Callable[[int], None]) -> bool:
+        """Sum ``tensor`` on the device and have ``report(flags)`` called with NAN_HAS_* bits once the
+        sum is on the host, if it is not finite. False when no pinned slot was free."""
+        if self._sums is None:
+            self._sums = torch.empty(self.pool, dtype=torch.float64, pin_memory=True)
+            self._free_slots.extend(range(self.pool))
+        if not self._free_slots:
+            self.exhausted += 1
+            return False
+        slot = self._free_slots.pop()
+        wide = torch.complex128 if tensor.is_complex() else torch.float64
+        total = tensor.sum(dtype=wide)
+        self._sums[slot].copy_(total.abs() if tensor.is_complex() else total, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._checks.append((event, slot, report))
+        return True
+
+    # -- the sidecar's thread -----------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Complete what the GPU has finished; never blocks."""
+        while self._checks and self._checks[0][0].query():
+            _, slot, report = self._checks.popleft()
+            value = float(self._sums[slot])
+            self._free_slots.append(slot)
+            if value != value:
+                report(NAN_HAS_NAN)
+            elif value in (float("inf"), float("-inf")):
+                report(NAN_HAS_INF)
+        while self._timed and self._timed[0][0][1].query():
+            (start, end, index), complete = self._timed.popleft()
+            reference, reference_ns = self._references[index]
+            complete(reference_ns + int(reference.elapsed_time(start) * 1e6),
+                     reference_ns + int(reference.elapsed_time(end) * 1e6))
+            self._free.append((start, end, index))
+
+    def _take(self, index: int) -> tuple | None:
+        if index not in self._references:
+            self._references[index] = _reference(index)
+        for _ in range(len(self._free)):  # a pair of another device goes back to the end
+            pair = self._free.pop()
+            if pair[2] == index:
+                return pair
+            self._free.appendleft(pair)
+        if self._created >= self.pool:
+            self.exhausted += 1
+            return None
+        self._created += 1
+        with torch.cuda.device(index):
+            return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), index
+
+
+def _reference(device: int) -> tuple[Any, int]:
+    """An event on an idle stream of ``device`` and the CPU's monotonic time at which it was recorded:
+    with nothing queued before it, the GPU passes it within microseconds."""
+    stream = torch.cuda.Stream(device)
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event, time.monotonic_ns()
+
+
+_tracker: GpuTracker | None = None
+
+
+def poll() -> None:
+    """The sidecar's hook: complete what the GPU has finished, if any collective ran on one."""
+    if _tracker is not None:
+        _tracker.poll()
+
+
+def tracker() -> GpuTracker:
+    """This process's tracker, writing to the recorder's ring."""
+    global _tracker
+    if _tracker is None:
+        from .recorder import ring
+
+        _tracker = GpuTracker(ring().write)
+    return _tracker
+
+
+def write_completion(code: int, status: int, sid: int, op_id: int, seq: int, nbytes: int, sig: int,
+                     peer: int, aux: int, gpu_start_ns: int, gpu_end_ns: int) -> None:
+    """GPU_START and END of one collective, at the GPU's times."""
+    write = tracker().write
+    write(GPU_START, code, 0, sid, op_id, seq, nbytes, sig, peer, 0, 0, gpu_start_ns)
+    write(END, code, status, sid, op_id, seq, nbytes, sig, peer, aux, 0, gpu_end_ns)
+

@@ -1,0 +1,136 @@
+"""Collectives on CUDA tensors: durations from the GPU, queueing told from execution, the NaN/Inf
+check without a host synchronisation. One GPU, a world of one (NCCL, and gloo with CUDA tensors);
+skipped, saying why, where there is no GPU."""
+
+import datetime
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import commlens.hooks as ch
+from commlens.agent.demo import free_port
+from commlens.agent.sidecar import Sidecar
+from commlens.hooks import cuda
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(),
+                                reason="needs a CUDA GPU and NCCL (runs on the device machine)")
+
+
+@pytest.fixture
+def group(request):
+    """A world of one on GPU 0, with the given backend, and a sidecar draining the ring."""
+    backend = getattr(request, "param", "nccl")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.cuda.set_device(0)
+    dist.init_process_group(backend, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60),
+                            **({"device_id": torch.device("cuda", 0)} if backend == "nccl" else {}))
+    ch.instrument()
+    seen = []
+    sidecar = Sidecar(ch.ring(), rank=0, hang_threshold_s=60, on_collective=seen.append)
+    sidecar.pollers.append(cuda.poll)
+    sidecar.drain()  # what earlier tests left in the ring
+    seen.clear()
+    yield sidecar, seen
+    ch.uninstrument()
+    dist.destroy_process_group()
+
+
+def _until(sidecar, seen, count, timeout_s=30.0):
+    """Drain until ``count`` collectives have completed (the GPU finishes them on its own time)."""
+    ready = threading.Event()
+    for _ in range(int(timeout_s * 1000)):
+        sidecar.drain()
+        if len(seen) >= count:
+            return seen
+        ready.wait(0.001)
+    raise AssertionError(f"only {len(seen)} of {count} collectives completed")
+
+
+@pytest.mark.parametrize("group", ["nccl", "gloo"], indirect=True)
+def test_durations_come_from_the_gpu_and_agree_with_cuda_events(group):
+    sidecar, seen = group
+    x = torch.randn(1 << 30 >> 2, device="cuda")  # 1 GiB: NCCL copies it; gloo copies it through the host
+    out = torch.empty(x.numel(), device="cuda")
+    collective = (lambda: dist.all_gather_into_tensor(out, x)) if dist.get_backend() == "nccl" else \
+        (lambda: dist.all_reduce(x))
+    for _ in range(3):  # warm up
+        collective()
+    torch.cuda.synchronize()
+    _until(sidecar, seen, 3)
+    seen.clear()
+    before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    before.record()
+    collective()
+    after.record()
+    [c] = _until(sidecar, seen, 1)
+    measured = before.elapsed_time(after) / 1e3
+    recorded = (c.end_ns - c.gpu_start_ns) / 1e9
+    assert c.gpu_start_ns >= c.start_ns and c.op in ("all_gather_into_tensor", "all_reduce")
+    assert recorded == pytest.approx(measured, rel=0.10), (recorded, measured)
+
+
+def test_a_collective_behind_a_long_kernel_shows_queueing_not_execution(group):
+    sidecar, seen = group
+    x = torch.randn(1 << 20, device="cuda")
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    _until(sidecar, seen, 1)
+    seen.clear()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued before the collective on the same stream
+    dist.all_reduce(x)
+    [c] = _until(sidecar, seen, 1)
+    queue, execution = (c.gpu_start_ns - c.start_ns) / 1e9, (c.end_ns - c.gpu_start_ns) / 1e9
+    assert queue > 0.02 and execution < queue / 10, (queue, execution)
+
+
+def test_nan_on_the_gpu_is_reported_with_its_op_and_seq(group):
+    sidecar, seen = group
+    check = ch.NanCheckHook(mode="report").register_with_comm()
+    x = torch.ones(1024, device="cuda")
+    dist.all_reduce(x)
+    x[3] = float("nan")
+    dist.broadcast(x, 0)
+    seq = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+    y = torch.ones(8, device="cuda")
+    y[0] = float("inf")
+    dist.all_reduce(y)
+    _until(sidecar, seen, 3)
+    check.unregister()
+    found = {(c.op, c.seq): (c.nan, c.inf) for c in seen}
+    assert found[("broadcast", seq)] == (True, False)
+    assert found[("all_reduce", seq + 1)] == (False, True)
+    assert sum(1 for nan, inf in found.values() if nan or inf) == 2
+
+
+def test_a_ddp_training_step_under_commlens_adds_no_synchronisation(group):
+    sidecar, seen = group
+    check = ch.NanCheckHook(mode="report").register_with_comm()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512)).cuda())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(64, 512, device="cuda")
+
+    def step():
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+        dist.all_reduce(x)
+
+    for _ in range(3):  # DDP's first iterations rebuild buckets (which synchronises, commlens or not)
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    done = _until(sidecar, seen, 16)
+    check.unregister()
+    assert all(c.gpu_start_ns > 0 for c in done if c.op == "all_reduce")
+    assert not any(c.nan or c.inf for c in done)
