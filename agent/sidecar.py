@@ -155,6 +155,9 @@ class Sidecar:
             self._draining.release()
 
     def _drain(self, blocking: bool = True) -> int:
+        if blocking:
+            for poll in self.pollers:
+                poll()
         records = self.reader.read() if blocking else None
         if not self.stats.lock.acquire(blocking):
             return 0  # nothing read yet: nothing lost

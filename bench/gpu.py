@@ -10,7 +10,7 @@ sidecar and spans to a file) on
 
 Goals: ≤ 2 % on the 64 MiB all_reduce, ≤ 1 % on the training step.
 
-    python bench/gpu.py [--rounds 7]
+    python bench/gpu.py [--rounds 7] [--sample 0.01]
 """
 
 from __future__ import annotations
@@ -50,13 +50,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--sample", type=float, default=1.0,
+                        help="share of spans exported (traceidratio; default 1: every collective's span)")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29577")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     plain_model = torch.nn.parallel.DistributedDataParallel(_model())
-    agent = commlens.agent.start(Config(metrics_port=None, trace_file=os.path.join(tempfile.mkdtemp(), "t.jsonl")))
+    agent = commlens.agent.start(Config(metrics_port=None, trace_file=os.path.join(tempfile.mkdtemp(), "t.jsonl"),
+                                        sampler="traceidratio", sampler_ratio=args.sample))
     traced_model = torch.nn.parallel.DistributedDataParallel(_model())
     optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=1e-4) for m in (plain_model, traced_model)}
     x = torch.randn(64, 4096, device="cuda")
@@ -86,7 +89,8 @@ def main() -> None:
                 seconds = _timed(fn, calls)
                 if round_:
                     times.setdefault((name, arm), []).append(seconds)
-    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.rounds} rounds")
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.rounds} rounds, "
+          f"{args.sample:g} of spans exported")
     print(f"{'case':<24}{'plain µs':>12}{'commlens µs':>14}{'added µs':>11}{'ratio (min-max)':>24}")
     for name in cases:
         plain, traced = times[(name, "plain")], times[(name, "commlens")]

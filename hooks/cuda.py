@@ -16,8 +16,9 @@ collective gets a GPU_START and an END record stamped on the CPU's monotonic clo
 events' elapsed times against a reference event recorded on an idle stream of the same device (so
 converting GPU to CPU time needs no synchronisation either).
 
-The NaN/Inf check of a CUDA tensor (report mode) is one ``sum`` on the current stream, copied
-without blocking into a slot of pinned host memory; ``poll()`` reads the slot once the copy's event
+The NaN/Inf check of a CUDA tensor (report mode) is one float32 ``sum`` on the current stream
+(a float64 sum beyond float32's range reads as Inf), copied without blocking into a slot of pinned
+host memory; ``poll()`` reads the slot once the copy's event
 has completed and writes a NAN record. Raise mode has to synchronise, since it must refuse the
 collective before it is issued.
 
@@ -48,8 +49,11 @@ class GpuTracker:
         """(start, end, complete) of collectives in flight on the GPU, in issue order."""
         self._checks: collections.deque = collections.deque()
         """(event, slot, report) of NaN checks whose sums are on their way to the host."""
-        self._sums: torch.Tensor | None = None
+        self._slots: list[torch.Tensor] = []
+        """Pinned host memory, one float32 each: where the sums land."""
         self._free_slots: collections.deque = collections.deque()
+        self._free_marks: collections.deque = collections.deque()
+        self._streams: dict[tuple, Any] = {}
         self._references: dict[int, tuple[Any, int]] = {}
         self._side: dict[int, Any] = {}
 
@@ -60,7 +64,7 @@ class GpuTracker:
         index = device.index if device.index is not None else torch.cuda.current_device()
         pair = self._take(index)
         if pair is not None:
-            pair[0].record()
+            _record(pair[0], self._current(index))
         return pair
 
     def end(self, pair: tuple, future: Any, complete: Callable[[int, int], None],
@@ -69,7 +73,7 @@ class GpuTracker:
         synchronous op. ``complete(gpu_start_ns, gpu_end_ns)`` runs on the sidecar's thread once the GPU
         has finished the op; ``failed(error)`` where its future failed."""
         if future is None:
-            pair[1].record()
+            _record(pair[1], self._current(pair[2]))
             self._timed.append((pair, complete))
         elif future.done():  # NCCL's future: done at once, its CUDA events mark the collective's end
             self._after(pair, future, complete, failed)
@@ -81,42 +85,54 @@ class GpuTracker:
         side = self._side.get(index)
         if side is None:
             side = self._side[index] = torch.cuda.Stream(index)
-        try:
-            with torch.cuda.device(index), torch.cuda.stream(side):
-                future.wait()  # the side stream waits for the collective's events; the host does not
-                end.record()
+        current = torch._C._cuda_getCurrentStream(index)
+        try:  # the side stream waits for the collective's events; the host does not
+            torch._C._cuda_setStream(side.stream_id, side.device_index, side.device_type)
+            future.wait()
+            _record(end, side)
         except Exception as error:  # noqa: BLE001 — the op failed: it completes as such, on the CPU's clock
             self._free.append(pair)
             failed(error)
             return
+        finally:
+            torch._C._cuda_setStream(*current)
         self._timed.append((pair, complete))
 
     def check(self, tensor: torch.Tensor, report: Callable[[int], None]) -> bool:
         """Sum ``tensor`` on the device and have ``report(flags)`` called with NAN_HAS_* bits once the
         sum is on the host, if it is not finite. False when no pinned slot was free."""
-        if self._sums is None:
-            self._sums = torch.empty(self.pool, dtype=torch.float64, pin_memory=True)
+        if not self._slots:
+            self._slots = list(torch.empty(self.pool, dtype=torch.float32, pin_memory=True).unbind())
             self._free_slots.extend(range(self.pool))
         if not self._free_slots:
             self.exhausted += 1
             return False
         slot = self._free_slots.pop()
-        wide = torch.complex128 if tensor.is_complex() else torch.float64
-        total = tensor.sum(dtype=wide)
-        self._sums[slot].copy_(total.abs() if tensor.is_complex() else total, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._checks.append((event, slot, report))
+        values = torch.view_as_real(tensor) if tensor.is_complex() else tensor  # no temporary of its size
+        self._slots[slot].copy_(values.sum(dtype=torch.float32), non_blocking=True)
+        mark = self._free_marks.pop() if self._free_marks else torch.cuda.Event()
+        _record(mark, self._current(tensor.device.index))
+        self._checks.append((mark, slot, report))
         return True
+
+    def _current(self, index: int) -> Any:
+        """The current stream of device ``index`` (``torch.cuda.current_stream`` without its Python cost)."""
+        key = torch._C._cuda_getCurrentStream(index)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1],
+                                                            device_type=key[2])
+        return stream
 
     # -- the sidecar's thread -----------------------------------------------------------------------
 
     def poll(self) -> None:
         """Complete what the GPU has finished; never blocks."""
         while self._checks and self._checks[0][0].query():
-            _, slot, report = self._checks.popleft()
-            value = float(self._sums[slot])
+            mark, slot, report = self._checks.popleft()
+            value = self._slots[slot].item()  # host memory: no device synchronisation
             self._free_slots.append(slot)
+            self._free_marks.append(mark)
             if value != value:
                 report(NAN_HAS_NAN)
             elif value in (float("inf"), float("-inf")):
@@ -142,6 +158,10 @@ class GpuTracker:
         self._created += 1
         with torch.cuda.device(index):
             return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), index
+
+
+_record = torch._C._CudaEventBase.record
+"""``Event.record(stream)`` without looking the current stream up again in Python."""
 
 
 def _reference(device: int) -> tuple[Any, int]:

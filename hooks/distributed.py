@@ -118,6 +118,9 @@ _DESCRIBE: dict[str, tuple[OpName, Callable[..., tuple]]] = {
     "irecv": (OpName.recv, _irecv),
 }
 
+_BEFORE_2_13 = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
+"""Before PyTorch 2.13 the ``*_single`` functions were not there, and their aliases were the functions."""
+
 _sync_p2p = threading.local()
 """``active`` is set while a sync ``send``/``recv`` runs: they call ``isend``/``irecv`` inside,
 which must not be recorded a second time."""
@@ -190,6 +193,7 @@ def instrument() -> None:
             for name, (op, describe) in _DESCRIBE.items():
                 kind = {"send": "sync_p2p", "recv": "sync_p2p", "isend": "async_p2p", "irecv": "async_p2p"}.get(
                     name, "collective")
+                name = name if hasattr(c10d, name) else _BEFORE_2_13[name]
                 _patches.add(getattr(c10d, name), lambda original, op=op, describe=describe, kind=kind:
                              _instrumented(op, original, describe, kind), f"torch.distributed.{name}")
             _patches.add(c10d.destroy_process_group, _destroy_process_group, "torch.distributed.destroy_process_group")

@@ -193,6 +193,8 @@ def _wait_tensor(original: Callable) -> Callable:
 def instrument_functional(patches: Patches) -> None:
     """Add the patches that record every functional collective; called by ``instrument()``."""
     for name, (op, describe) in _DESCRIBE.items():
+        if not hasattr(funcol, name):  # before PyTorch 2.13 the entry points had other names: not covered
+            continue
         patches.add(getattr(funcol, name), lambda original, op=op, describe=describe: _instrumented(op, original, describe),
                     f"torch.distributed._functional_collectives.{name}")
     patches.add(funcol.wait_tensor, _wait_tensor, "torch.distributed._functional_collectives.wait_tensor")
