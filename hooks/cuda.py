@@ -160,8 +160,8 @@ class GpuTracker:
             return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), index
 
 
-_record = torch._C._CudaEventBase.record
-"""``Event.record(stream)`` without looking the current stream up again in Python."""
+_record = getattr(torch._C._CudaEventBase, "record", None)
+"""``Event.record(stream)`` without looking the current stream up again in Python (None in CPU builds)."""
 
 
 def _reference(device: int) -> tuple[Any, int]:
