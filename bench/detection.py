@@ -39,7 +39,7 @@ CULPRIT_ALERTS = set(ALERTS.values())
 def measure(fault: str) -> tuple[float, float, set[str]]:
     """(seconds to named, seconds to firing, ranks any culprit alert named while firing) for one run."""
     alert = ALERTS[fault]
-    with tempfile.TemporaryDirectory() as tmp, TrainingJob(pathlib.Path(tmp), 3, fault, rank=CULPRIT) as job, \
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp, TrainingJob(pathlib.Path(tmp), 3, fault, rank=CULPRIT) as job, \
             Prometheus(pathlib.Path(tmp), job.targets, [RULES]) as prometheus:
         named = firing = None
         ranks: set[str] = set()

@@ -50,6 +50,17 @@ def wait_for(condition, what: str, timeout_s: float = 90):
         time.sleep(0.25)
 
 
+def _end_session(process: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM to the process group ``process`` leads; SIGKILL after ``timeout_s``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 class Demo:
     """``commlens demo --keep-serving`` in its own process group; metrics on ``base + rank``."""
 
@@ -79,13 +90,7 @@ class Demo:
         return self
 
     def __exit__(self, *exc) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        _end_session(self.process, 60)
 
 
 class TrainingJob:
@@ -123,13 +128,7 @@ class TrainingJob:
         return self
 
     def __exit__(self, *exc) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        _end_session(self.process, 30)
 
 
 class _Server:
