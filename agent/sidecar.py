@@ -207,6 +207,7 @@ class Sidecar:
             self._hung.discard(op_id)
         gpu_start = self._gpu_start.pop(op_id, None)
         if gpu_start is not None and start is not None:
+            gpu_start = min(max(gpu_start, start.t_ns), end.t_ns)  # within the clocks' alignment error
             self.stats.on_gpu(shape, (gpu_start - start.t_ns) / 1e9, (end.t_ns - gpu_start) / 1e9)
         self.stats.finished(shape, None if shape.is_p2p else end.seq, status, seconds)
         slow = seconds is not None and self._is_slow(shape, seconds)

@@ -91,12 +91,15 @@ class GpuTracker:
             future.wait()
             _record(end, side)
         except Exception as error:  # noqa: BLE001 — the op failed: it completes as such, on the CPU's clock
-            self._free.append(pair)
             failed(error)
             return
         finally:
             torch._C._cuda_setStream(*current)
         self._timed.append((pair, complete))
+
+    def release(self, pair: tuple) -> None:
+        """Give back the events of an op that completed without them (it failed, or completed on the CPU)."""
+        self._free.append(pair)
 
     def check(self, tensor: torch.Tensor, report: Callable[[int], None]) -> bool:
         """Sum ``tensor`` on the device and have ``report(flags)`` called with NAN_HAS_* bits once the
@@ -165,12 +168,17 @@ _record = getattr(torch._C._CudaEventBase, "record", None)
 
 
 def _reference(device: int) -> tuple[Any, int]:
-    """An event on an idle stream of ``device`` and the CPU's monotonic time at which it was recorded:
-    with nothing queued before it, the GPU passes it within microseconds."""
+    """An event on an idle stream of ``device`` and the CPU's monotonic time at which the GPU passed it:
+    the middle of [just before it was recorded, the first moment ``query()`` says it has been passed]
+    — with nothing queued before it, microseconds apart. It polls; it never synchronises."""
     stream = torch.cuda.Stream(device)
     event = torch.cuda.Event(enable_timing=True)
+    before = time.monotonic_ns()
     event.record(stream)
-    return event, time.monotonic_ns()
+    deadline = before + 10_000_000
+    while not event.query() and time.monotonic_ns() < deadline:
+        pass
+    return event, (before + time.monotonic_ns()) // 2
 
 
 _tracker: GpuTracker | None = None

@@ -145,6 +145,9 @@ class InFlight(PreHookArgs):
         returns the completion time."""
         wire = 0 if self.bucket is None else min(self.bucket.wire_bytes, 0xFFFFFFFF)
         write = (_ring or ring()).write
+        if gpu_ns is None and self.gpu is not None:  # completed without its GPU events (failed, or functional)
+            cuda.tracker().release(self.gpu)
+            self.gpu = None
         if gpu_ns is None:
             end = write(END, self.code, status, self.sid, self.op_id, self.seq, self.nbytes, self.sig, self.wire_peer,
                         wire)
@@ -164,8 +167,7 @@ class InFlight(PreHookArgs):
 
     def gpu_end(self, future: Any) -> None:
         """Complete this op on a CUDA device when the GPU has finished it (``future``: an async op's)."""
-        cuda.tracker().end(self.gpu, future, self._gpu_done,
-                           lambda error: self.complete(TIMEOUT if _is_timeout(error) else ERROR, error))
+        cuda.tracker().end(self.gpu, future, self._gpu_done, lambda error: self.complete(_status(error), error))
 
     def _gpu_done(self, start_ns: int, end_ns: int) -> None:
         try:
@@ -267,6 +269,7 @@ def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple,
         try:
             result = call(*args, **kwargs)
         except BaseException as error:
+            cuda.tracker().release(pair)
             write(END, code, TIMEOUT if _is_timeout(error) else ERROR, sid, op_id, seq, nbytes, sig, wire_peer, 0)
             raise
         cuda.tracker().end(pair, None, lambda start_ns, end_ns: cuda.write_completion(
