@@ -20,10 +20,9 @@ import threading
 import time
 from typing import Callable, NamedTuple
 
-from commlens.hooks.attribution import PHASES
 from commlens.hooks.ops import OPS
-from commlens.hooks.recorder import FLAG_ASYNC, FLAG_LAST_BUCKET, STATUS
-from commlens.hooks.ring import END, GPU_START, NAN, NAN_HAS_INF, NAN_HAS_NAN, NAN_OUTPUT, START, Record, Ring, RingReader
+from commlens.hooks.ring import (END, FLAG_ASYNC, FLAG_LAST_BUCKET, GPU_START, NAN, NAN_HAS_INF, NAN_HAS_NAN, NAN_OUTPUT,
+                                 PHASES, START, STATUS, Record, Ring, RingReader)
 
 from .stats import Stats, bus_factor, size_class
 

@@ -11,18 +11,39 @@ Example::
     register_post_hook(lambda a: print(a.name.value, a.duration_ns))
     dist.all_reduce(t)
     recorder.dump_file(dist.get_rank())            # torchfrtrace reads a folder of these
+
+Names are imported on first use, so that what reads a ring (``commlens.hooks.ring``, the pod
+sidecar) imports no torch.
 """
 
-from .distributed import instrument, is_instrumented, uninstrument
-from .flight_recorder import FlightRecorderHook
-from .nan_check import NanCheckHook
-from .ops import AbortHookArgs, OpName, PostHookArgs, PreHookArgs
-from .recorder import ring
-from .registry import RemovableHandle, hook_errors, register_abort_hook, register_post_hook, register_pre_hook
-from .ring import END, NAN, START, Record, Ring, RingReader
+import importlib
 
-__all__ = [
-    "AbortHookArgs", "END", "FlightRecorderHook", "NAN", "NanCheckHook", "OpName", "PostHookArgs",
-    "PreHookArgs", "Record", "RemovableHandle", "Ring", "RingReader", "START", "hook_errors", "instrument",
-    "is_instrumented", "register_abort_hook", "register_post_hook", "register_pre_hook", "ring", "uninstrument",
-]
+from . import ring as _ring_module  # noqa: F401 — loaded first, so that ``ring`` below names the function
+
+
+def ring():
+    """This process's ring (``recorder.ring()``), created on first use."""
+    from .recorder import ring as this_process
+
+    return this_process()
+
+
+_HOMES = {
+    "instrument": "distributed", "is_instrumented": "distributed", "uninstrument": "distributed",
+    "FlightRecorderHook": "flight_recorder", "NanCheckHook": "nan_check",
+    "AbortHookArgs": "ops", "OpName": "ops", "PostHookArgs": "ops", "PreHookArgs": "ops",
+    "RemovableHandle": "registry", "hook_errors": "registry", "register_abort_hook": "registry",
+    "register_post_hook": "registry", "register_pre_hook": "registry",
+    "END": "ring", "NAN": "ring", "START": "ring", "Record": "ring", "Ring": "ring", "RingReader": "ring",
+}
+
+__all__ = sorted([*_HOMES, "ring"])
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'commlens.hooks' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value

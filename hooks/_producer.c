@@ -1,5 +1,7 @@
-/* The producer side of the commlens ring (see ring.py for the layout), in C because it runs twice
- * per collective on the training thread.
+/* Both sides of the commlens ring's slot protocol (see ring.py for the layout): the producer, in C
+ * because it runs twice per collective on the training thread, and the reader's copy of whole records,
+ * in C because the ordering that makes a copy safe across processes and CPUs needs explicit acquire
+ * and release (read_whole, below).
  *
  * Producer(buffer, slots, claim_offset, records_offset).write(kind, op, flags, pg, op_id, seq,
  * nbytes, sig, peer, aux, where=0, t_ns=now) claims an index with an atomic add on the counter at claim_offset
@@ -126,6 +128,116 @@ static PyObject *producer_write(Producer *self, PyObject *const *args, Py_ssize_
     return PyLong_FromUnsignedLongLong(t_ns);
 }
 
+/* read_whole(buffer, slots, claim_offset, records_offset, cursor, limit) -> (bytes, head): the records
+ * of indices cursor, cursor + 1, ... that are whole, copied out, up to limit or the first that is not
+ * (not yet published, or overwritten: ``head`` is then what that slot's head held, 0 when the run
+ * stopped at what producers have claimed).
+ *
+ * What guarantees a record is whole, on any CPU (x86-64's TSO and aarch64's weaker order alike): the
+ * producer stores head, then a release fence, then the payload, then tail with release. The reader
+ * loads tail with acquire, copies the slot, issues an acquire fence, then loads head. If the copy
+ * saw any store of a later producer of that slot, the producer's release fence (before its payload
+ * stores) and the reader's acquire fence (after the loads that saw them) order the later producer's
+ * head store before the reader's head load, so head differs and the copy is refused; if tail held
+ * index + 1, its acquire orders every store of that record's payload before the copy. A record is
+ * accepted only when head == tail == index + 1. */
+static PyObject *read_whole(PyObject *module, PyObject *args) {
+    Py_buffer view;
+    unsigned long long slots, cursor, limit;
+    Py_ssize_t claim_offset, records_offset;
+    if (!PyArg_ParseTuple(args, "y*KnnKK", &view, &slots, &claim_offset, &records_offset, &cursor, &limit))
+        return NULL;
+    if (slots < 2 || (slots & (slots - 1)) || claim_offset < 0 || claim_offset % 8 ||
+        records_offset < claim_offset + 8 || records_offset + (Py_ssize_t)slots * RECORD_SIZE > view.len) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "the buffer is too small for the ring, or the offsets are wrong");
+        return NULL;
+    }
+    const char *records = (const char *)view.buf + records_offset;
+    uint64_t claimed = __atomic_load_n((uint64_t *)((char *)view.buf + claim_offset), __ATOMIC_ACQUIRE);
+    uint64_t count = claimed > cursor ? claimed - cursor : 0;
+    if (count > limit)
+        count = limit;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(count * RECORD_SIZE));
+    if (out == NULL) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    char *into = PyBytes_AS_STRING(out);
+    uint64_t done = 0, head = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (; done < count; done++) {
+        uint64_t index = cursor + done;
+        record_t *slot = (record_t *)(records + (index & (slots - 1)) * RECORD_SIZE);
+        uint64_t tail = __atomic_load_n(&slot->tail, __ATOMIC_ACQUIRE);
+        memcpy(into + done * RECORD_SIZE, (const void *)slot, RECORD_SIZE);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        head = __atomic_load_n(&slot->head, __ATOMIC_RELAXED);
+        if (head != index + 1 || tail != index + 1)
+            break;
+        head = 0;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (done < count && _PyBytes_Resize(&out, (Py_ssize_t)(done * RECORD_SIZE)) < 0)
+        return NULL;
+    return Py_BuildValue("(NK)", out, (unsigned long long)head);
+}
+
+/* The string table's two atomic steps (ring.py): claim(buffer, offset, n) adds n to the uint64 at
+ * offset and returns what it held (a producer's share of the arena, in any process); publish(buffer,
+ * offset, length) stores a string's uint32 length with release ordering once its bytes are written,
+ * and published(buffer, offset) loads it with acquire ordering: 0 until then. */
+static int u64_at(Py_buffer *view, Py_ssize_t offset, Py_ssize_t width) {
+    if (offset < 0 || offset % width || offset + width > view->len) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "offset outside the ring's memory, or not aligned");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *claim(PyObject *module, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t offset;
+    unsigned long long n;
+    if (!PyArg_ParseTuple(args, "w*nK", &view, &offset, &n) || u64_at(&view, offset, 8) < 0)
+        return NULL;
+    uint64_t old = __atomic_fetch_add((uint64_t *)((char *)view.buf + offset), (uint64_t)n, __ATOMIC_RELAXED);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(old);
+}
+
+static PyObject *publish(PyObject *module, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t offset;
+    unsigned int length;
+    if (!PyArg_ParseTuple(args, "w*nI", &view, &offset, &length) || u64_at(&view, offset, 4) < 0)
+        return NULL;
+    __atomic_store_n((uint32_t *)((char *)view.buf + offset), (uint32_t)length, __ATOMIC_RELEASE);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+static PyObject *published(PyObject *module, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t offset;
+    if (!PyArg_ParseTuple(args, "y*n", &view, &offset) || u64_at(&view, offset, 4) < 0)
+        return NULL;
+    uint32_t length = __atomic_load_n((uint32_t *)((char *)view.buf + offset), __ATOMIC_ACQUIRE);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLong(length);
+}
+
+static PyMethodDef module_methods[] = {
+    {"claim", claim, METH_VARARGS, "claim(buffer, offset, n) -> the uint64 at offset before n was added"},
+    {"publish", publish, METH_VARARGS, "publish(buffer, offset, length): a release store of a uint32"},
+    {"published", published, METH_VARARGS, "published(buffer, offset) -> an acquire load of a uint32"},
+    {"read_whole", read_whole, METH_VARARGS,
+     "read_whole(buffer, slots, claim_offset, records_offset, cursor, limit) -> (bytes, head)"},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyMethodDef producer_methods[] = {
     {"write", (PyCFunction)(void (*)(void))producer_write, METH_FASTCALL,
      "write(kind, op, flags, pg, op_id, seq, nbytes, sig, peer, aux, where=0, t_ns=now) -> t_ns"},
@@ -144,7 +256,7 @@ static PyTypeObject ProducerType = {
     .tp_methods = producer_methods,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_producer", NULL, -1, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_producer", NULL, -1, module_methods};
 
 PyMODINIT_FUNC PyInit__producer(void) {
     if (PyType_Ready(&ProducerType) < 0)

@@ -26,7 +26,6 @@ from torch.optim import optimizer as optim
 
 from . import recorder
 
-PHASES = ("", "other", "forward", "backward", "optimizer")
 """By the phase byte of a record; 0 (``""``): attribution was off."""
 OTHER, FORWARD, BACKWARD, OPTIMIZER = range(1, 5)
 _in_backward = torch._C._current_graph_task_id

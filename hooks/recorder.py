@@ -21,12 +21,8 @@ from typing import Any, Callable
 from .ops import CODE, OpName, AbortHookArgs, PostHookArgs, PreHookArgs
 from .registry import abort_hooks, post_hooks, pre_hooks
 from . import cuda
-from .ring import END, GPU_START, NAN, START, Ring
+from .ring import END, ERROR, FLAG_ASYNC, FLAG_LAST_BUCKET, GPU_START, NAN, OK, START, STATUS, TIMEOUT, Ring
 
-OK, ERROR, TIMEOUT = 0, 1, 2
-STATUS = ("ok", "error", "timeout")
-FLAG_ASYNC = 1
-FLAG_LAST_BUCKET = 2
 
 _op_ids = itertools.count(1)
 _ring: Ring | None = None

@@ -1,18 +1,26 @@
 """A bounded multi-producer ring of fixed-size collective records that another process can read.
 
+This module is the record's one home — layout, kinds, flags, statuses, phases, the string table —
+for writers and readers alike, and imports no torch, so that a reader in another process (the pod
+sidecar) need not either.
+
 Layout of the backing memory (an anonymous mapping, or a file such as ``/dev/shm/commlens-0`` that
 a sidecar process maps too)::
 
-    header (64 B) | slots × RECORD (72 B each) | strings × STRING (256 B each)
+    header (64 B) | slots × RECORD (72 B each) | string arena (string_bytes)
 
 Producers (``_producer.c``) claim an index with an atomic add on a counter in the header, then
 write the slot's head sequence, its payload and its tail sequence, with release ordering: they
-never wait and never lock, and producers in several processes may share one ring. A reader reads
-the tail, the slot, then the head again: the slot is whole when both equal ``index + 1``; a larger
+never wait and never lock, and producers in several processes may share one ring. A reader
+(``_producer.read_whole``, in C for its acquire ordering) loads the tail, copies the slot, then loads
+the head: the slot is whole when both equal ``index + 1``, on x86-64 and aarch64 alike; a larger
 sequence means the slot was overwritten and the records in between are counted as dropped, exactly.
 
-Strings (group descriptions, tensor signatures) are interned once into the string table and
-referred to by id, so records stay fixed-size.
+Strings (group descriptions, tensor signatures) are interned once into the string arena and
+referred to by id, so records stay fixed-size. A string of any length takes ``8 + its bytes`` (to a
+multiple of 8) claimed with an atomic add on a counter in the header, so producers of any process
+get disjoint space and ids; its length is published with release ordering after its bytes, so a
+reader in another process resolves every published id, also after the writer has died.
 
 Example::
 
@@ -25,7 +33,6 @@ Example::
 
 from __future__ import annotations
 
-import itertools
 import mmap
 import os
 import struct
@@ -36,20 +43,28 @@ START, END, NAN, GPU_START = 1, 2, 3, 4
 """Record kinds: a collective was issued, finished, had a non-finite tensor, started on the GPU."""
 NAN_OUTPUT, NAN_HAS_NAN, NAN_HAS_INF = 1, 2, 4
 """Bits of a NAN record's ``flags``: the tensor was an output; it held NaN; it held Inf."""
+FLAG_ASYNC, FLAG_LAST_BUCKET = 1, 2
+"""Bits of a START record's ``flags``: the op is async; it is a DDP model's last gradient bucket."""
+OK, ERROR, TIMEOUT = 0, 1, 2
+STATUS = ("ok", "error", "timeout")
+"""An END record's ``flags``: the op's status, by index."""
+PHASES = ("", "other", "forward", "backward", "optimizer")
+"""A record's ``phase``: where in the training step the op was issued (module attribution)."""
 
-from ._producer import Producer
+from ._producer import Producer, claim, publish, published, read_whole
 
-_HEADER = struct.Struct("<8sIIIIIqI")  # magic, version, slots, record size, strings, string size, clock offset, pid
+_HEADER = struct.Struct("<8sIIIIIqI")  # magic, version, slots, record size, string bytes, alignment, clock offset, pid
 _HEADER_SIZE = 64
+_STRING_CLAIM_OFFSET = 48  # bytes of the string arena claimed so far, a uint64 in the header
 _CLAIM_OFFSET = 56  # the producers' next index, a uint64 in the header
 _MAGIC = b"CMLNSRNG"
-_VERSION = 3
+_VERSION = 4
 RECORD = struct.Struct("<QBBBBIQQQQIiIIQ")
 _SEQ = struct.Struct("<Q")
 _TAIL = RECORD.size - _SEQ.size
-_STRING = struct.Struct("<H254s")
+_STRING_ALIGN = 8
 DEFAULT_SLOTS = 1 << 16
-DEFAULT_STRINGS = 4096
+DEFAULT_STRING_BYTES = 1 << 20
 
 
 class Record(NamedTuple):
@@ -91,17 +106,18 @@ class Ring:
     the stamp; ``where`` is ``(module string id << 8) | phase`` (``attribution.py``). It never blocks; when the ring is full it overwrites the oldest record.
     """
 
-    def __init__(self, slots: int = DEFAULT_SLOTS, path: str | None = None, strings: int = DEFAULT_STRINGS):
+    def __init__(self, slots: int = DEFAULT_SLOTS, path: str | None = None, string_bytes: int = DEFAULT_STRING_BYTES):
         _check_power_of_two("slots", slots)
-        if strings < 1:
-            raise ValueError(f"strings={strings!r} is not accepted: it must be >= 1")
-        self.slots, self.strings, self.path = slots, strings, path
-        size = _HEADER_SIZE + slots * RECORD.size + strings * _STRING.size
+        if not isinstance(string_bytes, int) or string_bytes < _STRING_ALIGN or string_bytes % _STRING_ALIGN:
+            raise ValueError(f"string_bytes={string_bytes!r} is not accepted: it must be a multiple of 8, >= 8")
+        self.slots, self.string_bytes, self.path = slots, string_bytes, path
+        size = _HEADER_SIZE + slots * RECORD.size + string_bytes
         if path is None:
             self._map = mmap.mmap(-1, size)
-        else:
+        else:  # a new file renamed into place: a reader that has the old one mapped keeps it whole
+            temporary = f"{path}.{os.getpid()}.new"
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             except OSError as error:
                 raise OSError(f"cannot create the ring file {path!r}: {error.strerror}") from error
             try:
@@ -110,53 +126,65 @@ class Ring:
             finally:
                 os.close(fd)
         self.clock_offset_ns = time.time_ns() - time.monotonic_ns()
-        _HEADER.pack_into(self._map, 0, _MAGIC, _VERSION, slots, RECORD.size, strings, _STRING.size,
+        _HEADER.pack_into(self._map, 0, _MAGIC, _VERSION, slots, RECORD.size, string_bytes, _STRING_ALIGN,
                           self.clock_offset_ns, os.getpid())
         self._view = memoryview(self._map)
         self._strings_at = _HEADER_SIZE + slots * RECORD.size
         self.write = Producer(self._map, slots, _CLAIM_OFFSET, _HEADER_SIZE).write
-        self._string_claim = itertools.count(1)
         self._string_ids: dict[str, int] = {"": 0}
         self._string_cache: dict[int, str] = {0: ""}
         self.strings_dropped = 0
+        if path is not None:
+            os.replace(temporary, path)
 
     @classmethod
     def attach(cls, path: str) -> Ring:
-        """Map a ring that another process created at ``path``, for reading."""
+        """Map a ring that another process created at ``path``, for reading (and ``string``)."""
         with open(path, "r+b") as f:
             mapped = mmap.mmap(f.fileno(), 0)
-        magic, version, slots, record_size, strings, string_size, offset, _pid = _HEADER.unpack_from(mapped, 0)
-        if magic != _MAGIC or version != _VERSION or record_size != RECORD.size or string_size != _STRING.size:
+        magic, version, slots, record_size, string_bytes, align, offset, _pid = _HEADER.unpack_from(mapped, 0)
+        if magic != _MAGIC or version != _VERSION or record_size != RECORD.size or align != _STRING_ALIGN \
+                or len(mapped) != _HEADER_SIZE + slots * record_size + string_bytes:
             raise ValueError(f"{path!r} is not a commlens ring of format version {_VERSION}")
         ring = cls.__new__(cls)
-        ring.slots, ring.strings, ring.path, ring.clock_offset_ns = slots, strings, path, offset
+        ring.slots, ring.string_bytes, ring.path, ring.clock_offset_ns = slots, string_bytes, path, offset
         ring._map, ring._view = mapped, memoryview(mapped)
         ring._strings_at = _HEADER_SIZE + slots * RECORD.size
-        ring._string_cache = {0: ""}
+        ring._string_ids, ring._string_cache, ring.strings_dropped = {"": 0}, {0: ""}, 0
+        ring.write = Producer(mapped, slots, _CLAIM_OFFSET, _HEADER_SIZE).write
         return ring
 
     def intern(self, text: str) -> int:
-        """The id of ``text`` in the string table, adding it on first use (0 when the table is full)."""
+        """The id of ``text`` in the string arena, adding it on first use (0 when the arena is full)."""
         found = self._string_ids.get(text)
         if found is not None:
             return found
-        sid = next(self._string_claim)
-        if sid >= self.strings:
+        encoded = text.encode()
+        need = _STRING_ALIGN + -(-len(encoded) // _STRING_ALIGN) * _STRING_ALIGN
+        at = claim(self._view, _STRING_CLAIM_OFFSET, need)
+        if at + need > self.string_bytes or len(encoded) >= 1 << 32:
             self.strings_dropped += 1
             return 0
-        encoded = text.encode()[:254]
-        _STRING.pack_into(self._view, self._strings_at + sid * _STRING.size, len(encoded), encoded)
+        start = self._strings_at + at
+        self._view[start + _STRING_ALIGN:start + _STRING_ALIGN + len(encoded)] = encoded
+        publish(self._view, start, len(encoded) + 1)  # + 1: 0 means not published yet
+        sid = at // _STRING_ALIGN + 1
         self._string_cache[sid] = text
         return self._string_ids.setdefault(text, sid)
 
     def string(self, sid: int) -> str:
-        """The text of string id ``sid`` (also for a ring attached from another process)."""
+        """The text of string id ``sid`` (also for a ring attached from another process); "" for an id
+        not published (yet)."""
         text = self._string_cache.get(sid)
         if text is None:
-            length, raw = _STRING.unpack_from(self._view, self._strings_at + sid * _STRING.size)
-            text = raw[:length].decode(errors="replace")
-            if length:
-                self._string_cache[sid] = text
+            start = self._strings_at + (sid - 1) * _STRING_ALIGN
+            if sid < 1 or start + _STRING_ALIGN > len(self._view):
+                return ""
+            length = published(self._view, start) - 1
+            if length < 0:
+                return ""
+            text = bytes(self._view[start + _STRING_ALIGN:start + _STRING_ALIGN + length]).decode(errors="replace")
+            self._string_cache[sid] = text
         return text
 
     def claimed(self) -> int:
@@ -164,14 +192,12 @@ class Ring:
         return _SEQ.unpack_from(self._view, _CLAIM_OFFSET)[0]
 
     def read_slot(self, index: int) -> tuple[int, Record | None]:
-        """The sequence found in ``index``'s slot and, when it holds exactly that index whole, its record."""
-        offset = _HEADER_SIZE + (index & (self.slots - 1)) * RECORD.size
-        (tail,) = _SEQ.unpack_from(self._view, offset + _TAIL)
-        fields = RECORD.unpack_from(self._view, offset)
-        (head,) = _SEQ.unpack_from(self._view, offset)
-        if head != tail or head != index + 1:
-            return head, None
-        return head, tuple.__new__(Record, fields)
+        """The sequence found in ``index``'s slot and, when it holds exactly that index whole, its record
+        (``read_whole``'s protocol; (0, None) for an index not claimed yet)."""
+        data, head = read_whole(self._view, self.slots, _CLAIM_OFFSET, _HEADER_SIZE, index, 1)
+        if data:
+            return index + 1, tuple.__new__(Record, RECORD.unpack(data))
+        return head, None
 
     def snapshot(self) -> list[Record]:
         """Every whole record now in the ring, oldest first, without moving any reader."""
@@ -225,26 +251,17 @@ class RingReader:
         return out
 
     def _read_run(self, limit: int) -> list[Record]:
-        """The fast path: whole published records from the cursor on, unpacked in one pass, up to the
-        first that is not (yet) whole or the ring's wrap. Empty when the slow path must decide."""
-        ring, index = self.ring, self.cursor
-        slots = ring.slots
-        claimed = ring.claimed()
-        count = min(claimed - index, limit, slots - (index & (slots - 1)))
-        if count <= 0 or claimed - index > slots:
+        """Whole published records from the cursor on, copied out by ``read_whole`` (which says what
+        makes a copy whole across processes and CPUs), up to the first that is not (yet) whole. Empty
+        when the slow path must decide."""
+        ring = self.ring
+        data, _ = read_whole(ring._view, ring.slots, _CLAIM_OFFSET, _HEADER_SIZE, self.cursor, limit)
+        if not data:
             return []
-        offset = _HEADER_SIZE + (index & (slots - 1)) * RECORD.size
-        run, make, expected = [], tuple.__new__, index + 1  # make: a Record without NamedTuple's __new__
-        for fields in RECORD.iter_unpack(ring._view[offset:offset + count * RECORD.size]):
-            if fields[0] != expected or fields[14] != expected:
-                break
-            run.append(make(Record, fields))
-            expected += 1
-        if index < ring.claimed() - slots:  # a producer lapped into the run while it was read
-            return []
-        self.cursor = index + len(run)
-        if run:
-            self._stalled = 0
+        make = tuple.__new__  # a Record without NamedTuple's __new__
+        run = [make(Record, fields) for fields in RECORD.iter_unpack(data)]
+        self.cursor += len(run)
+        self._stalled = 0
         return run
 
     def _stuck_behind_published(self, index: int) -> bool:

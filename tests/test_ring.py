@@ -1,5 +1,6 @@
 """The ring: records in order, exact overwrite counts, threads, another process reading it."""
 
+import json
 import struct
 import subprocess
 import sys
@@ -91,13 +92,38 @@ def test_concurrent_producers_lose_nothing_uncounted():
     assert len(seen) + reader.dropped == threads * per_thread
 
 
-def test_strings_are_interned_once():
-    ring = Ring(slots=4, strings=4)
+def test_strings_of_any_length_are_interned_once_and_a_full_arena_is_counted():
+    ring = Ring(slots=4, string_bytes=64)
     a, b = ring.intern("all_reduce"), ring.intern("[[4]]")
     assert ring.intern("all_reduce") == a and a != b
-    assert ring.string(a) == "all_reduce"
-    ring.intern("x"), ring.intern("y")
-    assert ring.intern("z") == 0 and ring.strings_dropped >= 1
+    assert ring.string(a) == "all_reduce" and ring.string(b) == "[[4]]"
+    assert ring.intern("x" * 40) == 0 and ring.strings_dropped == 1  # 8 + 40 bytes do not fit any more
+    big = Ring(slots=4)
+    ranks = json.dumps({"name": "0", "ranks": list(range(1024))})  # a 1,024-rank group's description
+    assert json.loads(big.string(big.intern(ranks)))["ranks"] == list(range(1024))
+
+
+def test_another_process_resolves_strings_interned_by_a_writer_that_has_died(tmp_path):
+    path = str(tmp_path / "ring")
+    script = ("import sys, json; from commlens.hooks.ring import Ring; ring = Ring(slots=8, path=sys.argv[1]); "
+              "print(json.dumps([ring.intern(sys.argv[2]), ring.intern('é' * 300)]))")
+    done = subprocess.run([sys.executable, "-c", script, path, "group " * 100], capture_output=True, text=True,
+                          check=True)
+    first, second = json.loads(done.stdout)
+    ring = Ring.attach(path)
+    assert ring.string(first) == "group " * 100 and ring.string(second) == "é" * 300
+    assert ring.string(second + 1000) == ""  # never published
+    mine = ring.intern("added by the reader")  # ids come from the shared counter: no clash
+    assert mine not in (first, second) and Ring.attach(path).string(mine) == "added by the reader"
+
+
+def test_creating_a_ring_again_leaves_a_reader_of_the_old_one_whole(tmp_path):
+    path = str(tmp_path / "ring")
+    old = Ring(slots=8, path=path)
+    sid = old.intern("before the restart")
+    reader = Ring.attach(path)
+    Ring(slots=8, path=path)  # the rank restarted (torchelastic): a new file under the same name
+    assert reader.string(sid) == "before the restart" and Ring.attach(path).string(sid) == ""
 
 
 WRITER = """
@@ -140,3 +166,44 @@ def test_attaching_something_else_is_refused(tmp_path):
     path.write_bytes(b"x" * 200)
     with pytest.raises(ValueError, match="not a commlens ring"):
         Ring.attach(str(path))
+
+
+BURST = 1_000_000
+BURST_WRITER = """
+import sys
+from commlens.hooks.ring import Ring, START
+ring = Ring(slots=1024, path=sys.argv[1])
+print("ready", flush=True)
+sys.stdin.readline()
+write = ring.write
+for i in range(%d):
+    write(START, i & 0xFF, 0, i & 0xFFFF, i, 3 * i, 7 * i, i & 0xFFFFFFFF, -1, (5 * i) & 0xFFFFFFFF)
+print("done", flush=True)
+sys.stdin.read()
+""" % BURST
+
+
+def test_a_reader_in_another_process_never_accepts_a_torn_record_and_counts_every_drop(tmp_path):
+    path = str(tmp_path / "ring")
+    writer = subprocess.Popen([sys.executable, "-c", BURST_WRITER, path], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        reader = RingReader(Ring.attach(path))
+        done = threading.Event()
+        threading.Thread(target=lambda: writer.stdout.readline() and done.set(), daemon=True).start()
+        writer.stdin.write("go\n")
+        writer.stdin.flush()
+        records = []
+        while not done.is_set():  # reading while the other process writes a small ring, lapping it often
+            records += reader.read()
+        records += reader.read()
+    finally:
+        writer.communicate("")
+    assert records, "the reader saw nothing"
+    assert all(r.index == r.op_id and r.seq == 3 * r.op_id and r.nbytes == 7 * r.op_id and
+               r.aux == (5 * r.op_id) & 0xFFFFFFFF and r.op == r.op_id & 0xFF and r.pg == r.op_id & 0xFFFF
+               for r in records)  # no record mixes two writes
+    ids = [r.op_id for r in records]
+    assert ids == sorted(set(ids))
+    assert len(records) + reader.dropped == BURST
