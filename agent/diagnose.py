@@ -47,8 +47,9 @@ STRAGGLER_MIN_S = 0.005
 """A straggler arrives at least this much later, on average, than the group's first rank ..."""
 STRAGGLER_RATIO = 0.5
 """... and waits less than this fraction of what the group's longest waiter waits (live) ..."""
-STRAGGLER_SHARE = 0.6
-"""... or, after the fact, is the last to arrive in this share of the collectives that arrived apart."""
+STRAGGLER_LEAD = 1.5
+"""... or, after the fact, arrives later on average than this many times the next latest rank (a rank
+that waits on the straggler inherits part of its lateness: a broadcast's root, say)."""
 
 
 @dataclasses.dataclass
@@ -226,21 +227,23 @@ def _straggler(pg: str, members: list[RankFacts]) -> list[Finding]:
                             f"waits {longest * 1e3:.1f} ms: it arrives about {lateness * 1e3:.1f} ms after the others")]
         return []
     common = set.intersection(*(set(g.arrivals) for g in groups.values()))
-    late: dict[int, list[float]] = collections.defaultdict(list)
-    for seq in common:  # collectives whose ranks arrived far apart: who came last, by how much
-        starts = {rank: g.arrivals[seq][1] for rank, g in groups.items()}
-        first, last = min(starts.values()), max(starts, key=starts.get)
-        if (starts[last] - first) / 1e9 > STRAGGLER_MIN_S:
-            late[last].append((starts[last] - first) / 1e9)
-    spread = sum(len(values) for values in late.values())
-    if spread < 10:  # too few collectives with a late arrival to tell
+    if len(common) < 10:  # too few collectives seen by every rank to tell
         return []
-    rank = max(late, key=lambda r: len(late[r]))
-    if len(late[rank]) >= STRAGGLER_SHARE * spread:
+    late: dict[int, list[float]] = collections.defaultdict(list)
+    last = collections.Counter()
+    for seq in common:  # per collective: how long after the first rank each rank arrived
+        starts = {rank: g.arrivals[seq][1] for rank, g in groups.items()}
+        first = min(starts.values())
+        for rank, start in starts.items():
+            late[rank].append((start - first) / 1e9)
+        last[max(starts, key=starts.get)] += 1
+    mean = {rank: statistics.fmean(values) for rank, values in late.items()}
+    rank, *others = sorted(mean, key=mean.get, reverse=True)
+    runner_up = max((mean[r] for r in others), default=0.0)
+    if mean[rank] > STRAGGLER_MIN_S and mean[rank] > STRAGGLER_LEAD * runner_up:
         return [Finding("straggler", (rank,), pg, "all", None,
-                        f"of the {spread} collectives whose ranks arrived over {STRAGGLER_MIN_S * 1e3:.0f} ms apart, "
-                        f"it arrived last in {len(late[rank])}, on average {statistics.fmean(late[rank]) * 1e3:.1f} ms "
-                        "after the first rank")]
+                        f"over {len(common)} collectives it arrived on average {mean[rank] * 1e3:.1f} ms after the "
+                        f"first rank (the next latest rank: {runner_up * 1e3:.1f} ms), last in {last[rank]}")]
     return []
 
 
@@ -248,8 +251,9 @@ def _straggler(pg: str, members: list[RankFacts]) -> list[Finding]:
 
 
 def from_metrics_texts(first: Iterable[str], second: Iterable[str] | None = None) -> list[RankFacts]:
-    """Facts from the Prometheus text of each rank's endpoint; with a ``second`` scrape of each, taken
-    later, waits come from what happened between the two (else from the whole run)."""
+    """Facts from the Prometheus text of each rank's endpoint, as the ``first`` scrape found them; with
+    a ``second`` scrape of each, taken later, waits come from what happened between the two (else
+    from the whole run), and a rank that no longer answers is gone."""
     from prometheus_client.parser import text_string_to_metric_families
 
     def samples(text: str):
@@ -274,7 +278,7 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str] | None = None
                     totals[(rank, pg)][2 * index + 1] += s.value
                 elif s.name == "commlens_info":
                     world_size = max(world_size, int(s.labels.get("world_size", 0)))
-                elif index == 1 or second is None:
+                elif index == 0:  # the state as first seen: a hang may resolve during the window
                     _metric_fact(facts, s.name, s.labels, s.value)
     for (rank, pg), (sum0, count0, sum1, count1) in totals.items():
         seconds, count = (sum1 - sum0, count1 - count0) if second is not None else (sum0, count0)
@@ -343,13 +347,18 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
             yield facts, labels, value
 
     enqueued = f'commlens_collective_last_seq{{state="enqueued"{"," + selector if selector else ""}}}'
+    hung = f"commlens_collective_hung_seq{{{selector}}}"
     for facts, labels, value in each(f"last_over_time({enqueued}[15m])"):
         facts.group(labels["pg"]).issued = int(value)
+    # while a group had a hang in the last minute: what each rank had issued (a late rank may have
+    # caught up since), and the hang itself
+    for facts, labels, value in each(f"min_over_time(({enqueued} and on (job, pg) {hung})[1m:1s])"):
+        facts.group(labels["pg"]).issued = int(value)
     live = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(enqueued)}
-    for name, window_of in (("commlens_collective_hung_seq", ""), ("commlens_nonfinite_first_seq", ""),
-                            ("commlens_collective_failed_seq", "[5m]")):
-        expr = f"{name}{{{selector}}}"
-        for facts, labels, value in each(f"last_over_time({expr}{window_of})" if window_of else expr):
+    for name, expr in (("commlens_collective_hung_seq", f"max_over_time({hung}[1m])"),
+                       ("commlens_nonfinite_first_seq", f"commlens_nonfinite_first_seq{{{selector}}}"),
+                       ("commlens_collective_failed_seq", f"last_over_time(commlens_collective_failed_seq{{{selector}}}[5m])")):
+        for facts, labels, value in each(expr):
             _metric_fact(facts, name, labels, value)
     by = "sum by (job, pg, rank)"
     for facts, labels, value in each(f"{by} (rate(commlens_collective_duration_seconds_sum{{{selector}}}[{window}])) / "

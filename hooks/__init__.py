@@ -16,8 +16,7 @@ Names are imported on first use, so that what reads a ring (``commlens.hooks.rin
 sidecar) imports no torch.
 """
 
-import importlib
-
+from .lazy import lazy_names
 from . import ring as _ring_module  # noqa: F401 — loaded first, so that ``ring`` below names the function
 
 
@@ -38,12 +37,4 @@ _HOMES = {
 }
 
 __all__ = sorted([*_HOMES, "ring"])
-
-
-def __getattr__(name: str):
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'commlens.hooks' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _HOMES)

@@ -56,7 +56,7 @@ def test_the_alert_and_diagnose_name_the_faulty_rank_and_only_it(tmp_path, fault
         live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
         if fault != "leave":  # the ranks' own endpoints, while they still serve
             endpoints = _diagnose("--metrics", *(f"http://{target}/metrics" for target in training.targets),
-                                  "--window", "3")
+                                  "--window", "2")
         hung = fault in ("late", "leave", "desync")
         if hung:  # the others hang until gloo's timeout; the dumps of every rank are written meanwhile
             wait_for(lambda: all((training.out / f"rank_{r}").exists() for r in range(WORLD) if fault != "leave"
