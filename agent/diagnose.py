@@ -47,6 +47,8 @@ STRAGGLER_MIN_S = 0.005
 """A straggler arrives at least this much later, on average, than the group's first rank ..."""
 STRAGGLER_RATIO = 0.5
 """... and waits less than this fraction of what the group's longest waiter waits (live) ..."""
+STRAGGLER_EVIDENCE = 30
+"""After the fact, a straggler is only named from at least this many collectives seen by every rank."""
 STRAGGLER_LEAD = 1.5
 """... or, after the fact, arrives later on average than this many times the next latest rank (a rank
 that waits on the straggler inherits part of its lateness: a broadcast's root, say)."""
@@ -227,7 +229,7 @@ def _straggler(pg: str, members: list[RankFacts]) -> list[Finding]:
                             f"waits {longest * 1e3:.1f} ms: it arrives about {lateness * 1e3:.1f} ms after the others")]
         return []
     common = set.intersection(*(set(g.arrivals) for g in groups.values()))
-    if len(common) < 10:  # too few collectives seen by every rank to tell
+    if len(common) < STRAGGLER_EVIDENCE:  # too few collectives seen by every rank to tell
         return []
     late: dict[int, list[float]] = collections.defaultdict(list)
     last = collections.Counter()
@@ -237,7 +239,7 @@ def _straggler(pg: str, members: list[RankFacts]) -> list[Finding]:
         for rank, start in starts.items():
             late[rank].append((start - first) / 1e9)
         last[max(starts, key=starts.get)] += 1
-    mean = {rank: statistics.fmean(values) for rank, values in late.items()}
+    mean = {rank: _trimmed_mean(values) for rank, values in late.items()}
     rank, *others = sorted(mean, key=mean.get, reverse=True)
     runner_up = max((mean[r] for r in others), default=0.0)
     if mean[rank] > STRAGGLER_MIN_S and mean[rank] > STRAGGLER_LEAD * runner_up:
@@ -245,6 +247,13 @@ def _straggler(pg: str, members: list[RankFacts]) -> list[Finding]:
                         f"over {len(common)} collectives it arrived on average {mean[rank] * 1e3:.1f} ms after the "
                         f"first rank (the next latest rank: {runner_up * 1e3:.1f} ms), last in {last[rank]}")]
     return []
+
+
+def _trimmed_mean(values: list[float]) -> float:
+    """The mean without the highest and lowest tenth: a warm-up step's spikes do not make a straggler."""
+    values = sorted(values)
+    cut = len(values) // 10
+    return statistics.fmean(values[cut:len(values) - cut])
 
 
 # -- sources: metrics endpoints ---------------------------------------------------------------------

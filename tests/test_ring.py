@@ -207,3 +207,11 @@ def test_a_reader_in_another_process_never_accepts_a_torn_record_and_counts_ever
     ids = [r.op_id for r in records]
     assert ids == sorted(set(ids))
     assert len(records) + reader.dropped == BURST
+
+
+def test_reading_and_draining_a_ring_imports_no_torch():
+    script = ("import sys; from commlens.hooks.ring import Ring, RingReader; import commlens.agent.sidecar, "
+              "commlens.agent.stats, commlens.exporters.prometheus, commlens.exporters.otlp; "
+              "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

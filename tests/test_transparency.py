@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from prometheus_client.parser import text_string_to_metric_families
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlens.agent
@@ -116,7 +117,7 @@ def ddp_as_seen_by_the_program(rank, world_size):
         torch.save(model, buffer)
         copied = copy.deepcopy(model)
         hooked = DDP(_model())
-        hooked.register_comm_hook(None, dist.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook)
+        hooked.register_comm_hook(None, default_hooks.allreduce_hook)
         _step(hooked)
         builtin = DDP(_model())
         builtin._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
