@@ -28,7 +28,10 @@ from torch.testing._internal.distributed.distributed_test import DistributedTest
 
 
 def _with_commlens() -> None:
-    """In a rank process: start commlens after each ``init_process_group``, as a user would."""
+    """In a rank process: start commlens after each ``init_process_group``, and stop it (flushing) at
+    exit, as a user would."""
+    import atexit
+
     import commlens.agent
 
     init = dist.init_process_group
@@ -36,6 +39,8 @@ def _with_commlens() -> None:
     def init_process_group(*args, **kwargs):
         init(*args, **kwargs)
         commlens.agent.start()
+
+    atexit.register(commlens.agent.stop)  # flush at exit, as ``commlens run`` does
 
     dist.init_process_group = init_process_group
 
