@@ -3,6 +3,8 @@
     commlens demo --world-size 4 --steps 20        train on CPU with every collective recorded
     commlens demo --inject nan:rank=1:step=3       ... and see commlens name the rank and step
     commlens run -- torchrun --nproc-per-node 4 train.py   instrument every rank of your own job
+    commlens run --sidecar -- torchrun ... train.py        ... with one pod sidecar process serving them all
+    commlens sidecar --ring-dir /dev/shm/commlens           the pod sidecar (a Kubernetes sidecar container)
     commlens diagnose ./commlens-out               which rank, which collective, why
 """
 
@@ -38,7 +40,13 @@ _RUN_OPTIONS = {
     "hang-threshold": "COMMLENS_HANG_THRESHOLD_S", "trace-file": "COMMLENS_TRACE_FILE",
     "otlp-endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT", "otlp-protocol": "OTEL_EXPORTER_OTLP_PROTOCOL",
     "service-name": "OTEL_SERVICE_NAME", "module-attribution": "COMMLENS_MODULE_ATTRIBUTION",
+    "ring-dir": "COMMLENS_RING_DIR",
 }
+
+
+def _settings(args: argparse.Namespace) -> dict[str, str]:
+    return {variable: getattr(args, option.replace("-", "_")) for option, variable in _RUN_OPTIONS.items()
+            if getattr(args, option.replace("-", "_")) is not None}
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -48,10 +56,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not command:
         parser.error("run needs a command: commlens run [options] -- COMMAND [ARGS...]")
-    settings = {variable: getattr(args, option.replace("-", "_")) for option, variable in _RUN_OPTIONS.items()
-                if getattr(args, option.replace("-", "_")) is not None}
     try:
-        return run(command, settings)
+        return run(command, _settings(args), args.sidecar)
     except ConfigError as error:
         print(f"commlens run: {error}", file=sys.stderr)
         return 2
@@ -72,8 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     launch = commands.add_parser("run", help="run COMMAND with commlens started in every distributed rank",
                                  description="Options set the COMMLENS_*/OTEL_* variable named in their help; "
                                  "the environment configures the rest.")
+    sidecar = commands.add_parser("sidecar", help="the pod sidecar: serve every local rank's ring in COMMLENS_RING_DIR",
+                                  description="Reads the rings that ranks started with COMMLENS_RING_DIR write, and "
+                                  "exports for all of them: one metrics port, spans, dumps. Runs until SIGTERM. "
+                                  "Options set the COMMLENS_*/OTEL_* variable named in their help.")
     for option, variable in _RUN_OPTIONS.items():
         launch.add_argument(f"--{option}", help=f"sets {variable}")
+        sidecar.add_argument(f"--{option}", help=f"sets {variable}")
+    launch.add_argument("--sidecar", action="store_true",
+                        help="export from one commlens sidecar process for the node, as in a Kubernetes pod, "
+                        "instead of a thread in every rank (rings in --ring-dir, else a new temporary folder)")
     launch.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]",
                         help="the command to run, e.g. torchrun ... train.py")
     commands.add_parser("diagnose", add_help=False, help="name the rank, collective and cause of what went wrong "
@@ -89,6 +103,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "run":
         return _run(parser, args)
+    if args.command == "sidecar":
+        from .launch import serve_pod
+
+        try:
+            return serve_pod(_settings(args))
+        except ConfigError as error:
+            print(f"commlens sidecar: {error}", file=sys.stderr)
+            return 2
     from .demo import run
 
     out = args.out or tempfile.mkdtemp(prefix="commlens-demo-")

@@ -52,11 +52,16 @@ class Config:
     trace_file: str = "commlens-traces-{rank}.jsonl"
     sampler: str = "parentbased_always_on"
     sampler_ratio: float = 1.0
+    span_budget_per_s: float | None = 100.0
+    """Spans a second per rank at the default sampler; None: no budget (a sampler was chosen, or 0)."""
     span_queue: int = 8192
     module_attribution: bool = False
     snapshot_timeout_s: float = 10.0
     nan_check: str = "report"
     """``NanCheckHook``'s mode on the inputs of every collective, or "off"."""
+    ring_slots: int = 65536
+    ring_dir: str | None = None
+    """Where a pod sidecar (``commlens sidecar``) reads the ranks' rings; None: this process exports."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
@@ -72,6 +77,9 @@ class Config:
             env.choice("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf", PROTOCOLS)
         endpoint = _endpoint(env, protocol)
         sampler = env.choice("OTEL_TRACES_SAMPLER", "parentbased_always_on", SAMPLERS)
+        budget = env.number("COMMLENS_SPAN_BUDGET", 100, minimum=0)
+        if budget == 0 or env.get("OTEL_TRACES_SAMPLER") is not None:  # a sampler chosen: it decides
+            budget = None
         ratio = env.number("OTEL_TRACES_SAMPLER_ARG", 1.0, minimum=0.0, maximum=1.0) \
             if sampler.endswith("traceidratio") else 1.0
         headers = env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or env.get("OTEL_EXPORTER_OTLP_HEADERS") or ""
@@ -94,11 +102,13 @@ class Config:
             otlp_certificate=env.get("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE") or
             env.get("OTEL_EXPORTER_OTLP_CERTIFICATE") or None,
             trace_file=env.get("COMMLENS_TRACE_FILE") or "commlens-traces-{rank}.jsonl",
-            sampler=sampler, sampler_ratio=ratio,
+            sampler=sampler, sampler_ratio=ratio, span_budget_per_s=budget,
             span_queue=env.integer("COMMLENS_SPAN_QUEUE", 8192, minimum=1),
             module_attribution=env.boolean("COMMLENS_MODULE_ATTRIBUTION", False),
             snapshot_timeout_s=env.number("COMMLENS_SNAPSHOT_TIMEOUT_S", 10, minimum=0.1),
             nan_check=env.choice("COMMLENS_NAN_CHECK", "report", NAN_CHECKS),
+            ring_slots=env.power_of_two("COMMLENS_RING_SLOTS", 65536),
+            ring_dir=env.folder("COMMLENS_RING_DIR"),
         )
 
 
@@ -127,6 +137,20 @@ class _Env:
 
     def integer(self, name: str, default: int, minimum: int | None = None, maximum: int | None = None) -> int:
         return self.number(name, default, minimum, maximum, kind=int)
+
+    def power_of_two(self, name: str, default: int) -> int:
+        value = self.integer(name, default, minimum=2)
+        if value & (value - 1):
+            raise ConfigError(f"{name}={self.get(name)!r} is not accepted: it must be a power of two >= 2")
+        return value
+
+    def folder(self, name: str) -> str | None:
+        """An existing folder this process can write in, or None when unset."""
+        raw = self.get(name)
+        if raw is not None and not (os.path.isdir(raw) and os.access(raw, os.W_OK | os.X_OK)):
+            raise ConfigError(f"{name}={raw!r} is not accepted: it must be an existing folder this process can "
+                              "write in (a volume shared with the pod sidecar, e.g. an emptyDir with medium Memory)")
+        return raw
 
     def choice(self, name: str, default: str | None, accepted: tuple[str, ...]) -> str | None:
         raw = self.get(name)

@@ -12,6 +12,9 @@ in PromQL) share this reasoning:
 
 * **NaN/Inf origin** — the rank whose *input* held NaN or Inf at the lowest sequence number of its
   group: the values entered there; every rank they reached afterwards saw them later.
+* **Lost rank** — a rank's process ended without a signal or an exception (SIGKILL, the OOM killer,
+  a crash: the pod sidecar's ``exit`` snapshot with neither a ``signal`` nor an ``exception`` one)
+  while its group hangs in or fails in a collective: that rank is the culprit, not the network.
 * **Late or missing rank** — ranks wait past the hang threshold in collective ``seq``; the rank(s)
   that have not issued ``seq`` (or stopped reporting) are the culprits; the waiting ranks are evidence.
 * **Desync** — at the same ``seq`` the ranks issued different ops: the minority issued the wrong one.
@@ -82,6 +85,8 @@ class RankFacts:
     groups: dict[str, GroupFacts] = dataclasses.field(default_factory=dict)
     gone: bool = False
     """It no longer reports (its process ended or its endpoint is unreachable)."""
+    lost: bool = False
+    """Its process ended without a signal or an exception (killed, crashed), as a pod sidecar saw."""
 
     def group(self, pg: str) -> GroupFacts:
         return self.groups.setdefault(pg, GroupFacts())
@@ -90,7 +95,7 @@ class RankFacts:
 @dataclasses.dataclass(frozen=True)
 class Finding:
     kind: str
-    """nan_origin, late_rank, desync, straggler or hang."""
+    """nan_origin, lost_rank, late_rank, desync, straggler or hang."""
     ranks: tuple[int, ...]
     pg: str
     op: str
@@ -100,7 +105,7 @@ class Finding:
     def line(self) -> str:
         who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {', '.join(map(str, self.ranks))}"
         where = f"{self.op} (group {self.pg}" + (f", seq {self.seq})" if self.seq is not None else ")")
-        title = {"nan_origin": "NaN/Inf entered on", "late_rank": "late or missing:", "desync": "desync:",
+        title = {"nan_origin": "NaN/Inf entered on", "lost_rank": "killed or crashed:", "late_rank": "late or missing:", "desync": "desync:",
                  "straggler": "straggler:", "hang": "hang: all waiting,"}[self.kind]
         return f"{title} {who} in {where} — {self.evidence}"
 
@@ -118,7 +123,7 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
         found += stuck
         if not stuck:
             found += _straggler(pg, members)
-    order = ("nan_origin", "desync", "late_rank", "hang", "straggler")
+    order = ("nan_origin", "lost_rank", "desync", "late_rank", "hang", "straggler")
     return sorted(found, key=lambda f: order.index(f.kind))
 
 
@@ -153,6 +158,12 @@ def _hang(pg: str, members: list[RankFacts]) -> list[Finding]:
             return []
     majority, count = collections.Counter(ops.values()).most_common(1)[0]
     waiting = sorted(rank for rank, op in ops.items() if op == majority)
+    lost = sorted(f.rank for f in members if f.lost)
+    if lost:
+        others = [rank for rank in sorted(ops) if rank not in lost]
+        return [Finding("lost_rank", tuple(lost), pg, majority, seq,
+                        "its process ended without a signal or an exception (SIGKILL, the OOM killer, a crash)"
+                        + (f"; ranks {others} waited in or failed in seq {seq}" if others else ""))]
     found = []
     wrong = sorted(rank for rank, op in ops.items() if op != majority)
     if wrong and count > len(wrong):
@@ -271,6 +282,8 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str] | None = None
     ranks: dict[int, RankFacts] = {}
     totals: dict[tuple[int, str], list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
     reporting: list[set[int]] = [set(), set()]
+    down: set[int] = set()  # a pod sidecar's rank whose process has ended
+    endings: dict[int, set[str]] = collections.defaultdict(set)  # snapshot reasons seen, by rank
     world_size = 0
     for index, texts in enumerate((first, second or ())):
         for text in texts:
@@ -287,6 +300,10 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str] | None = None
                     totals[(rank, pg)][2 * index + 1] += s.value
                 elif s.name == "commlens_info":
                     world_size = max(world_size, int(s.labels.get("world_size", 0)))
+                elif s.name == "commlens_rank_up" and s.value == 0:
+                    down.add(rank)
+                elif s.name == "commlens_abort_snapshots_total" and s.value > 0:
+                    endings[rank].add(s.labels["reason"])
                 elif index == 0:  # the state as first seen: a hang may resolve during the window
                     _metric_fact(facts, s.name, s.labels, s.value)
     for (rank, pg), (sum0, count0, sum1, count1) in totals.items():
@@ -296,7 +313,8 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str] | None = None
     for rank in range(world_size):  # a rank no endpoint answered for
         ranks.setdefault(rank, RankFacts(rank))
     for rank, facts in ranks.items():
-        facts.gone = rank not in reporting[1 if second is not None else 0]
+        facts.gone = rank not in reporting[1 if second is not None else 0] or rank in down
+        facts.lost = _lost(endings[rank])
     return [ranks[rank] for rank in sorted(ranks)]
 
 
@@ -312,6 +330,11 @@ def _metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> Non
         group = facts.group(pg)
         if group.nonfinite is None or value < group.nonfinite[0]:
             group.nonfinite = (int(value), labels["op"], labels["kind"])
+
+
+def _lost(reasons: set[str]) -> bool:
+    """Snapshot reasons of a rank that ended without a signal or an exception."""
+    return "exit" in reasons and not reasons & {"signal", "exception"}
 
 
 def from_endpoints(urls: list[str], window_s: float = 5.0, timeout_s: float = 5.0) -> list[RankFacts]:
@@ -373,9 +396,14 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
     for facts, labels, value in each(f"{by} (rate(commlens_collective_duration_seconds_sum{{{selector}}}[{window}])) / "
                                      f"{by} (rate(commlens_collective_duration_seconds_count{{{selector}}}[{window}]))"):
         facts.group(labels["pg"]).wait_s = value
+    down = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(f"commlens_rank_up{{{selector}}} == 0")}
+    endings: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
+    for _, labels, _ in each(f"commlens_abort_snapshots_total{{{selector}}} > 0"):
+        endings[(labels.get("job", ""), int(labels["rank"]))].add(labels["reason"])
     for name, ranks in jobs.items():
         for rank, facts in ranks.items():
-            facts.gone = (name, rank) not in live
+            facts.gone = (name, rank) not in live or (name, rank) in down
+            facts.lost = _lost(endings[(name, rank)])
     return {name: [ranks[r] for r in sorted(ranks)] for name, ranks in jobs.items()}
 
 

@@ -6,18 +6,27 @@ is set, as torchrun and the other launchers set it) it starts ``commlens.agent``
 at exit; every other process (torchrun's own agent, data-loader workers started with ``RANK`` unset,
 tools) is left alone. A ``sitecustomize`` the job had is still imported after ours.
 
+With ``--sidecar`` the ranks run only the hot path and one ``commlens sidecar`` process (started
+first, stopped after the command, as Kubernetes runs a native sidecar container) exports for them
+all from their rings in ``COMMLENS_RING_DIR`` (a new temporary folder unless one is given).
+
 Example::
 
     commlens run --hang-threshold 120 -- torchrun --nproc-per-node 4 train.py
+    commlens run --sidecar -- torchrun --nproc-per-node 4 train.py
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 
-from .config import Config
+from .config import Config, ConfigError
 
 AUTOSTART = os.path.join(os.path.dirname(os.path.abspath(__file__)), "autostart")
 MARKER = "COMMLENS_AUTOSTART"
@@ -30,12 +39,52 @@ def environment(base: dict[str, str], settings: dict[str, str]) -> dict[str, str
     return env
 
 
-def run(command: list[str], settings: dict[str, str]) -> int:
-    """Check the configuration as a rank would see it, then run ``command``; returns its exit status."""
+def run(command: list[str], settings: dict[str, str], sidecar: bool = False) -> int:
+    """Check the configuration as a rank would see it, then run ``command`` (beside a pod sidecar
+    process when ``sidecar``); returns its exit status."""
     env = environment(dict(os.environ), settings)
-    Config.from_env({**env, "RANK": env.get("RANK", "0")})  # a bad setting fails here, not in every rank
+    made = None
+    if sidecar and not env.get("COMMLENS_RING_DIR"):
+        made = env["COMMLENS_RING_DIR"] = tempfile.mkdtemp(prefix="commlens-rings-")
     try:
-        return subprocess.call(command, env=env)
-    except FileNotFoundError:
-        print(f"commlens run: {command[0]!r} was not found", file=sys.stderr)
-        return 127
+        config = Config.from_env({**env, "RANK": env.get("RANK", "0")})  # a bad setting fails here, not in every rank
+        pod = None
+        if sidecar:
+            pod_env = {key: value for key, value in env.items() if key != MARKER}
+            pod = subprocess.Popen([sys.executable, "-m", "commlens.agent.cli", "sidecar"], env=pod_env)
+        try:
+            return subprocess.call(command, env=env)
+        except FileNotFoundError:
+            print(f"commlens run: {command[0]!r} was not found", file=sys.stderr)
+            return 127
+        finally:
+            if pod is not None:
+                pod.send_signal(signal.SIGTERM)
+                try:
+                    pod.wait(config.snapshot_timeout_s + 10)
+                except subprocess.TimeoutExpired:
+                    pod.kill()
+                    pod.wait()
+    finally:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+
+
+def serve_pod(settings: dict[str, str]) -> int:
+    """``commlens sidecar``: serve the rings in ``COMMLENS_RING_DIR`` until SIGTERM or SIGINT."""
+    from .pod import PodSidecar
+
+    config = Config.from_env({**os.environ, **settings, "RANK": "0", "LOCAL_RANK": "0"})
+    if config.ring_dir is None:
+        raise ConfigError("COMMLENS_RING_DIR is not set: give the folder the ranks write their rings in "
+                          "(--ring-dir, or the variable), the same in the training container and here")
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    pod = PodSidecar(config, config.ring_dir)
+    pod.start()
+    where = f"{config.metrics_addr}:{config.metrics_port}" if config.metrics_port is not None else "not served"
+    print(f"commlens sidecar: reading the rings in {config.ring_dir}; metrics {where}", flush=True)
+    stopping.wait()
+    pod.stop()
+    return 0

@@ -22,13 +22,14 @@ import threading
 import time
 from typing import Any
 
-from commlens.exporters.otlp import GrpcTransport, HttpTransport, JsonLinesTransport, SpanExporter
 from commlens.exporters.prometheus import MetricsCollector, serve
-from commlens.hooks import (FlightRecorderHook, cuda, NanCheckHook, attribution, hook_errors, instrument, recorder,
+from commlens.hooks import (FlightRecorderHook, cuda, NanCheckHook, attribution, instrument, recorder,
                             register_abort_hook, uninstrument)
+from commlens.hooks.ring import REASONS, SNAPSHOT, ring_file
 
 from .config import Config, ConfigError
 from .job_dumps import JobDumps
+from .outputs import span_exporter
 from .sidecar import Sidecar
 from .signals import SignalWatcher
 from .stats import DURATION_BUCKETS
@@ -37,22 +38,52 @@ VERSION = "0.1.0"
 
 
 class Agent:
+    """Hooks, and — unless a pod sidecar reads this rank's ring (``COMMLENS_RING_DIR``) — the sidecar
+    thread, spans, metrics and snapshots of this process. With a pod sidecar the rank runs only the
+    hot path: the ring in the shared folder, the hooks, the NaN check, and snapshot requests written
+    into the ring for the pod sidecar to act on."""
+
     def __init__(self, config: Config):
         self.config = config
         self._snapshot_lock = threading.Lock()
-        self.transport = _transport(config)
-        self.spans = SpanExporter(self.transport, _resource(config), config.job, config.world_size,
-                                  config.sampler_ratio, config.sampler.endswith("always_off"), config.span_queue,
-                                  interval_s=config.drain_interval_s)
-        ring = recorder.ring()
+        if config.ring_dir is not None:
+            ring = recorder.ring_at(ring_file(config.ring_dir, config.local_rank), config.ring_slots)
+        else:
+            ring = recorder.ring()
+        self.sidecar = self.spans = self.server = self.collector = self.job_dumps = self.flight_recorder = None
+        self._gpu_poller: threading.Thread | None = None
+        self._stopping = threading.Event()
+        if config.ring_dir is not None:
+            ring.open()
+            ring.describe({"rank": config.rank, "local_rank": config.local_rank, "world_size": config.world_size,
+                           "job": config.job, "version": VERSION, "torch": _torch_version()})
+            if _has_cuda():  # GPU completions are read here, where the events live
+                self._gpu_poller = threading.Thread(target=self._poll_gpu, name="commlens-gpu", daemon=True)
+                self._gpu_poller.start()
+        else:
+            self._start_exporting(ring)
+        self.nan_check = None if config.nan_check == "off" else NanCheckHook(config.nan_check).register_with_comm()
+        instrument()
+        if config.module_attribution:
+            attribution.enable()
+        self._abort_handle = register_abort_hook(lambda _: self.snapshot("abort"))
+        if self.sidecar is not None:
+            self.sidecar.start(config.drain_interval_s)
+        self._signals = SignalWatcher(lambda: self.snapshot("signal", blocking=False), config.snapshot_timeout_s)
+        self._signals.install()  # from the main thread only, as Python's signal handlers
+        self._previous_excepthook = sys.excepthook
+        sys.excepthook = self._on_exception
+
+    def _start_exporting(self, ring) -> None:
+        config = self.config
+        self.spans = span_exporter(config)
         self.sidecar = Sidecar(ring, config.rank, config.hang_threshold_s, config.slow_factor,
-                               on_collective=self.spans.offer, on_hang=lambda _: self.snapshot("hang"))
+                               on_collective=self.spans.queue, sample=self.spans.sampled, on_hang=lambda _: self.snapshot("hang"))
         self.sidecar.pollers.append(cuda.poll)
-        self.server = self.collector = None
         if config.metrics_port is not None:
             self.collector = collector = MetricsCollector(self.sidecar.stats, self.sidecar.inflight_by_group,
                                          lambda: self.sidecar.reader.dropped, lambda: dict(self.spans.counts),
-                                         self._info, DURATION_BUCKETS, _telemetry_errors)
+                                         self._info, DURATION_BUCKETS, ring.errors)
             try:
                 self.server = serve(collector, config.metrics_addr, config.metrics_port)
             except OSError as error:
@@ -61,17 +92,11 @@ class Agent:
                                   f"{config.metrics_port} ({error.strerror}); choose a free base port "
                                   "(each rank uses base + LOCAL_RANK), or 0 to serve none") from None
         self.flight_recorder = FlightRecorderHook(max_entries=min(2048, ring.slots // 2)).register_with_comm()
-        self.nan_check = None if config.nan_check == "off" else NanCheckHook(config.nan_check).register_with_comm()
-        instrument()
-        if config.module_attribution:
-            attribution.enable()
-        self._abort_handle = register_abort_hook(lambda _: self.snapshot("abort"))
         self.job_dumps = JobDumps(config.job, min(1.0, config.hang_threshold_s / 4), lambda: self.snapshot("peer"))
-        self.sidecar.start(config.drain_interval_s)
-        self._signals = SignalWatcher(lambda: self.snapshot("signal", blocking=False), config.snapshot_timeout_s)
-        self._signals.install()  # from the main thread only, as Python's signal handlers
-        self._previous_excepthook = sys.excepthook
-        sys.excepthook = self._on_exception
+
+    def _poll_gpu(self) -> None:
+        while not self._stopping.wait(self.config.drain_interval_s):
+            cuda.poll()
 
     def _info(self) -> dict:
         import torch.distributed as dist
@@ -87,10 +112,16 @@ class Agent:
         exception, a signal) the metrics wait for Prometheus' next scrape, within the same timeout,
         so that what this rank saw last (a failed collective) is not lost with the process.
 
+        With a pod sidecar, the request goes into the ring (a SNAPSHOT record) and the pod sidecar
+        writes the dump from shared memory; None is returned.
+
         ``blocking=False`` is a signal's (agent/signals.py): the thread it interrupted may hold any
         lock, so it waits on none. The dump needs none and is written even beside another snapshot
         (whole, by rename); the drain before the flush is skipped when another thread is draining, and
         the count is kept without the stats lock when another thread holds it."""
+        if self.sidecar is None:
+            recorder.ring().write(SNAPSHOT, 0, REASONS.index(reason), 0, 0, 0, 0, 0, -1, 0)
+            return None
         deadline = time.monotonic() + self.config.snapshot_timeout_s
         if reason in ("hang", "abort"):
             self.job_dumps.request()
@@ -119,62 +150,47 @@ class Agent:
                 self._snapshot_lock.release()
 
     def stop(self) -> None:
-        """Stop recording; drain the ring, flush spans (within the snapshot timeout), stop serving."""
+        """Stop recording; drain the ring, flush spans (within the snapshot timeout), stop serving;
+        with a pod sidecar, mark the ring closed (the rank ended cleanly)."""
         timeout = self.config.snapshot_timeout_s
         self._abort_handle.remove()
-        self.job_dumps.stop()
         attribution.disable()
         uninstrument()
-        self.sidecar.stop(timeout)
-        self.spans.shutdown(timeout)
-        self.flight_recorder.unregister()
         if self.nan_check is not None:
             self.nan_check.unregister()
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
         self._signals.uninstall()
         if sys.excepthook == self._on_exception:
             sys.excepthook = self._previous_excepthook
+        self._stopping.set()
+        if self._gpu_poller is not None:
+            self._gpu_poller.join(timeout)
+            cuda.poll()
+        if self.sidecar is None:
+            recorder.ring().close()
+            return
+        self.job_dumps.stop()
+        self.sidecar.stop(timeout)
+        self.spans.shutdown(timeout)
+        self.flight_recorder.unregister()
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
 
     def _on_exception(self, kind: type, value: BaseException, traceback: Any) -> None:
         self.snapshot("exception")
         self._previous_excepthook(kind, value, traceback)
 
 
-def _telemetry_errors() -> dict[str, int]:
-    """What commlens lost inside the training process, by ``commlens_telemetry_errors_total``'s kind."""
-    return {"hook": sum(hook_errors.values()), "recorder": recorder.internal_errors,
-            "string_dropped": recorder.ring().strings_dropped, "work_unjudged": recorder.poller.unjudged,
-            "gpu_pool_exhausted": cuda._tracker.exhausted if cuda._tracker is not None else 0}
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
-def _transport(config: Config) -> Any:
-    if config.otlp_endpoint is None:
-        path = config.trace_file.format(rank=config.rank)
-        try:
-            return JsonLinesTransport(path)
-        except OSError as error:
-            raise ConfigError(f"COMMLENS_TRACE_FILE={config.trace_file!r}: cannot write {path!r} "
-                              f"({error.strerror}); give a writable path ({{rank}} is replaced)") from None
-    if config.otlp_protocol == "grpc":
-        return GrpcTransport(config.otlp_endpoint, config.otlp_headers, config.otlp_timeout_s, config.otlp_insecure,
-                             config.otlp_certificate)
-    return HttpTransport(config.otlp_endpoint, config.otlp_headers, config.otlp_timeout_s, config.otlp_certificate)
+def _torch_version() -> str:
+    import torch
 
-
-def _resource(config: Config) -> dict:
-    """``service.name``, ``OTEL_RESOURCE_ATTRIBUTES`` and Kubernetes attributes, by OpenTelemetry's rules."""
-    from opentelemetry.sdk.resources import Resource
-
-    own = {"commlens.job": config.job, "commlens.rank": config.rank}
-    for variable, key in (("K8S_POD_NAME", "k8s.pod.name"), ("K8S_NAMESPACE_NAME", "k8s.namespace.name"),
-                          ("K8S_NODE_NAME", "k8s.node.name")):
-        if os.environ.get(variable):
-            own[key] = os.environ[variable]
-    own.update(config.resource_attributes)
-    own["service.name"] = config.service_name or own.get("service.name", "commlens")
-    return dict(Resource.create(own).attributes)
+    return torch.__version__
 
 
 _agent: Agent | None = None

@@ -1,13 +1,20 @@
 """The sidecar: drains the ring, joins START and END, keeps the in-flight table, watches for hangs.
 
 It reads only the ring (its records and string table), so the same loop runs on a thread beside
-training or in another process attached to a shared-memory ring (``Ring.attach``). What it finds
-goes to ``Stats`` (metrics) and to ``on_collective`` (spans); a hang also calls ``on_hang`` once per
-drain that finds one (the agent writes a flight-recorder snapshot there).
+training or in another process attached to a shared-memory ring (``Ring.attach``, agent/pod.py).
+What it finds goes to ``Stats`` (metrics) and to ``on_collective`` (spans): every anomaly (failed,
+hung, slow, NaN/Inf), and the ordinary collectives that ``sample`` keeps, asked before a collective
+is built, as most are sampled out at high rates. A hang also calls
+``on_hang`` once per drain that finds one (the agent writes a flight-recorder snapshot there), and
+a writer's SNAPSHOT record calls ``on_snapshot`` with its reason.
+
+Each drain stores the reader's cursor in the ring's header before it handles what it read, so a
+sidecar started on a ring that another sidecar read (``resume=True``) goes on from there: it counts
+nothing twice, and rebuilds the collectives still in flight from the records before the cursor.
 
 Example::
 
-    sidecar = Sidecar(ring, rank=0, hang_threshold_s=60, on_collective=spans.offer)
+    sidecar = Sidecar(ring, rank=0, hang_threshold_s=60, on_collective=spans.queue, sample=spans.sampled)
     sidecar.start(interval_s=0.05)
     ...
     sidecar.stop()          # drains what is left
@@ -22,7 +29,7 @@ from typing import Callable, NamedTuple
 
 from commlens.hooks.ops import OPS
 from commlens.hooks.ring import (END, FLAG_ASYNC, FLAG_LAST_BUCKET, GPU_START, NAN, NAN_HAS_INF, NAN_HAS_NAN, NAN_OUTPUT,
-                                 PHASES, START, STATUS, Record, Ring, RingReader)
+                                 PHASES, REASONS, SNAPSHOT, START, STATUS, Record, Ring, RingReader)
 
 from .stats import Stats, bus_factor, size_class
 
@@ -102,13 +109,16 @@ class Shape(NamedTuple):
 class Sidecar:
     def __init__(self, ring: Ring, rank: int, hang_threshold_s: float, slow_factor: float = 5.0,
                  on_collective: Callable[[Collective], None] = lambda c: None,
-                 on_hang: Callable[[Collective], None] = lambda c: None):
+                 on_hang: Callable[[Collective], None] = lambda c: None,
+                 on_snapshot: Callable[[str], None] = lambda reason: None, stats: Stats | None = None,
+                 resume: bool = False, sample: Callable[[str, int, bool], bool] = lambda pg, seq, is_p2p: True):
         self.ring, self.rank = ring, rank
-        self.reader = RingReader(ring)
-        self.stats = Stats()
+        self.reader = RingReader(ring, ring.cursor if resume else 0)
+        self.stats = stats or Stats()
+        self.on_snapshot = on_snapshot
         self.hang_threshold_ns = int(hang_threshold_s * 1e9)
         self.slow_factor = slow_factor
-        self.on_collective, self.on_hang = on_collective, on_hang
+        self.on_collective, self.on_hang, self.sample = on_collective, on_hang, sample
         self.inflight: dict[int, Record] = {}
         self.pollers: list[Callable[[], None]] = []
         """Called before each drain: what completes collectives from outside the ring (the GPU's events)."""
@@ -119,10 +129,14 @@ class Sidecar:
         self._hung: set[int] = set()
         self._typical: dict[tuple, tuple[float, int]] = {}
         self._groups: dict[int, tuple[str, int]] = {}
+        self.backend = ""
+        """The backend of the first group seen (the default group's, as a rule)."""
         self._shapes: dict[tuple, Shape] = {}
         self._stop = threading.Event()
         self._draining = threading.RLock()
         self._thread: threading.Thread | None = None
+        if resume and self.reader.cursor > 0:
+            self._resume()
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -160,18 +174,24 @@ class Sidecar:
         records = self.reader.read() if blocking else None
         if not self.stats.lock.acquire(blocking):
             return 0  # nothing read yet: nothing lost
+        snapshots = []
         try:
             if records is None:
                 records = self.reader.read()
+            self.ring.cursor = self.reader.cursor  # before handling them: a restarted sidecar counts none twice
+            started, ended = self._started, self._ended
             for record in records:
-                if record.kind == START:
-                    self._started(record)
-                elif record.kind == END:
-                    self._ended(record)
-                elif record.kind == NAN:
+                kind = record[1]
+                if kind == START:
+                    started(record)
+                elif kind == END:
+                    ended(record)
+                elif kind == NAN:
                     self._nan_found(record)
                 elif record.kind == GPU_START:
                     self._gpu_start[record.op_id] = record.t_ns
+                elif record.kind == SNAPSHOT and record.flags < len(REASONS):
+                    snapshots.append(REASONS[record.flags])
             hung = self._watch(time.monotonic_ns())
         finally:
             self.stats.lock.release()
@@ -179,7 +199,23 @@ class Sidecar:
             self.on_collective(collective)
         if hung:
             self.on_hang(hung[0])
+        for reason in dict.fromkeys(snapshots):
+            self.on_snapshot(reason)
         return len(records)
+
+    def _resume(self) -> None:
+        """The collectives in flight at the cursor, from the records before it still in the ring;
+        those already past the hang threshold were counted as hung by the sidecar before."""
+        cursor = self.reader.cursor
+        before = RingReader(self.ring, max(0, cursor - self.ring.slots))
+        for record in before.read(cursor - before.cursor):
+            if record.kind == START:
+                self.inflight[record.op_id] = record
+            elif record.kind == END:
+                self.inflight.pop(record.op_id, None)
+        now_ns = time.monotonic_ns()
+        self._hung.update(op_id for op_id, start in self.inflight.items()
+                          if now_ns - start.t_ns >= self.hang_threshold_ns)
 
     # -- records ------------------------------------------------------------------------------------
 
@@ -191,25 +227,28 @@ class Sidecar:
             self._gpu_start.pop(oldest, None)
             self._hung.discard(oldest)
         self.inflight[record.op_id] = record
-        shape = self._shape(record)
+        shape = self._shapes.get((record.op, record.pg, record.nbytes, record.sig)) or self._shape(record)
         if not shape.is_p2p:
             self.stats.enqueued(shape, record.seq)
 
     def _ended(self, end: Record) -> None:
         op_id = end.op_id
         start = self.inflight.pop(op_id, None)
-        shape = self._shape(end)
+        shape = self._shapes.get((end.op, end.pg, end.nbytes, end.sig)) or self._shape(end)
         status = STATUS[end.flags] if end.flags < len(STATUS) else "error"
         seconds = (end.t_ns - start.t_ns) / 1e9 if start is not None else None
-        nan, hung = self._nan.pop(op_id, 0), op_id in self._hung
+        nan = self._nan.pop(op_id, 0) if self._nan else 0  # the checks first: these are rare
+        hung = op_id in self._hung if self._hung else False
         if hung:
             self._hung.discard(op_id)
-        gpu_start = self._gpu_start.pop(op_id, None)
+        gpu_start = self._gpu_start.pop(op_id, None) if self._gpu_start else None
         if gpu_start is not None and start is not None:
             gpu_start = min(max(gpu_start, start.t_ns), end.t_ns)  # within the clocks' alignment error
             self.stats.on_gpu(shape, (gpu_start - start.t_ns) / 1e9, (end.t_ns - gpu_start) / 1e9)
         self.stats.finished(shape, None if shape.is_p2p else end.seq, status, seconds)
         slow = seconds is not None and self._is_slow(shape, seconds)
+        if not (nan or hung or slow or status != "ok" or self.sample(shape.pg, end.seq, shape.is_p2p)):
+            return
         self.on_collective(self._collective(shape, start or end, end, status, nan, hung, slow, gpu_start=gpu_start))
 
     def _nan_found(self, record: Record) -> None:
@@ -274,6 +313,7 @@ class Sidecar:
             try:
                 described = json.loads(self.ring.string(sid))
                 found = (str(described["name"]), len(described["ranks"]))
+                self.backend = self.backend or str(described.get("backend", ""))
             except (ValueError, KeyError, TypeError):
                 found = (str(sid), 1)
             self._groups[sid] = found

@@ -25,6 +25,7 @@ import json
 import random
 import ssl
 import threading
+import time
 import urllib.parse
 import urllib.request
 from typing import Any, Mapping
@@ -95,14 +96,22 @@ class SpanBuilder:
 
 
 class SpanExporter:
-    """A bounded queue of collectives and a thread that builds and sends them in batches."""
+    """A bounded queue of collectives and a thread that builds and sends them in batches.
+
+    Sampling keeps a collective when its trace id (the same on every rank) falls below a bound: a
+    fixed ratio, or — with ``budget_per_s`` — a ratio recomputed each second as the budget over the
+    rate of collectives offered, so that ranks seeing the same collectives keep the same ones, and
+    at most ``budget_per_s`` spans a second are kept whatever the job's rate. NaN, Inf, hung, failed
+    and slow collectives are always kept, over the budget too."""
 
     def __init__(self, transport: Any, resource: Mapping[str, Any], job: str, world_size: int = 1,
                  sampler_ratio: float = 1.0, sample_none: bool = False, queue_size: int = 8192,
-                 batch_size: int = 512, interval_s: float = 0.2):
+                 batch_size: int = 512, interval_s: float = 0.2, budget_per_s: float | None = None):
         self.transport, self.builder = transport, SpanBuilder(job, world_size)
         self.resource = Resource(attributes=attributes(resource))
         self.job, self.bound = job, int(sampler_ratio * (1 << 64))
+        self.budget_per_s = budget_per_s
+        self._window_start, self._offered, self._kept = time.monotonic(), 0, 0
         self.sample_none, self.queue_size, self.batch_size, self.interval_s = sample_none, queue_size, batch_size, interval_s
         self.counts: collections.Counter[str] = collections.Counter()
         self._queue: collections.deque = collections.deque()
@@ -112,20 +121,50 @@ class SpanExporter:
         self._thread.start()
 
     def keeps(self, c: Any) -> bool:
+        """Whether the span of collective ``c`` is kept: an anomaly always, an ordinary one when ``sampled``."""
         if c.nan or c.inf or c.hang or c.slow or c.status != "ok":
             return True
+        return self.sampled(c.pg, c.seq, c.is_p2p)
+
+    def sampled(self, pg: str, seq: int, is_p2p: bool) -> bool:
+        """Whether an ordinary collective (completed, in time, finite) is kept; counted when it is not.
+        The sidecar asks this before it builds the collective (``Sidecar(sample=...)``)."""
         if self.sample_none:
+            kept = False
+        elif self.budget_per_s is not None:
+            kept = self._within_budget(pg, seq, is_p2p)
+        else:
+            kept = self.bound > _LOW64 or int.from_bytes(trace_id(self.job, pg, seq, is_p2p)[8:], "big") < self.bound
+        if not kept:
+            self.counts["sampled_out"] += 1
+        return kept
+
+    def _within_budget(self, pg: str, seq: int, is_p2p: bool) -> bool:
+        now = time.monotonic()
+        if now - self._window_start >= 1.0:  # a new window: the bound follows the last window's rate
+            rate = self._offered / (now - self._window_start)
+            self.bound = (1 << 64) if rate <= self.budget_per_s else int(self.budget_per_s / rate * (1 << 64))
+            self._window_start, self._offered, self._kept = now, 0, 0
+        self._offered += 1
+        if self._kept >= self.budget_per_s:  # the rate jumped within the window: the budget holds
             return False
-        return self.bound > _LOW64 or int.from_bytes(trace_id(self.job, c.pg, c.seq, c.is_p2p)[8:], "big") < self.bound
+        if self.bound > _LOW64 or int.from_bytes(trace_id(self.job, pg, seq, is_p2p)[8:], "big") < self.bound:
+            self._kept += 1
+            return True
+        return False
 
     def offer(self, c: Any) -> None:
-        """Queue one collective's span, or count why not. Never blocks."""
-        if not self.keeps(c):
-            self.counts["sampled_out"] += 1
-        elif len(self._queue) >= self.queue_size:
+        """Queue one collective's span if it is kept. Never blocks."""
+        if self.keeps(c):
+            self.queue(c)
+
+    def queue(self, c: Any) -> None:
+        """Queue the span of a collective already kept, or count it dropped when the queue is full."""
+        if len(self._queue) >= self.queue_size:
             self.counts["dropped"] += 1
         else:
-            self._idle.clear()
+            if self._idle.is_set():
+                self._idle.clear()
             self._queue.append(c)
             if len(self._queue) >= self.batch_size:
                 self._wake.set()

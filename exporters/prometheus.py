@@ -1,7 +1,9 @@
 """Prometheus metrics: DESIGN.md's table, built at scrape time from what the sidecar counted.
 
-``MetricsCollector.collect()`` copies the counters under their lock and computes ages and depths
-at that moment; ``serve()`` puts it on its own registry behind prometheus-client's HTTP server.
+``MetricsCollector.collect()`` copies one rank's counters under their lock and computes ages and
+depths at that moment; ``PodCollector`` serves several ranks' on one endpoint (the pod sidecar),
+each series labelled by its rank; ``serve()`` puts either on its own registry behind
+prometheus-client's HTTP server.
 
 Example::
 
@@ -19,16 +21,37 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.samples import Exemplar
 
+from commlens.hooks.ring import ERRORS, REASONS
+
 from .otlp import trace_id
 
 
-SNAPSHOT_REASONS = ("abort", "hang", "signal", "exception", "peer")
 SPAN_RESULTS = ("exported", "failed", "dropped", "sampled_out")
 NONFINITE_KINDS = ("nan", "inf")
-TELEMETRY_ERRORS = ("hook", "recorder", "string_dropped", "work_unjudged", "gpu_pool_exhausted")
 
 
-class MetricsCollector:
+class _Scrapes:
+    """Counts scrapes, so that the way down can wait for the next one."""
+
+    def __init__(self) -> None:
+        self.scrapes = 0
+        self.scraped = threading.Condition()
+
+    def wait_for_scrape(self, timeout_s: float) -> bool:
+        """Wait until the next scrape has read the metrics (on the way down: the final values reach
+        Prometheus); False after ``timeout_s``, or at once when nothing has ever scraped."""
+        with self.scraped:
+            seen = self.scrapes
+            return seen > 0 and self.scraped.wait_for(lambda: self.scrapes > seen, timeout_s)
+
+    def collect(self):
+        yield from self.families()
+        with self.scraped:
+            self.scrapes += 1
+            self.scraped.notify_all()
+
+
+class MetricsCollector(_Scrapes):
     """``stats`` is the sidecar's ``Stats``, ``inflight`` gives its ``GroupInFlight`` by group; the
     callables are read at each scrape.
 
@@ -40,26 +63,12 @@ class MetricsCollector:
                  dropped: Callable[[], int], spans: Callable[[], Mapping[str, int]],
                  info: Callable[[], Mapping[str, Any]], buckets: tuple[float, ...],
                  telemetry_errors: Callable[[], Mapping[str, int]] = dict):
+        super().__init__()
         self.stats, self.inflight, self.dropped, self.spans = stats, inflight, dropped, spans
         self.telemetry_errors = telemetry_errors
-        self.scrapes = 0
-        self.scraped = threading.Condition()
         self.info, self.rank, self.buckets = info, str(info()["rank"]), buckets
 
-    def wait_for_scrape(self, timeout_s: float) -> bool:
-        """Wait until the next scrape has read the metrics (on the way down: the final values reach
-        Prometheus); False after ``timeout_s``, or at once when nothing has ever scraped."""
-        with self.scraped:
-            seen = self.scrapes
-            return seen > 0 and self.scraped.wait_for(lambda: self.scrapes > seen, timeout_s)
-
-    def collect(self):
-        yield from self._families()
-        with self.scraped:
-            self.scrapes += 1
-            self.scraped.notify_all()
-
-    def _families(self):
+    def families(self):
         rank, s = self.rank, self.stats
         with s.lock:
             durations = {key: (list(h.counts), list(h.exemplars), h.total) for key, h in s.durations.items()}
@@ -134,8 +143,9 @@ class MetricsCollector:
         for (pg, kind), (seq, op) in sorted(first_nonfinite.items()):
             first.add_metric((pg, op, kind, rank), seq)
         yield first
-        yield _counter("commlens_abort_snapshots", "Flight-recorder snapshots written on abort, hang, signal, exception, or another rank's hang or abort (peer)",
-                       ("reason",), {(reason,): snapshots.get(reason, 0) for reason in SNAPSHOT_REASONS}, rank)
+        yield _counter("commlens_abort_snapshots", "Flight-recorder snapshots written on abort, hang, signal, exception, another rank's hang or abort (peer), "
+                       "or the end of a rank's process that did not stop commlens (exit: killed, crashed; pod sidecar)",
+                       ("reason",), {(reason,): snapshots.get(reason, 0) for reason in REASONS}, rank)
         yield _counter("commlens_ring_records_dropped", "Ring records overwritten before the sidecar read them",
                        (), {(): self.dropped()}, rank)
         yield _counter("commlens_spans_exported", "Spans handed to OTLP, by result", ("result",),
@@ -144,10 +154,34 @@ class MetricsCollector:
         yield _counter("commlens_telemetry_errors", "Telemetry lost inside commlens, by kind: hooks that raised, "
                        "collectives commlens failed to record, strings the ring's table had no room for, async "
                        "works dropped before their completion could be observed", ("kind",),
-                       {(kind,): n for kind, n in {**dict.fromkeys(TELEMETRY_ERRORS, 0), **self.telemetry_errors()}.items()},
+                       {(kind,): n for kind, n in {**dict.fromkeys(ERRORS, 0), **self.telemetry_errors()}.items()},
                        rank)
         family = GaugeMetricFamily("commlens_info", "Who this is", labels=tuple(info))
         family.add_metric(tuple(str(v) for v in info.values()), 1)
+        yield family
+
+
+class PodCollector(_Scrapes):
+    """The metrics of every rank ``ranks()`` gives (``MetricsCollector``s), merged family by family,
+    and ``commlens_rank_up``: whether each rank's process lives (``up()``: rank -> bool)."""
+
+    def __init__(self, ranks: Callable[[], list[MetricsCollector]], up: Callable[[], Mapping[str, bool]]):
+        super().__init__()
+        self.ranks, self.up = ranks, up
+
+    def families(self):
+        merged: dict[str, Any] = {}
+        for rank in self.ranks():
+            for family in rank.families():
+                if family.name in merged:
+                    merged[family.name].samples.extend(family.samples)
+                else:
+                    merged[family.name] = family
+        yield from merged.values()
+        family = GaugeMetricFamily("commlens_rank_up", "1 while the rank's process lives, 0 after it ended (killed, "
+                                   "crashed or done); a frozen process counts as living", labels=("rank",))
+        for rank, alive in sorted(self.up().items(), key=lambda item: int(item[0])):
+            family.add_metric((rank,), 1 if alive else 0)
         yield family
 
 
@@ -162,7 +196,7 @@ def _counter(name: str, documentation: str, labels: tuple[str, ...], values: Map
     return family
 
 
-def serve(collector: MetricsCollector, addr: str, port: int):
+def serve(collector: MetricsCollector | PodCollector, addr: str, port: int):
     """Serve ``collector`` on ``addr:port``; returns the server (``shutdown()`` stops it)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)

@@ -23,7 +23,7 @@ has completed and writes a NAN record. Raise mode has to synchronise, since it m
 collective before it is issued.
 
 Everything is bounded: ``POOL`` event pairs and ``POOL`` pinned slots; when either runs out, the op
-falls back to the CPU's timing (or goes unchecked) and ``exhausted`` counts it.
+falls back to the CPU's timing (or goes unchecked) and the ring counts it (``gpu_pool_exhausted``).
 """
 
 from __future__ import annotations
@@ -40,9 +40,8 @@ POOL = 4096
 
 
 class GpuTracker:
-    def __init__(self, write: Callable[..., int], pool: int = POOL):
-        self.write, self.pool = write, pool
-        self.exhausted = 0
+    def __init__(self, write: Callable[..., int], count_error: Callable[[str], None], pool: int = POOL):
+        self.write, self.count_error, self.pool = write, count_error, pool
         self._free: collections.deque = collections.deque()
         self._created = 0
         self._timed: collections.deque = collections.deque()
@@ -108,7 +107,7 @@ class GpuTracker:
             self._slots = list(torch.empty(self.pool, dtype=torch.float32, pin_memory=True).unbind())
             self._free_slots.extend(range(self.pool))
         if not self._free_slots:
-            self.exhausted += 1
+            self.count_error("gpu_pool_exhausted")
             return False
         slot = self._free_slots.pop()
         values = torch.view_as_real(tensor) if tensor.is_complex() else tensor  # no temporary of its size
@@ -156,7 +155,7 @@ class GpuTracker:
                 return pair
             self._free.appendleft(pair)
         if self._created >= self.pool:
-            self.exhausted += 1
+            self.count_error("gpu_pool_exhausted")
             return None
         self._created += 1
         with torch.cuda.device(index):
@@ -196,7 +195,7 @@ def tracker() -> GpuTracker:
     if _tracker is None:
         from .recorder import ring
 
-        _tracker = GpuTracker(ring().write)
+        _tracker = GpuTracker(ring().write, ring().count_error)
     return _tracker
 
 

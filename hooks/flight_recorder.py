@@ -10,6 +10,9 @@ own analyzer reads a directory of them::
     ...
     recorder.dump_file(dist.get_rank())    # $TORCHCOMM_FR_DUMP_TEMP_FILE<rank>
     # $ torchfrtrace DIR
+
+``dump_ring(ring)`` builds the same dump from any ring, also one attached from another process
+(the pod sidecar's dumps of a killed or frozen rank); this module imports no torch.
 """
 
 from __future__ import annotations
@@ -20,9 +23,8 @@ import pickle
 import tempfile
 from typing import Any
 
-from . import recorder
 from .ops import OPS, OpName
-from .ring import END, START
+from .ring import END, START, STATUS
 
 VERSION = "2.10"
 DUMP_PREFIX_ENV = "TORCHCOMM_FR_DUMP_TEMP_FILE"
@@ -39,7 +41,7 @@ class FlightRecorderHook:
         if not isinstance(max_entries, int) or max_entries < 1:
             raise ValueError(f"FlightRecorderHook max_entries={max_entries!r} is not accepted: "
                              "it must be a positive integer")
-        slots = recorder.ring().slots
+        slots = _recorder().ring().slots
         if 2 * max_entries > slots:
             raise ValueError(f"FlightRecorderHook max_entries={max_entries} needs a ring of at least "
                              f"{2 * max_entries} slots (two records per collective); the ring has {slots}: "
@@ -54,7 +56,7 @@ class FlightRecorderHook:
         """Record ``comm``: a torchcomms communicator, one torch.distributed process group, or every
         torch.distributed group when None. Entries start with the next collective."""
         if self._from_op_id is None:
-            self._from_op_id = recorder.new_op_id()
+            self._from_op_id = _recorder().new_op_id()
         self._until_op_id = None
         if comm is None:
             self._groups = None
@@ -77,74 +79,17 @@ class FlightRecorderHook:
         while self._handles:
             self._handles.pop().remove()
         if self._from_op_id is not None:
-            self._until_op_id = recorder.new_op_id()
+            self._until_op_id = _recorder().new_op_id()
 
     def entries(self) -> tuple[list[dict], dict, dict]:
         """(entries, pg_config, pg_status) of the recorded collectives still in the ring, oldest first."""
         if self._from_op_id is None:
             return [], {}, {}
-        ring = recorder.ring()
-        starts, ends, groups = {}, {}, {}
-        until = self._until_op_id if self._until_op_id is not None else float("inf")
-        for record in ring.snapshot():
-            if record.kind not in (START, END) or not self._from_op_id <= record.op_id < until:
-                continue
-            group = groups.get(record.pg)
-            if group is None:
-                group = groups[record.pg] = json.loads(ring.string(record.pg) or "{}")
-            if self._groups is not None and group.get("name") not in self._groups:
-                continue
-            (starts if record.kind == START else ends)[record.op_id] = record
-        op_ids = sorted(starts)[-self.max_entries:]
-        entries = [self._entry(starts[i], ends.get(i), groups[starts[i].pg], ring) for i in op_ids]
-        return entries, _pg_config(groups), _pg_status(entries)
-
-    def _entry(self, start: Any, end: Any, group: dict, ring: Any) -> dict:
-        op = OPS[start.op]
-        in_sizes, in_dtypes, out_sizes, out_dtypes = json.loads(ring.string(start.sig) or "[[],[],[],[]]")
-        if op.is_p2p:  # c10d records a p2p op's one tensor as both input and output
-            in_sizes = out_sizes = in_sizes or out_sizes
-            in_dtypes = out_dtypes = in_dtypes or out_dtypes
-            me = group["ranks"].index(group["rank"]) if group.get("rank") in group.get("ranks", []) else -1
-            arrow = f"{me}->{start.peer}" if op is OpName.send else f"{me}<-{start.peer}"
-            name = f"{group.get('backend', 'gloo')}:{op.value} {arrow}"
-        else:
-            if op in _STACKED_OUTPUTS:
-                out_sizes, out_dtypes = _stacked(out_sizes, out_dtypes)
-            if op in _STACKED_INPUTS:
-                in_sizes, in_dtypes = _stacked(in_sizes, in_dtypes)
-            name = f"{group.get('backend', 'gloo')}:{op.fr_name}"
-        created = start.t_ns + ring.clock_offset_ns
-        completed = end.t_ns + ring.clock_offset_ns if end is not None else None
-        return {
-            "record_id": start.op_id - self._from_op_id,
-            "pg_id": int(group["name"]) if str(group.get("name", "")).isdigit() else start.pg,
-            "process_group": (group.get("name", ""), group.get("desc", "undefined")),
-            "collective_seq_id": 0 if op.is_p2p else start.seq,
-            "p2p_seq_id": start.seq if op.is_p2p else 0,
-            "op_id": start.op_id,
-            "profiling_name": name,
-            "time_created_ns": created,
-            "input_sizes": in_sizes,
-            "input_dtypes": in_dtypes,
-            "output_sizes": out_sizes,
-            "output_dtypes": out_dtypes,
-            "state": "completed" if end is not None else "started",
-            "time_discovered_started_ns": created,
-            "time_discovered_completed_ns": completed,
-            "duration_ms": (end.t_ns - start.t_ns) / 1e6 if end is not None else None,
-            "retired": end is not None,
-            "timeout_ms": group.get("timeout_ms", _DEFAULT_TIMEOUT_MS),
-            "is_p2p": op.is_p2p,
-            "status": recorder.STATUS[end.flags] if end is not None else "in_flight",
-            "frames": [],
-        }
+        return entries(_recorder().ring(), self.max_entries, self._from_op_id, self._until_op_id, self._groups)
 
     def dump(self) -> dict:
         """The dump as a dict, in PyTorch's flight-recorder schema."""
-        entries, pg_config, pg_status = self.entries()
-        return {"version": VERSION, "comm_lib_version": _comm_lib_version(), "pg_config": pg_config,
-                "pg_status": pg_status, "entries": entries}
+        return _dump(*self.entries(), _comm_lib_version())
 
     def dump_json(self) -> str:
         """The dump as JSON text (the process_group pairs become lists)."""
@@ -153,23 +98,109 @@ class FlightRecorderHook:
     def dump_file(self, rank: int) -> str:
         """Write the dump as a pickle named ``<prefix><rank>`` and return its path; the prefix comes
         from ``TORCHCOMM_FR_DUMP_TEMP_FILE``. The file appears whole or not at all."""
-        if not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"dump_file(rank={rank!r}) is not accepted: rank must be an integer >= 0")
-        prefix = os.path.expanduser(os.environ.get(DUMP_PREFIX_ENV) or DEFAULT_DUMP_PREFIX)
-        path = f"{prefix}{rank}"
-        data = pickle.dumps(self.dump())
-        folder = os.path.dirname(path) or "."
-        try:
-            os.makedirs(folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".commlens-dump-")
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except OSError as error:
-            raise OSError(error.errno, f"cannot write the flight-recorder dump {path!r} "
-                          f"(prefix from {DUMP_PREFIX_ENV}={prefix!r}): {error.strerror}; "
-                          "the entries are still in the ring, so dump_file can be retried") from error
-        return path
+        return write_dump(self.dump(), rank)
+
+
+def dump_ring(ring: Any, max_entries: int = 2048) -> dict:
+    """The last ``max_entries`` collectives in ``ring`` (this process's or another's, attached) as a
+    dump; the writer's ``torch`` version from its ``describe``d info. Imports no torch."""
+    return _dump(*entries(ring, max_entries), f"torch {ring.info().get('torch', 'unknown')}")
+
+
+def entries(ring: Any, max_entries: int, from_op_id: int = 0, until_op_id: int | None = None,
+            groups: set[str] | None = None) -> tuple[list[dict], dict, dict]:
+    """(entries, pg_config, pg_status) of the last ``max_entries`` collectives in ``ring`` with op ids
+    in ``[from_op_id, until_op_id)`` of the groups named in ``groups`` (None: every group)."""
+    starts, ends, described = {}, {}, {}
+    until = until_op_id if until_op_id is not None else float("inf")
+    for record in ring.snapshot():
+        if record.kind not in (START, END) or not from_op_id <= record.op_id < until:
+            continue
+        group = described.get(record.pg)
+        if group is None:
+            group = described[record.pg] = json.loads(ring.string(record.pg) or "{}")
+        if groups is not None and group.get("name") not in groups:
+            continue
+        (starts if record.kind == START else ends)[record.op_id] = record
+    op_ids = sorted(starts)[-max_entries:]
+    first = op_ids[0] if from_op_id == 0 and op_ids else from_op_id
+    found = [_entry(starts[i], ends.get(i), described[starts[i].pg], ring, first) for i in op_ids]
+    return found, _pg_config(described), _pg_status(found)
+
+
+def _entry(start: Any, end: Any, group: dict, ring: Any, first_op_id: int) -> dict:
+    op = OPS[start.op]
+    in_sizes, in_dtypes, out_sizes, out_dtypes = json.loads(ring.string(start.sig) or "[[],[],[],[]]")
+    if op.is_p2p:  # c10d records a p2p op's one tensor as both input and output
+        in_sizes = out_sizes = in_sizes or out_sizes
+        in_dtypes = out_dtypes = in_dtypes or out_dtypes
+        me = group["ranks"].index(group["rank"]) if group.get("rank") in group.get("ranks", []) else -1
+        arrow = f"{me}->{start.peer}" if op is OpName.send else f"{me}<-{start.peer}"
+        name = f"{group.get('backend', 'gloo')}:{op.value} {arrow}"
+    else:
+        if op in _STACKED_OUTPUTS:
+            out_sizes, out_dtypes = _stacked(out_sizes, out_dtypes)
+        if op in _STACKED_INPUTS:
+            in_sizes, in_dtypes = _stacked(in_sizes, in_dtypes)
+        name = f"{group.get('backend', 'gloo')}:{op.fr_name}"
+    created = start.t_ns + ring.clock_offset_ns
+    completed = end.t_ns + ring.clock_offset_ns if end is not None else None
+    return {
+        "record_id": start.op_id - first_op_id,
+        "pg_id": int(group["name"]) if str(group.get("name", "")).isdigit() else start.pg,
+        "process_group": (group.get("name", ""), group.get("desc", "undefined")),
+        "collective_seq_id": 0 if op.is_p2p else start.seq,
+        "p2p_seq_id": start.seq if op.is_p2p else 0,
+        "op_id": start.op_id,
+        "profiling_name": name,
+        "time_created_ns": created,
+        "input_sizes": in_sizes,
+        "input_dtypes": in_dtypes,
+        "output_sizes": out_sizes,
+        "output_dtypes": out_dtypes,
+        "state": "completed" if end is not None else "started",
+        "time_discovered_started_ns": created,
+        "time_discovered_completed_ns": completed,
+        "duration_ms": (end.t_ns - start.t_ns) / 1e6 if end is not None else None,
+        "retired": end is not None,
+        "timeout_ms": group.get("timeout_ms", _DEFAULT_TIMEOUT_MS),
+        "is_p2p": op.is_p2p,
+        "status": STATUS[end.flags] if end is not None else "in_flight",
+        "frames": [],
+    }
+
+
+def _dump(found: list[dict], pg_config: dict, pg_status: dict, comm_lib_version: str) -> dict:
+    return {"version": VERSION, "comm_lib_version": comm_lib_version, "pg_config": pg_config,
+            "pg_status": pg_status, "entries": found}
+
+
+def write_dump(dump: dict, rank: int) -> str:
+    """Write ``dump`` as a pickle named ``<prefix><rank>`` (the prefix from
+    ``TORCHCOMM_FR_DUMP_TEMP_FILE``) and return its path. The file appears whole or not at all."""
+    if not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"dump_file(rank={rank!r}) is not accepted: rank must be an integer >= 0")
+    prefix = os.path.expanduser(os.environ.get(DUMP_PREFIX_ENV) or DEFAULT_DUMP_PREFIX)
+    path = f"{prefix}{rank}"
+    data = pickle.dumps(dump)
+    folder = os.path.dirname(path) or "."
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".commlens-dump-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as error:
+        raise OSError(error.errno, f"cannot write the flight-recorder dump {path!r} "
+                      f"(prefix from {DUMP_PREFIX_ENV}={prefix!r}): {error.strerror}; "
+                      "the entries are still in the ring, so the dump can be retried") from error
+    return path
+
+
+def _recorder() -> Any:
+    from . import recorder  # on first use: this module is also read without torch (dump_ring)
+
+    return recorder
 
 
 def _stacked(sizes: list, dtypes: list) -> tuple[list, list]:

@@ -81,6 +81,9 @@ hook_errors: collections.Counter[str] = collections.Counter()
 def _report(kind: str, hook: Hook, error: Exception) -> None:
     name = getattr(hook, "__qualname__", None) or repr(hook)
     hook_errors[name] += 1
+    from .recorder import count_error  # here, not above: the recorder imports this module
+
+    count_error("hook")  # in the ring's header, where a pod sidecar reads it too
     if hook_errors[name] == 1:
         warnings.warn(f"commlens {kind}-hook {name} raised {error!r}; the collective went on, "
                       "and later errors of this hook are only counted", RuntimeWarning, stacklevel=2)

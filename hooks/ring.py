@@ -7,7 +7,14 @@ sidecar) need not either.
 Layout of the backing memory (an anonymous mapping, or a file such as ``/dev/shm/commlens-0`` that
 a sidecar process maps too)::
 
-    header (64 B) | slots × RECORD (72 B each) | string arena (string_bytes)
+    header (128 B) | slots × RECORD (72 B each) | string arena (string_bytes)
+
+The header also holds what a reader in another process needs besides the records: the writer's
+pid and whether it closed the ring cleanly, the id of a JSON string describing the writer
+(``describe``), the reader's cursor (so that a restarted reader resumes where the last one left off,
+counting nothing twice) and counters of telemetry the writer lost (``ERRORS``). A file-backed ring's
+writer holds an exclusive ``flock`` on it while it lives, so a reader can tell a killed writer from a
+frozen one (``writer_alive``), across PID namespaces too.
 
 Producers (``_producer.c``) claim an index with an atomic add on a counter in the header, then
 write the slot's head sequence, its payload and its tail sequence, with release ordering: they
@@ -33,14 +40,25 @@ Example::
 
 from __future__ import annotations
 
+import fcntl
+import json
 import mmap
 import os
 import struct
 import time
+import weakref
 from typing import NamedTuple
 
-START, END, NAN, GPU_START = 1, 2, 3, 4
-"""Record kinds: a collective was issued, finished, had a non-finite tensor, started on the GPU."""
+START, END, NAN, GPU_START, SNAPSHOT = 1, 2, 3, 4, 5
+"""Record kinds: a collective was issued, finished, had a non-finite tensor, started on the GPU; the
+writer asks its reader for a flight-recorder snapshot (``flags``: the reason's index in ``REASONS``)."""
+REASONS = ("abort", "hang", "signal", "exception", "peer", "exit")
+"""Why a snapshot was written: a collective's abort, a hang, SIGTERM, an unhandled exception,
+another rank's hang or abort, the writer's process ended without closing its ring (killed, crashed)."""
+ERRORS = ("hook", "recorder", "string_dropped", "work_unjudged", "gpu_pool_exhausted")
+"""What the writer lost, counted in the header: hooks that raised, collectives it failed to record,
+strings with no room in the arena, async works dropped before their completion could be observed,
+collectives on the GPU timed on the CPU for want of events."""
 NAN_OUTPUT, NAN_HAS_NAN, NAN_HAS_INF = 1, 2, 4
 """Bits of a NAN record's ``flags``: the tensor was an output; it held NaN; it held Inf."""
 FLAG_ASYNC, FLAG_LAST_BUCKET = 1, 2
@@ -53,12 +71,19 @@ PHASES = ("", "other", "forward", "backward", "optimizer")
 
 from ._producer import Producer, claim, publish, published, read_whole
 
-_HEADER = struct.Struct("<8sIIIIIqI")  # magic, version, slots, record size, string bytes, alignment, clock offset, pid
-_HEADER_SIZE = 64
-_STRING_CLAIM_OFFSET = 48  # bytes of the string arena claimed so far, a uint64 in the header
-_CLAIM_OFFSET = 56  # the producers' next index, a uint64 in the header
+_HEADER = struct.Struct("<8sIIIII")  # magic, version, slots, record size, string bytes, alignment
+_HEADER_SIZE = 128
+_INFO_OFFSET = 28  # the string id of the writer's description (uint32)
+_CLOCK_OFFSET = 32  # wall clock - monotonic clock of the writer, ns (int64)
+_PID_OFFSET = 40  # the writer's pid (uint32)
+_CLOSED_OFFSET = 44  # 1 once the writer closed the ring (uint32)
+_STRING_CLAIM_OFFSET = 48  # bytes of the string arena claimed so far (uint64)
+_CLAIM_OFFSET = 56  # the producers' next index (uint64)
+_CURSOR_OFFSET = 64  # the reader's next index (uint64)
+_ERRORS_OFFSET = 72  # one uint64 per ERRORS kind
+_U32, _I64 = struct.Struct("<I"), struct.Struct("<q")
 _MAGIC = b"CMLNSRNG"
-_VERSION = 4
+_VERSION = 5
 RECORD = struct.Struct("<QBBBBIQQQQIiIIQ")
 _SEQ = struct.Struct("<Q")
 _TAIL = RECORD.size - _SEQ.size
@@ -93,6 +118,14 @@ class Record(NamedTuple):
         return self.head - 1
 
 
+def ring_file(folder: str, local_rank: int) -> str:
+    """Where the rank with ``local_rank`` keeps its ring in a pod sidecar's ``folder`` (``RING_FILES``)."""
+    return os.path.join(folder, f"local-rank-{local_rank}.ring")
+
+
+RING_FILES = "local-rank-*.ring"
+
+
 def _check_power_of_two(name: str, value: int) -> None:
     if not isinstance(value, int) or value < 2 or value & (value - 1):
         raise ValueError(f"{name}={value!r} is not accepted: it must be a power of two >= 2")
@@ -110,49 +143,134 @@ class Ring:
         _check_power_of_two("slots", slots)
         if not isinstance(string_bytes, int) or string_bytes < _STRING_ALIGN or string_bytes % _STRING_ALIGN:
             raise ValueError(f"string_bytes={string_bytes!r} is not accepted: it must be a multiple of 8, >= 8")
-        self.slots, self.string_bytes, self.path = slots, string_bytes, path
         size = _HEADER_SIZE + slots * RECORD.size + string_bytes
+        self._fd = None
         if path is None:
-            self._map = mmap.mmap(-1, size)
+            mapped = mmap.mmap(-1, size)
         else:  # a new file renamed into place: a reader that has the old one mapped keeps it whole
             temporary = f"{path}.{os.getpid()}.new"
             try:
                 fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             except OSError as error:
-                raise OSError(f"cannot create the ring file {path!r}: {error.strerror}") from error
+                raise OSError(error.errno, f"cannot create the ring file {path!r}: {error.strerror}") from error
             try:
                 os.ftruncate(fd, size)
-                self._map = mmap.mmap(fd, size)
+                mapped = mmap.mmap(fd, size)  # which keeps a duplicate of fd, sharing its open file
             finally:
                 os.close(fd)
-        self.clock_offset_ns = time.time_ns() - time.monotonic_ns()
-        _HEADER.pack_into(self._map, 0, _MAGIC, _VERSION, slots, RECORD.size, string_bytes, _STRING_ALIGN,
-                          self.clock_offset_ns, os.getpid())
-        self._view = memoryview(self._map)
-        self._strings_at = _HEADER_SIZE + slots * RECORD.size
-        self.write = Producer(self._map, slots, _CLAIM_OFFSET, _HEADER_SIZE).write
-        self._string_ids: dict[str, int] = {"": 0}
-        self._string_cache: dict[int, str] = {0: ""}
-        self.strings_dropped = 0
+            self._lock(temporary)
+        _HEADER.pack_into(mapped, 0, _MAGIC, _VERSION, slots, RECORD.size, string_bytes, _STRING_ALIGN)
+        _I64.pack_into(mapped, _CLOCK_OFFSET, time.time_ns() - time.monotonic_ns())
+        _U32.pack_into(mapped, _PID_OFFSET, os.getpid())
+        self._mapped(mapped, slots, string_bytes, path)
         if path is not None:
             os.replace(temporary, path)
 
     @classmethod
     def attach(cls, path: str) -> Ring:
-        """Map a ring that another process created at ``path``, for reading (and ``string``)."""
-        with open(path, "r+b") as f:
-            mapped = mmap.mmap(f.fileno(), 0)
-        magic, version, slots, record_size, string_bytes, align, offset, _pid = _HEADER.unpack_from(mapped, 0)
+        """Map a ring that another process created at ``path``, to read it (and ``string``)."""
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mapped = mmap.mmap(fd, 0)
+        except (OSError, ValueError):
+            os.close(fd)
+            raise ValueError(f"{path!r} is not a commlens ring: it cannot be mapped (empty?)") from None
+        magic, version, slots, record_size, string_bytes, align = _HEADER.unpack_from(mapped, 0) \
+            if len(mapped) >= _HEADER_SIZE else (b"", 0, 0, 0, 0, 0)
         if magic != _MAGIC or version != _VERSION or record_size != RECORD.size or align != _STRING_ALIGN \
                 or len(mapped) != _HEADER_SIZE + slots * record_size + string_bytes:
+            mapped.close()
+            os.close(fd)
             raise ValueError(f"{path!r} is not a commlens ring of format version {_VERSION}")
         ring = cls.__new__(cls)
-        ring.slots, ring.string_bytes, ring.path, ring.clock_offset_ns = slots, string_bytes, path, offset
-        ring._map, ring._view = mapped, memoryview(mapped)
-        ring._strings_at = _HEADER_SIZE + slots * RECORD.size
-        ring._string_ids, ring._string_cache, ring.strings_dropped = {"": 0}, {0: ""}, 0
-        ring.write = Producer(mapped, slots, _CLAIM_OFFSET, _HEADER_SIZE).write
+        ring._fd = fd
+        ring._mapped(mapped, slots, string_bytes, path)
         return ring
+
+    def _mapped(self, mapped: mmap.mmap, slots: int, string_bytes: int, path: str | None) -> None:
+        self.slots, self.string_bytes, self.path = slots, string_bytes, path
+        self._map, self._view = mapped, memoryview(mapped)
+        self.clock_offset_ns = _I64.unpack_from(mapped, _CLOCK_OFFSET)[0]
+        self.pid = _U32.unpack_from(mapped, _PID_OFFSET)[0]
+        self._strings_at = _HEADER_SIZE + slots * RECORD.size
+        self._string_ids: dict[str, int] = {"": 0}
+        self._string_cache: dict[int, str] = {0: ""}
+        self.write = Producer(mapped, slots, _CLAIM_OFFSET, _HEADER_SIZE).write
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+
+    # -- the header ---------------------------------------------------------------------------------
+
+    def describe(self, writer: dict) -> None:
+        """Record who writes this ring (rank, job, ...) for readers in other processes: ``info()``."""
+        _U32.pack_into(self._view, _INFO_OFFSET, self.intern(json.dumps(writer)))
+
+    def info(self) -> dict:
+        """What ``describe`` recorded; {} when nothing was."""
+        try:
+            return json.loads(self.string(_U32.unpack_from(self._view, _INFO_OFFSET)[0]) or "{}")
+        except ValueError:
+            return {}
+
+    def count_error(self, kind: str) -> None:
+        """Count one piece of telemetry lost, by its ``ERRORS`` kind (atomically: any thread or process)."""
+        claim(self._view, _ERRORS_OFFSET + 8 * ERRORS.index(kind), 1)
+
+    def errors(self) -> dict[str, int]:
+        """Telemetry the writer lost so far, by ``ERRORS`` kind."""
+        return dict(zip(ERRORS, struct.unpack_from(f"<{len(ERRORS)}Q", self._view, _ERRORS_OFFSET)))
+
+    @property
+    def strings_dropped(self) -> int:
+        return self.errors()["string_dropped"]
+
+    @property
+    def cursor(self) -> int:
+        """The index its reader (the sidecar) reads next: records below it were handled once already."""
+        return _SEQ.unpack_from(self._view, _CURSOR_OFFSET)[0]
+
+    @cursor.setter
+    def cursor(self, index: int) -> None:
+        _SEQ.pack_into(self._view, _CURSOR_OFFSET, index)
+
+    def _lock(self, path: str) -> None:
+        """(The writer) Take the flock that says it lives (see ``writer_alive``), on an open file of its
+        own: not the mapping's, which a forked child (a data-loader worker) keeps as long as it lives."""
+        self._fd = os.open(path, os.O_RDONLY)
+        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _writers.add(self)
+
+    def open(self) -> None:
+        """(The writer) Mark the ring in use again after ``close()``; its flock is taken again."""
+        if self._fd is None and self.path is not None:
+            self._lock(self.path)
+        _U32.pack_into(self._view, _CLOSED_OFFSET, 0)
+
+    def close(self) -> None:
+        """(The writer) Mark the ring closed cleanly and let go of its flock; records written after
+        it are still read."""
+        _U32.pack_into(self._view, _CLOSED_OFFSET, 1)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    @property
+    def closed(self) -> bool:
+        return bool(_U32.unpack_from(self._view, _CLOSED_OFFSET)[0])
+
+    def writer_alive(self) -> bool:
+        """(A reader) Whether the writing process still lives: it holds the file's flock until it
+        ends, however it ends (a frozen writer is alive). True for a ring with no file."""
+        if self._fd is None:
+            return True
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return False
 
     def intern(self, text: str) -> int:
         """The id of ``text`` in the string arena, adding it on first use (0 when the arena is full)."""
@@ -163,7 +281,7 @@ class Ring:
         need = _STRING_ALIGN + -(-len(encoded) // _STRING_ALIGN) * _STRING_ALIGN
         at = claim(self._view, _STRING_CLAIM_OFFSET, need)
         if at + need > self.string_bytes or len(encoded) >= 1 << 32:
-            self.strings_dropped += 1
+            self.count_error("string_dropped")
             return 0
         start = self._strings_at + at
         self._view[start + _STRING_ALIGN:start + _STRING_ALIGN + len(encoded)] = encoded
@@ -210,6 +328,22 @@ class Ring:
                     found.append(record)
         found.sort()
         return found
+
+
+_writers: weakref.WeakSet[Ring] = weakref.WeakSet()
+"""Rings this process writes to a file. A forked child (a data-loader worker) closes its copies of
+their descriptors, so that the flock goes with the writer and not with the last of its children."""
+
+
+def _forget_writers_in_child() -> None:
+    for ring in list(_writers):
+        if ring._fd is not None:
+            os.close(ring._fd)
+            ring._fd = None
+    _writers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_writers_in_child)
 
 
 class RingReader:

@@ -12,6 +12,8 @@ Faults, all on rank ``--rank`` from step ``--step`` (``--fault none`` for a heal
     leave    the rank leaves the training loop (and ends)
     slow     the rank computes 30 ms longer every step
     desync   the rank issues all_gather where the others all_reduce
+    kill     the rank SIGKILLs itself inside the step's last all_reduce (issued, not completed)
+    freeze   the rank stops itself (SIGSTOP) inside that all_reduce, until it gets SIGCONT
 
 The wall time at which the fault happens is written to ``FAULT_TIME_FILE`` (when set), so that a
 benchmark can measure how long detection takes.
@@ -20,6 +22,7 @@ benchmark can measure how long detection takes.
 import argparse
 import datetime
 import os
+import signal
 import time
 
 import torch
@@ -65,6 +68,10 @@ def main() -> None:
         report = loss.detach().reshape(1)
         if first and args.fault == "desync":
             dist.all_gather([torch.empty_like(report) for _ in range(dist.get_world_size())], report)
+        elif first and args.fault in ("kill", "freeze"):
+            work = dist.all_reduce(report, async_op=True)
+            os.kill(os.getpid(), signal.SIGKILL if args.fault == "kill" else signal.SIGSTOP)
+            work.wait()
         else:
             dist.all_reduce(report)
     dist.destroy_process_group()

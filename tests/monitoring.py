@@ -32,8 +32,8 @@ def installed(name: str) -> str:
     return path
 
 
-def promtool(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([installed("promtool"), *args], capture_output=True, text=True, cwd=cwd)
+def promtool(*args: str, cwd=None, input: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([installed("promtool"), *args], capture_output=True, text=True, cwd=cwd, input=input)
 
 
 def wait_for(condition, what: str, timeout_s: float = 90):
@@ -101,21 +101,26 @@ class TrainingJob:
     SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faulty_train.py")
 
     def __init__(self, tmp_path, world: int, fault: str, rank: int = 1, step: int = 100, steps: int = 1000,
-                 hang_threshold_s: float = 3, extra=()):
+                 hang_threshold_s: float = 3, extra=(), pod: bool = False, ring_dir=None):
+        """``pod``: with ``commlens run --sidecar`` (one metrics target); ``ring_dir``: the ranks write
+        their rings there for a ``PodSidecar`` the test runs (and serve no metrics themselves)."""
         self.world, self.base, self.out = world, free_ports(world), tmp_path / "job"
         self.out.mkdir(exist_ok=True)
         self.fault_time = self.out / "fault_time"
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        options = ["--sidecar"] if pod else []
+        if ring_dir is not None:
+            options += ["--ring-dir", str(ring_dir)]
         command = [sys.executable, "-m", "commlens.agent.cli", "run", "--hang-threshold", str(hang_threshold_s),
                    "--metrics-port", str(self.base), "--metrics-addr", "127.0.0.1", "--job-id", "verdict-test",
-                   "--trace-file", str(self.out / "traces-{rank}.jsonl"), "--",
+                   "--trace-file", str(self.out / "traces-{rank}.jsonl"), *options, "--",
                    torchrun, "--nproc-per-node", str(world), "--master-port", str(free_ports(1)), self.SCRIPT,
                    "--fault", fault, "--rank", str(rank), "--step", str(step), "--steps", str(steps), *extra]
         self.process = subprocess.Popen(
             command, env={**os.environ, "TORCHCOMM_FR_DUMP_TEMP_FILE": str(self.out / "rank_"),
                           "FAULT_TIME_FILE": str(self.fault_time)},
             stdout=open(tmp_path / "job.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
-        self.targets = [f"127.0.0.1:{self.base + rank}" for rank in range(world)]
+        self.targets = [f"127.0.0.1:{self.base + rank}" for rank in range(1 if pod else world)]
 
     def fault_at(self) -> float | None:
         """The wall time at which the fault happened, once it has."""
@@ -129,6 +134,44 @@ class TrainingJob:
 
     def __exit__(self, *exc) -> None:
         _end_session(self.process, 30)
+
+
+class PodSidecar:
+    """``commlens sidecar`` on ``ring_dir`` in its own process, metrics on loopback at ``port``, dumps
+    as ``out/rank_<rank>``, as a Kubernetes sidecar container beside the training one."""
+
+    def __init__(self, tmp_path, ring_dir, out, hang_threshold_s: float = 3, port: int | None = None):
+        self.port = port or free_ports(1)
+        self.log = open(tmp_path / f"sidecar-{self.port}.log", "a")
+        command = [sys.executable, "-m", "commlens.agent.cli", "sidecar", "--ring-dir", str(ring_dir),
+                   "--metrics-port", str(self.port), "--metrics-addr", "127.0.0.1",
+                   "--hang-threshold", str(hang_threshold_s), "--trace-file", str(out / "traces-{rank}.jsonl")]
+        self.process = subprocess.Popen(command, env={**os.environ, "TORCHCOMM_FR_DUMP_TEMP_FILE": str(out / "rank_")},
+                                        stdout=self.log, stderr=subprocess.STDOUT)
+
+    def text(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as response:
+            return response.read().decode()
+
+    def samples(self, name: str) -> dict[tuple, float]:
+        """``name``'s samples now: labels (sorted pairs) -> value."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        return {tuple(sorted(s.labels.items())): s.value for family in text_string_to_metric_families(self.text())
+                for s in family.samples if s.name == name}
+
+    def by_rank(self, name: str, **labels) -> dict[int, float]:
+        return {int(dict(key)["rank"]): value for key, value in self.samples(name).items()
+                if all(dict(key).get(k) == v for k, v in labels.items())}
+
+    def __enter__(self) -> PodSidecar:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(60)
+        self.log.close()
 
 
 class _Server:

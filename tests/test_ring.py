@@ -155,6 +155,37 @@ def test_another_process_reads_the_shared_ring(tmp_path):
         writer.communicate("")
 
 
+KILLED_WITH_A_CHILD = """
+import os, signal, sys
+from commlens.hooks import Ring
+ring = Ring(slots=64, path=sys.argv[1])
+if os.fork() == 0:  # a data-loader worker: it outlives the writer
+    sys.stdin.read()
+    os._exit(0)
+print("forked", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_writer_is_seen_dead_while_its_forked_child_lives_and_a_closed_one_reopens(tmp_path):
+    path = str(tmp_path / "ring")
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WITH_A_CHILD, path], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "forked\n"
+        assert writer.wait(30) == -9
+        assert not Ring.attach(path).writer_alive()  # the child still lives: it waits on its stdin
+    finally:
+        writer.communicate("")
+    ring = Ring(slots=64, path=str(tmp_path / "mine"))
+    reader = Ring.attach(str(tmp_path / "mine"))
+    seen = [reader.writer_alive()]
+    for step in (ring.close, ring.open):  # commlens stopped and started again in the same process
+        step()
+        seen.append(reader.writer_alive())
+    assert seen == [True, False, True]
+
+
 @pytest.mark.parametrize("slots", [0, 3, 100, "8"])
 def test_bad_slot_counts_are_refused_with_what_is_accepted(slots):
     with pytest.raises(ValueError, match=r"slots=.* power of two"):

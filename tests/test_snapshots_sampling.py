@@ -1,16 +1,19 @@
 """Snapshots on the way down (SIGTERM, an unhandled exception), and sampling that agrees across ranks."""
 
+import json
 import os
 import pickle
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from commlens.agent.demo import free_port
-from commlens.agent.sidecar import Collective
+from commlens.agent.sidecar import Collective, Sidecar
 from commlens.exporters.otlp import SpanExporter
+from commlens.hooks.ring import END, ERROR, OK, START, Ring
 
 JOB = """
 import os, sys, torch, torch.distributed as dist
@@ -72,3 +75,58 @@ def test_sampling_keeps_or_drops_a_collective_on_every_rank_together_and_always_
     assert not off.keeps(_collective(1)) and off.keeps(_collective(1, nan=True))
     for exporter in (*ranks, off):
         exporter.shutdown(5)
+
+
+def test_the_span_budget_bounds_spans_per_second_whatever_the_rate_and_ranks_keep_the_same_collectives():
+    budget = 50
+    ranks = [SpanExporter(_Nowhere(), {"commlens.rank": r}, job="job-7", budget_per_s=budget) for r in range(2)]
+    kept: list[list[tuple[float, int]]] = [[], []]
+    started = time.monotonic()
+    seq = 0
+    while time.monotonic() - started < 3.5:  # the workload: a job issuing collectives as fast as it can
+        seq += 1
+        for rank, exporter in enumerate(ranks):
+            if exporter.keeps(_collective(seq)):
+                kept[rank].append((time.monotonic() - started, seq))
+    assert seq > 20 * budget  # far over the budget
+    for found in kept:
+        for second in range(3):
+            assert len([t for t, _ in found if second <= t < second + 1]) <= budget
+        assert len(found) >= budget  # it does keep spans, up to the budget
+    later = [{s for t, s in found if t >= 1.1} for found in kept]  # once each rank has seen the rate
+    assert len(later[0] & later[1]) >= 0.8 * max(len(later[0]), len(later[1])), later
+    assert all(exporter.keeps(_collective(seq + 1, nan=True)) for exporter in ranks)  # anomalies: over the budget
+    for exporter in ranks:
+        exporter.shutdown(5)
+
+
+class _Kept:
+    def __init__(self):
+        self.names = []
+
+    def send(self, request):
+        self.names += [(s.name, s.status.code) for rs in request.resource_spans for ss in rs.scope_spans
+                       for s in ss.spans]
+
+    def close(self):
+        pass
+
+
+def test_the_sidecar_builds_only_the_collectives_the_sampler_keeps_and_every_anomaly():
+    transport = _Kept()
+    spans = SpanExporter(transport, {}, job="job-7", sampler_ratio=0.25)
+    ring = Ring(slots=1024)
+    sidecar = Sidecar(ring, rank=0, hang_threshold_s=60, on_collective=spans.queue, sample=spans.sampled)
+    group = ring.intern(json.dumps({"name": "0", "desc": "default_pg", "ranks": [0, 1], "rank": 0,
+                                    "backend": "gloo"}))
+    for seq in range(1, 201):  # collectives of 100 µs, one a millisecond: none slow
+        ring.write(START, 0, 0, group, seq, seq, 64, 0, -1, 0, 0, seq * 1_000_000)
+        ring.write(END, 0, ERROR if seq == 150 else OK, group, seq, seq, 64, 0, -1, 0, 0, seq * 1_000_000 + 100_000)
+    sidecar.drain()
+    spans.shutdown(5)
+    counts = dict(spans.counts)
+    expected = [seq for seq in range(1, 201) if spans.keeps(_collective(seq)) or seq == 150]
+    assert len(transport.names) == len(expected) and 30 < len(expected) < 70, transport.names
+    assert transport.names.count(("all_reduce", 2)) == 1  # the failed one, kept whatever its trace id
+    assert counts == {"sampled_out": 200 - len(expected), "exported": len(expected)}, counts
+    assert sum(sidecar.stats.completed.values()) == 200  # every collective in the metrics

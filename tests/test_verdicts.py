@@ -2,7 +2,9 @@
 ``commlens run -- torchrun`` (3 gloo ranks): Debian's Prometheus (1 s scrape and evaluation) evaluates
 the shipped rules and sends to a real Alertmanager; the alert that fires, ``commlens diagnose`` live
 from Prometheus and after the fact from the job's files, and ``torchfrtrace`` where it can, all name
-the faulty rank — and only it. A healthy run fires nothing and leaves nothing pending."""
+the faulty rank — and only it. A healthy run fires nothing and leaves nothing pending. Each test runs
+twice: with commlens exporting from every rank (one target per rank), and with the ranks running
+only the hot path beside one pod sidecar process (``commlens run --sidecar``: one target per pod)."""
 
 import contextlib
 import pathlib
@@ -40,6 +42,10 @@ def _diagnose(*args) -> str:
     return done.stdout + done.stderr
 
 
+EXPORTERS = pytest.mark.parametrize("pod", [False, True], ids=["per-rank", "pod-sidecar"])
+
+
+@EXPORTERS
 @pytest.mark.parametrize("fault, alert, verdict, op", [
     ("nan", "CommlensNaNOrigin", "NaN/Inf entered on rank 1", "all_reduce"),
     ("inf", "CommlensNaNOrigin", "NaN/Inf entered on rank 1", "all_reduce"),
@@ -48,8 +54,8 @@ def _diagnose(*args) -> str:
     ("slow", "CommlensStraggler", "straggler: rank 1 ", None),
     ("desync", "CommlensCollectiveDesync", "desync: rank 1 ", "all_gather"),
 ])
-def test_the_alert_and_diagnose_name_the_faulty_rank_and_only_it(tmp_path, fault, alert, verdict, op):
-    with _stack(tmp_path, fault) as (webhook, training, prometheus):
+def test_the_alert_and_diagnose_name_the_faulty_rank_and_only_it(tmp_path, fault, alert, verdict, op, pod):
+    with _stack(tmp_path, fault, pod=pod) as (webhook, training, prometheus):
         fired = wait_for(lambda: webhook.firing(alert), f"{alert} at the webhook", timeout_s=90)
         named = {a["labels"]["rank"] for a in webhook.alerts
                  if a["labels"]["alertname"] in CULPRIT_ALERTS and a["status"] == "firing"}
@@ -82,8 +88,9 @@ def test_the_alert_and_diagnose_name_the_faulty_rank_and_only_it(tmp_path, fault
             assert f"{{{CULPRIT}}}" in report, report  # its process ended without a dump: "missing ... {1}"
 
 
-def test_a_healthy_run_fires_nothing_and_leaves_nothing_pending(tmp_path):
-    with _stack(tmp_path, "none", steps=6000) as (webhook, training, prometheus):
+@EXPORTERS
+def test_a_healthy_run_fires_nothing_and_leaves_nothing_pending(tmp_path, pod):
+    with _stack(tmp_path, "none", steps=6000, pod=pod) as (webhook, training, prometheus):
         wait_for(lambda: prometheus.query("commlens:collective_wait_seconds:mean20s"), "the first recording")
         started = time.monotonic()
         while time.monotonic() - started < 150 and training.process.poll() is None:

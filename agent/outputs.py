@@ -1,0 +1,53 @@
+"""Where one rank's telemetry goes, built from its ``Config``: the span exporter and its transport.
+
+Shared by the in-process agent (agent/runtime.py) and the pod sidecar (agent/pod.py), which builds
+one per local rank; imports no torch.
+
+Example::
+
+    spans = span_exporter(config)      # OTLP over gRPC or HTTP, or the trace file when no endpoint is set
+    spans.offer(collective)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from commlens.exporters.otlp import GrpcTransport, HttpTransport, JsonLinesTransport, SpanExporter
+
+from .config import Config, ConfigError
+
+
+def span_exporter(config: Config) -> SpanExporter:
+    return SpanExporter(transport(config), resource(config), config.job, config.world_size, config.sampler_ratio,
+                        config.sampler.endswith("always_off"), config.span_queue, interval_s=config.drain_interval_s,
+                        budget_per_s=config.span_budget_per_s)
+
+
+def transport(config: Config) -> Any:
+    if config.otlp_endpoint is None:
+        path = config.trace_file.format(rank=config.rank)
+        try:
+            return JsonLinesTransport(path)
+        except OSError as error:
+            raise ConfigError(f"COMMLENS_TRACE_FILE={config.trace_file!r}: cannot write {path!r} "
+                              f"({error.strerror}); give a writable path ({{rank}} is replaced)") from None
+    if config.otlp_protocol == "grpc":
+        return GrpcTransport(config.otlp_endpoint, config.otlp_headers, config.otlp_timeout_s, config.otlp_insecure,
+                             config.otlp_certificate)
+    return HttpTransport(config.otlp_endpoint, config.otlp_headers, config.otlp_timeout_s, config.otlp_certificate)
+
+
+def resource(config: Config) -> dict:
+    """``service.name``, ``OTEL_RESOURCE_ATTRIBUTES`` and Kubernetes attributes, by OpenTelemetry's rules."""
+    from opentelemetry.sdk.resources import Resource
+
+    own = {"commlens.job": config.job, "commlens.rank": config.rank}
+    for variable, key in (("K8S_POD_NAME", "k8s.pod.name"), ("K8S_NAMESPACE_NAME", "k8s.namespace.name"),
+                          ("K8S_NODE_NAME", "k8s.node.name")):
+        if os.environ.get(variable):
+            own[key] = os.environ[variable]
+    own.update(config.resource_attributes)
+    own["service.name"] = config.service_name or own.get("service.name", "commlens")
+    return dict(Resource.create(own).attributes)

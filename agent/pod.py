@@ -1,0 +1,218 @@
+"""``commlens sidecar``: one process per pod that reads the rings of every local rank.
+
+The ranks run only the hot path (``COMMLENS_RING_DIR`` set: agent/runtime.py) and write their rings
+into a folder shared with this process — in Kubernetes a memory-backed ``emptyDir`` mounted in the
+training container and in the commlens sidecar container. This process attaches to each ring as it
+appears (``local-rank-N.ring``), attaches again when a rank restarts (a new file renamed into place),
+and runs for all of them what the in-process thread runs for one: the drain, the stats, the hang
+watchdog, spans, flight-recorder dumps (from shared memory: also of a rank that was killed, or is
+frozen), and one Prometheus endpoint for the pod, each series labelled by its rank.
+
+A rank's process holds its ring's flock while it lives (``Ring.writer_alive``): when it ends without
+closing the ring (SIGKILL, the OOM killer, a crash) its dump is written with reason ``exit`` and its
+collectives still in flight stay in flight, so the hang watchdog reports the one it died in. This
+process going away never disturbs training, and a restarted one resumes at the cursor stored in each
+ring: it counts nothing twice.
+
+Example::
+
+    pod = PodSidecar(Config.from_env(), "/dev/shm/commlens")
+    pod.start()      # serves metrics, drains every 50 ms
+    ...
+    pod.stop()       # drains what is left, flushes spans
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import sys
+import threading
+import time
+from typing import Callable
+
+from commlens.exporters.otlp import SpanExporter
+from commlens.exporters.prometheus import MetricsCollector, PodCollector, serve
+from commlens.hooks.flight_recorder import dump_ring, write_dump
+from commlens.hooks.ring import ERRORS, RING_FILES, Ring
+
+from .config import Config, ConfigError
+from .outputs import span_exporter
+from .sidecar import Sidecar
+from .stats import DURATION_BUCKETS, Stats
+
+
+class RankFeed:
+    """One rank as the pod sidecar follows it: its counters, spans and metrics, which outlive the
+    process (and the ring) of any one run of the rank, and its current ring's sidecar."""
+
+    def __init__(self, config: Config, info: dict, on_hang: Callable[[RankFeed], None]):
+        self.config, self.info = config, info
+        self.rank = config.rank
+        self.stats = Stats()
+        self.spans: SpanExporter = span_exporter(config)
+        self.on_hang = on_hang
+        self.sidecar: Sidecar | None = None
+        self.inode = 0
+        self.alive = False
+        self._dropped_before = 0
+        self._errors_before = dict.fromkeys(ERRORS, 0)
+        self.metrics = MetricsCollector(self.stats, self._inflight, self._dropped, lambda: dict(self.spans.counts),
+                                        self._info, DURATION_BUCKETS, self._errors)
+
+    def follow(self, ring: Ring, inode: int) -> None:
+        """Read ``ring`` from now on (the rank's first, or a restarted rank's new one)."""
+        if self.sidecar is not None:
+            self.sidecar.drain()
+            self._dropped_before += self.sidecar.reader.dropped
+            self._errors_before = self._errors()
+        self.sidecar = Sidecar(ring, self.rank, self.config.hang_threshold_s, self.config.slow_factor,
+                               on_collective=self.spans.queue, sample=self.spans.sampled, on_hang=lambda _: self.on_hang(self),
+                               on_snapshot=self.dump, stats=self.stats,
+                               resume=True)
+        self.inode, self.alive = inode, ring.writer_alive()
+        if not self.alive and not ring.closed:  # found killed (before this sidecar started, or saw it)
+            self.sidecar.drain()
+            self.dump("exit")
+
+    def drain(self) -> None:
+        """Drain the ring; when the rank's process has just ended without closing it, dump it (``exit``)."""
+        if self.sidecar is None:
+            return
+        self.sidecar.drain()
+        was_alive, self.alive = self.alive, self.sidecar.ring.writer_alive()  # a rank may close and reopen it
+        if was_alive and not self.alive:
+            self.sidecar.drain()
+            if not self.sidecar.ring.closed:
+                self.dump("exit")
+
+    def dump(self, reason: str) -> str | None:
+        """Write this rank's flight-recorder dump from its ring and count it; the path, or None."""
+        try:
+            path = write_dump(dump_ring(self.sidecar.ring, min(2048, self.sidecar.ring.slots // 2)), self.rank)
+        except (OSError, ValueError) as error:
+            print(f"commlens sidecar: no {reason} snapshot of rank {self.rank}: {error}", file=sys.stderr)
+            path = None
+        with self.stats.lock:
+            self.stats.snapshots[reason] += 1
+        return path
+
+    def _inflight(self):
+        return self.sidecar.inflight_by_group() if self.sidecar is not None else {}
+
+    def _dropped(self) -> int:
+        return self._dropped_before + (self.sidecar.reader.dropped if self.sidecar is not None else 0)
+
+    def _errors(self) -> dict[str, int]:
+        now = self.sidecar.ring.errors() if self.sidecar is not None else {}
+        return {kind: self._errors_before[kind] + now.get(kind, 0) for kind in ERRORS}
+
+    def _info(self) -> dict:
+        c = self.config
+        backend = self.sidecar.backend if self.sidecar is not None else ""
+        return {"rank": c.rank, "local_rank": c.local_rank, "world_size": c.world_size, "job": c.job,
+                "backend": backend or "unknown", "version": self.info.get("version", "unknown")}
+
+
+class PodSidecar:
+    """Follows every ring in ``ring_dir`` (see the module's docstring); ``config`` gives the hang
+    threshold, the exporters' settings and the metrics port (one port: ``LOCAL_RANK`` is not added)."""
+
+    def __init__(self, config: Config, ring_dir: str):
+        self.config, self.ring_dir = config, ring_dir
+        self.feeds: dict[int, RankFeed] = {}
+        """Rank -> its feed, for every rank seen."""
+        self._paths: dict[str, tuple[int, int]] = {}
+        """Ring file -> (inode, rank) of the ring read from it."""
+        self._unreadable: set[tuple[str, int]] = set()
+        self.errors = 0
+        """Drains that failed (the loop went on)."""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.server = self.collector = None
+        if config.metrics_port is not None:
+            self.collector = PodCollector(self._metrics, self._up)
+            try:
+                self.server = serve(self.collector, config.metrics_addr, config.metrics_port)
+            except OSError as error:
+                raise ConfigError(f"COMMLENS_METRICS_PORT: cannot serve metrics on {config.metrics_addr}:"
+                                  f"{config.metrics_port} ({error.strerror}); choose a free port, or 0 to "
+                                  "serve none") from None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="commlens-pod-sidecar", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Drain every ring, flush spans, and wait (within the snapshot timeout) for a last scrape."""
+        timeout_s = self.config.snapshot_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.poll()
+        for feed in list(self.feeds.values()):
+            feed.spans.shutdown(max(0.0, deadline - time.monotonic()))
+        if self.collector is not None:
+            self.collector.wait_for_scrape(max(0.0, deadline - time.monotonic()))
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.drain_interval_s):
+            try:
+                self.poll()
+            except Exception as error:  # noqa: BLE001 — the loop goes on: a frozen sidecar hides every hang
+                self.errors += 1
+                if self.errors == 1:
+                    print(f"commlens sidecar: a drain failed ({error!r}); going on, later failures are only "
+                          "counted", file=sys.stderr)
+
+    def poll(self) -> None:
+        """One pass: attach to new and replaced rings, then drain every rank's."""
+        with self._lock:
+            self._scan()
+            for feed in list(self.feeds.values()):
+                feed.drain()
+
+    def _scan(self) -> None:
+        for path in sorted(glob.glob(os.path.join(self.ring_dir, RING_FILES))):
+            try:
+                inode = os.stat(path).st_ino
+            except FileNotFoundError:
+                continue
+            if self._paths.get(path, (None,))[0] == inode or (path, inode) in self._unreadable:
+                continue
+            try:
+                ring = Ring.attach(path)
+            except (OSError, ValueError) as error:
+                self._unreadable.add((path, inode))
+                print(f"commlens sidecar: cannot read {path}: {error}", file=sys.stderr)
+                continue
+            info = ring.info()
+            if "rank" not in info:
+                continue  # its writer has not described it yet: the next pass
+            feed = self.feeds.get(info["rank"])
+            if feed is None:
+                config = dataclasses.replace(self.config, rank=info["rank"], local_rank=info.get("local_rank", 0),
+                                             world_size=info.get("world_size", 1), job=info.get("job", self.config.job))
+                feed = self.feeds[info["rank"]] = RankFeed(config, info, self._hang)
+            feed.info = info
+            feed.follow(ring, inode)
+            self._paths[path] = (inode, info["rank"])
+
+    def _hang(self, feed: RankFeed) -> None:
+        """A rank's collective crossed the hang threshold: its dump, and every other local rank's."""
+        feed.dump("hang")
+        for other in list(self.feeds.values()):
+            if other is not feed and other.sidecar is not None:
+                other.dump("peer")
+
+    def _metrics(self) -> list[MetricsCollector]:
+        return [feed.metrics for _, feed in sorted(self.feeds.items())]
+
+    def _up(self) -> dict[str, bool]:
+        return {str(rank): feed.alive for rank, feed in self.feeds.items()}
