@@ -90,6 +90,7 @@ def wrap(hook: Callable | None = None) -> Callable:
         with _active_lock:
             active += 1
         _scope.bucket = info
+        issuing, recorder.issuing.on = recorder.issuing.on, True  # PyTorch's own hooks step aside
         try:
             future = inner(state, bucket)
         except BaseException as error:
@@ -97,6 +98,7 @@ def wrap(hook: Callable | None = None) -> Callable:
             raise
         finally:
             _scope.bucket = None
+            recorder.issuing.on = issuing
             with _active_lock:
                 active -= 1
         if not isinstance(future, torch._C.Future):  # DDP raises its own error for this

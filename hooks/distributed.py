@@ -6,7 +6,10 @@ before ``instrument()`` is covered, and ``batch_isend_irecv`` (which calls ``ise
 checks their identity) records each of its ops. ``all_gather_single`` and ``reduce_scatter_single``
 are recorded as ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (their deprecated aliases
 call them); FSDP2 issues its collectives through them. ``instrument()`` also covers DDP's
-communication hooks (``ddp``) and the functional collectives of DTensor (``functional``).
+communication hooks (``ddp``), the functional collectives of DTensor (``functional``) and, on torch
+>= 2.14, whatever else a process group issues — compiled collectives, C++-issued ones — through
+PyTorch's own process-group hooks (``native``). The wrappers stay for the public API: they know the
+exact op, complete synchronous ops without a future, and cost less per collective (README).
 ``uninstrument()`` restores everything. Both are safe to repeat.
 
 Example::
@@ -24,7 +27,7 @@ from typing import Callable
 
 import torch.distributed.distributed_c10d as c10d
 
-from . import ddp, functional, groups, recorder, registry
+from . import ddp, functional, groups, native, recorder, registry
 from .ops import OpName
 from .patch import Patches, PatchError
 
@@ -132,6 +135,16 @@ def _instrumented(op: OpName, original: Callable, describe: Callable, kind: str 
     unhooked_ok = kind == "collective"
 
     def collective(*args, **kwargs):
+        issuing = recorder.issuing
+        if issuing.on:  # inside another wrapper's collective (a sync send's isend, a DDP bucket's all_reduce)
+            return recorded(*args, **kwargs)
+        issuing.on = True  # PyTorch's own process-group hooks step aside (native.py)
+        try:
+            return recorded(*args, **kwargs)
+        finally:
+            issuing.on = False
+
+    def recorded(*args, **kwargs):
         if kind == "async_p2p" and getattr(_sync_p2p, "active", False):
             return original(*args, **kwargs)
         try:
@@ -165,14 +178,16 @@ def _instrumented(op: OpName, original: Callable, describe: Callable, kind: str 
         recorder.settle(flight.issued, result)
         return result
 
-    collective.__wrapped__ = original
-    return collective
+    chosen = collective if native.AVAILABLE else recorded  # before 2.14 there is nothing to step aside for
+    chosen.__wrapped__ = original
+    return chosen
 
 
 def _destroy_process_group(original: Callable) -> Callable:
-    def destroy_process_group(*args, **kwargs):
+    def destroy_process_group(group=None, *args, **kwargs):
         groups.known.clear()
-        return original(*args, **kwargs)
+        native.forget(group)
+        return original(group, *args, **kwargs)
 
     return destroy_process_group
 
@@ -200,8 +215,10 @@ def instrument() -> None:
             _patches.add((c10d.Work, "wait"), recorder.waited, "torch.distributed.Work.wait")
             ddp.instrument_ddp(_patches)
             functional.instrument_functional(_patches)
+            native.attach()
         except PatchError:
             _patches.undo()
+            native.detach()
             raise
 
 
@@ -209,6 +226,7 @@ def uninstrument() -> None:
     """Restore torch.distributed exactly as it was. Idempotent."""
     with _lock:
         _patches.undo()
+        native.detach()
         functional.uninstrument_functional()
         groups.known.clear()
 

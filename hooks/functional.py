@@ -10,8 +10,9 @@ A functional collective returns at once, before it has completed: its output is 
 that wait returns, so the recorded duration runs from issue to the first use of the result. An
 output never waited for stays in flight, as PyTorch itself reports it ("unwaited collective calls").
 
-Not covered: graphs compiled by ``torch.compile`` call the C++ ops directly, and the wrappers step
-aside while Dynamo traces, so compiled collectives are not recorded.
+Graphs compiled by ``torch.compile`` call the C++ ops directly, and the wrappers step aside while
+Dynamo traces: on torch >= 2.14 PyTorch's own process-group hooks record those (``native.py``); before
+2.14 compiled collectives are not recorded.
 """
 
 from __future__ import annotations
@@ -131,11 +132,14 @@ def _instrumented(op: OpName, original: Callable, describe: Callable) -> Callabl
         flight = recorder.start(op, info, tensors, outputs, True, root, None)
         if flight is None:
             return original(*args, **kwargs)
+        issuing, recorder.issuing.on = recorder.issuing.on, True  # PyTorch's own hooks step aside
         try:
             result = original(*args, **kwargs)
         except BaseException as error:
             flight.failed(error)
             raise
+        finally:
+            recorder.issuing.on = issuing
         recorder.settle(functools.partial(_track, flight), result)
         return result
 

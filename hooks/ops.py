@@ -91,15 +91,18 @@ class PostHookArgs:
 
 class AbortHookArgs:
     """What an abort hook receives when a collective fails or times out, before the error reaches
-    the caller. (torchcomms' abort hooks take no argument; commlens says which collective failed.)"""
+    the caller. (torchcomms' abort hooks take no argument; commlens says which collective failed.)
+    ``pre`` is None when a process group itself is being aborted (PyTorch's own abort hook, torch
+    >= 2.14): no collective is named then, and ``name`` and ``op_id`` are None."""
 
     __slots__ = ("pre", "error", "status")
 
-    def __init__(self, pre: PreHookArgs, error: BaseException, status: str):
+    def __init__(self, pre: PreHookArgs | None, error: BaseException, status: str):
         self.pre, self.error, self.status = pre, error, status
 
-    name = property(lambda self: self.pre.name)
-    op_id = property(lambda self: self.pre.op_id)
+    name = property(lambda self: self.pre.name if self.pre is not None else None)
+    op_id = property(lambda self: self.pre.op_id if self.pre is not None else None)
 
     def __repr__(self) -> str:
-        return f"AbortHookArgs({self.name.value}, op_id={self.op_id}, status={self.status}, error={self.error!r})"
+        what = f"{self.name.value}, op_id={self.op_id}" if self.pre is not None else "process group"
+        return f"AbortHookArgs({what}, status={self.status}, error={self.error!r})"

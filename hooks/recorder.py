@@ -13,7 +13,6 @@ import itertools
 import json
 import os
 import threading
-import time
 import warnings
 import weakref
 from typing import Any, Callable
@@ -37,12 +36,26 @@ def new_op_id() -> int:
 
 
 def ring() -> Ring:
-    """This process's ring, created on first use from ``COMMLENS_RING_SLOTS`` / ``COMMLENS_RING_PATH``."""
+    """This process's ring, created on first use from ``COMMLENS_RING_SLOTS`` / ``COMMLENS_RING_PATH``
+    (unless the agent created it first, in a pod sidecar's folder: ``ring_at``)."""
     global _ring
     if _ring is None:
         with _ring_lock:
             if _ring is None:
                 _ring = _ring_from_env()
+    return _ring
+
+
+def ring_at(path: str, slots: int) -> Ring:
+    """This process's ring, created as the file ``path`` (the agent's choice wins over the
+    environment's); a ValueError if the process already records into another ring."""
+    global _ring
+    with _ring_lock:
+        if _ring is None:
+            _ring = Ring(slots=slots, path=path)
+        elif _ring.path != path:
+            raise ValueError(f"commlens already records into {_ring.path or 'an anonymous ring'}, not {path!r}: "
+                             "start commlens before anything else records collectives")
     return _ring
 
 
@@ -58,6 +71,15 @@ def _ring_from_env() -> Ring:
     if path and "{rank}" in path:
         path = path.format(rank=os.environ.get("RANK", "0"))
     return Ring(slots=slots, path=path)
+
+
+class _Issuing(threading.local):
+    on = False
+
+
+issuing = _Issuing()
+"""``issuing.on`` is true on a thread while one of commlens' wrappers issues a collective it records
+(or leaves unrecorded on purpose): PyTorch's own process-group hooks (``native.py``) then step aside."""
 
 
 class HookRaised(Exception):
@@ -106,13 +128,16 @@ class InFlight(PreHookArgs):
     __slots__ = ("code", "flags", "group", "sid", "nbytes", "sig", "wire_peer", "t0", "source_seq", "work", "bucket",
                  "gpu")
 
-    def issued(self, result: Any) -> None:
-        """The backend accepted the op. ``result`` is its work object when ``async_op`` is true."""
+    def issued(self, result: Any, from_work: bool = False) -> None:
+        """The backend accepted the op. ``result`` is its work object when ``async_op`` is true, or
+        when ``from_work``: the op completes when the work does even if it is synchronous (PyTorch's
+        own post-hook fires when the op is queued)."""
         if self.source_seq is not None:
             self.group.p2p_in_source += self.group.seq_source() - self.source_seq
+        follow = self.async_op or from_work
         if self.gpu is not None:  # on a CUDA device: completes when the GPU has finished it (hooks/cuda.py)
             future = None
-            if self.async_op and result is not None:
+            if follow and result is not None:
                 self.work = result
                 try:
                     future = result.get_future()
@@ -120,7 +145,7 @@ class InFlight(PreHookArgs):
                     pass
             self.gpu_end(future)
             return
-        if not self.async_op or result is None:
+        if not follow or result is None:
             self.complete(OK, None, in_caller=True)
             return
         try:
@@ -240,6 +265,12 @@ def settle(step: Callable[[Any], None], result: Any) -> None:
         internal_error("issued", error)
 
 
+def aborted(group_name: str) -> None:
+    """PyTorch is aborting the process group ``group_name`` (its own abort hook): the abort hooks run."""
+    if abort_hooks.entries:
+        abort_hooks.call(AbortHookArgs(None, RuntimeError(f"process group {group_name!r} is being aborted"), "error"))
+
+
 def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple, wire_peer: int,
                  call: Callable, args: tuple, kwargs: dict) -> Any:
     """``call(*args, **kwargs)``, a synchronous collective, recorded as START and END with nothing
@@ -280,14 +311,23 @@ def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple,
     return result
 
 
-internal_errors = 0
+_warned = False
+
+
+def count_error(kind: str) -> None:
+    """Count lost telemetry in the ring's header (``ERRORS``); nowhere if there is no ring (it could
+    not be created: that error is the one the caller is reporting)."""
+    if _ring is not None:
+        _ring.count_error(kind)
 
 
 def internal_error(where: str, error: Exception) -> None:
-    """Count a failure of commlens itself; warn about the first. The collective goes on unrecorded."""
-    global internal_errors
-    internal_errors += 1
-    if internal_errors == 1:
+    """Count a failure of commlens itself (in the ring's header); warn about the first. The
+    collective goes on unrecorded."""
+    global _warned
+    count_error("recorder")
+    if not _warned:
+        _warned = True
         warnings.warn(f"commlens could not record a collective ({where}: {error!r}); the collective "
                       "went on unrecorded, and later such errors are only counted", RuntimeWarning, stacklevel=3)
 
@@ -372,7 +412,7 @@ class CompletionPoller:
       completes, and sleeping while nothing is watched — it never spins on a work;
     * a work the caller drops without waiting, and that never said it completed (gloo's
       reduce_scatter reports ``is_completed() == False`` for good), cannot be judged: it is completed
-      when dropped and counted in ``unjudged``, never left to look like a hang.
+      when dropped and counted (the ring's ``work_unjudged`` error), never left to look like a hang.
 
     Works are held by weak reference, so watching one never keeps it alive.
     """
@@ -384,7 +424,6 @@ class CompletionPoller:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.RLock()  # a weak reference's callback may run while it is held
-        self.unjudged = 0
 
     def watch(self, work: Any, call: InFlight) -> None:
         key = id(work)
@@ -411,7 +450,7 @@ class CompletionPoller:
     def _dropped(self, key: int) -> None:
         call = self._take(key)
         if call is not None:
-            self.unjudged += 1
+            count_error("work_unjudged")
             call.complete(OK, None)
 
     def _run(self) -> None:
