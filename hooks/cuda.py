@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from .futures import when_done
 from .ring import END, GPU_START, NAN_HAS_INF, NAN_HAS_NAN
 
 POOL = 4096
@@ -77,7 +78,7 @@ class GpuTracker:
         elif future.done():  # NCCL's future: done at once, its CUDA events mark the collective's end
             self._after(pair, future, complete, failed)
         else:  # a future completed by a CPU thread (gloo): the side stream waits once it has
-            future.add_done_callback(lambda done: self._after(pair, done, complete, failed))
+            when_done(future, lambda done: self._after(pair, done, complete, failed))
 
     def _after(self, pair: tuple, future: Any, complete: Callable, failed: Callable) -> None:
         start, end, index = pair

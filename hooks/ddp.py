@@ -33,6 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from . import groups, recorder
+from .futures import when_done
 from .ops import OpName
 from .patch import Patches
 
@@ -107,7 +108,7 @@ def wrap(hook: Callable | None = None) -> Callable:
         if flight.gpu is not None:  # a bucket on a CUDA device completes when the GPU has reduced it
             flight.gpu_end(future)
         else:
-            future.add_done_callback(flight._future_done)
+            when_done(future, flight._future_done)
         return future
 
     recorded._commlens_wrapped = True

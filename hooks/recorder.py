@@ -20,6 +20,7 @@ from typing import Any, Callable
 from .ops import CODE, OpName, AbortHookArgs, PostHookArgs, PreHookArgs
 from .registry import abort_hooks, post_hooks, pre_hooks
 from . import cuda
+from .futures import when_done
 from .ring import END, ERROR, FLAG_ASYNC, FLAG_LAST_BUCKET, GPU_START, NAN, OK, START, STATUS, TIMEOUT, Ring
 
 
@@ -154,7 +155,7 @@ class InFlight(PreHookArgs):
             poller.watch(result, self)
             return
         self.work = result
-        future.add_done_callback(self._future_done)
+        when_done(future, self._future_done)
 
     def failed(self, error: BaseException) -> None:
         """The op raised in the caller's thread: abort hooks run before the error propagates."""
