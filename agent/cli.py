@@ -40,7 +40,7 @@ _RUN_OPTIONS = {
     "hang-threshold": "COMMLENS_HANG_THRESHOLD_S", "trace-file": "COMMLENS_TRACE_FILE",
     "otlp-endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT", "otlp-protocol": "OTEL_EXPORTER_OTLP_PROTOCOL",
     "service-name": "OTEL_SERVICE_NAME", "module-attribution": "COMMLENS_MODULE_ATTRIBUTION",
-    "ring-dir": "COMMLENS_RING_DIR",
+    "ring-dir": "COMMLENS_RING_DIR", "metrics-detail": "COMMLENS_METRICS_DETAIL",
 }
 
 

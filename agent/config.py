@@ -16,6 +16,8 @@ import os
 import urllib.parse
 from typing import Mapping
 
+from .stats import DETAILS
+
 PROTOCOLS = ("grpc", "http/protobuf")
 SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on", "parentbased_always_off",
             "parentbased_traceidratio")
@@ -57,6 +59,8 @@ class Config:
     span_queue: int = 8192
     module_attribution: bool = False
     snapshot_timeout_s: float = 10.0
+    metrics_detail: str = "group"
+    """What per-collective series are split by (``stats.DETAILS``): group, op, or full."""
     nan_check: str = "report"
     """``NanCheckHook``'s mode on the inputs of every collective, or "off"."""
     ring_slots: int = 65536
@@ -107,6 +111,7 @@ class Config:
             module_attribution=env.boolean("COMMLENS_MODULE_ATTRIBUTION", False),
             snapshot_timeout_s=env.number("COMMLENS_SNAPSHOT_TIMEOUT_S", 10, minimum=0.1),
             nan_check=env.choice("COMMLENS_NAN_CHECK", "report", NAN_CHECKS),
+            metrics_detail=env.choice("COMMLENS_METRICS_DETAIL", "group", DETAILS),
             ring_slots=env.power_of_two("COMMLENS_RING_SLOTS", 65536),
             ring_dir=env.folder("COMMLENS_RING_DIR"),
         )

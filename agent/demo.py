@@ -104,6 +104,7 @@ def demo_environment(out_dir: str) -> dict[str, str]:
     defaults = {"COMMLENS_METRICS_ADDR": "127.0.0.1", "COMMLENS_HANG_THRESHOLD_S": DEMO_HANG_THRESHOLD_S,
                 "COMMLENS_TRACE_FILE": os.path.join(out_dir, "traces-rank{rank}.jsonl"),
                 "COMMLENS_JOB_ID": f"demo-{os.getpid()}-{int(time.time())}",
+                "COMMLENS_METRICS_DETAIL": "full",  # a few ranks: every op and size class on the dashboards
                 "TORCHCOMM_FR_DUMP_TEMP_FILE": os.path.join(out_dir, "rank_")}
     return {**defaults, **{k: v for k, v in os.environ.items() if k in defaults}}
 

@@ -40,7 +40,7 @@ from commlens.hooks.ring import ERRORS, RING_FILES, Ring
 from .config import Config, ConfigError
 from .outputs import span_exporter
 from .sidecar import Sidecar
-from .stats import DURATION_BUCKETS, Stats
+from .stats import DURATION_BUCKETS, Stats, exposed_buckets
 
 
 class RankFeed:
@@ -59,7 +59,8 @@ class RankFeed:
         self._dropped_before = 0
         self._errors_before = dict.fromkeys(ERRORS, 0)
         self.metrics = MetricsCollector(self.stats, self._inflight, self._dropped, lambda: dict(self.spans.counts),
-                                        self._info, DURATION_BUCKETS, self._errors)
+                                        self._info, DURATION_BUCKETS, self._errors,
+                                        exposed_buckets(config.metrics_detail))
 
     def follow(self, ring: Ring, inode: int) -> None:
         """Read ``ring`` from now on (the rank's first, or a restarted rank's new one)."""
@@ -69,8 +70,8 @@ class RankFeed:
             self._errors_before = self._errors()
         self.sidecar = Sidecar(ring, self.rank, self.config.hang_threshold_s, self.config.slow_factor,
                                on_collective=self.spans.queue, sample=self.spans.sampled, on_hang=lambda _: self.on_hang(self),
-                               on_snapshot=self.dump, stats=self.stats,
-                               resume=True)
+                               on_snapshot=self.dump, stats=self.stats, resume=True,
+                               detail=self.config.metrics_detail)
         self.inode, self.alive = inode, ring.writer_alive()
         if not self.alive and not ring.closed:  # found killed (before this sidecar started, or saw it)
             self.sidecar.drain()

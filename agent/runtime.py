@@ -32,7 +32,7 @@ from .job_dumps import JobDumps
 from .outputs import span_exporter
 from .sidecar import Sidecar
 from .signals import SignalWatcher
-from .stats import DURATION_BUCKETS
+from .stats import DURATION_BUCKETS, exposed_buckets
 
 VERSION = "0.1.0"
 
@@ -78,12 +78,14 @@ class Agent:
         config = self.config
         self.spans = span_exporter(config)
         self.sidecar = Sidecar(ring, config.rank, config.hang_threshold_s, config.slow_factor,
-                               on_collective=self.spans.queue, sample=self.spans.sampled, on_hang=lambda _: self.snapshot("hang"))
+                               on_collective=self.spans.queue, sample=self.spans.sampled,
+                               on_hang=lambda _: self.snapshot("hang"), detail=config.metrics_detail)
         self.sidecar.pollers.append(cuda.poll)
         if config.metrics_port is not None:
             self.collector = collector = MetricsCollector(self.sidecar.stats, self.sidecar.inflight_by_group,
                                          lambda: self.sidecar.reader.dropped, lambda: dict(self.spans.counts),
-                                         self._info, DURATION_BUCKETS, ring.errors)
+                                         self._info, DURATION_BUCKETS, ring.errors,
+                                         exposed_buckets(config.metrics_detail))
             try:
                 self.server = serve(collector, config.metrics_addr, config.metrics_port)
             except OSError as error:

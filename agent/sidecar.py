@@ -31,7 +31,7 @@ from commlens.hooks.ops import OPS
 from commlens.hooks.ring import (END, FLAG_ASYNC, FLAG_LAST_BUCKET, GPU_START, NAN, NAN_HAS_INF, NAN_HAS_NAN, NAN_OUTPUT,
                                  PHASES, REASONS, SNAPSHOT, START, STATUS, Record, Ring, RingReader)
 
-from .stats import Stats, bus_factor, size_class
+from .stats import ALL, Stats, bus_factor, size_class
 
 _EWMA = 0.1
 _SLOW_AFTER = 20
@@ -111,8 +111,9 @@ class Sidecar:
                  on_collective: Callable[[Collective], None] = lambda c: None,
                  on_hang: Callable[[Collective], None] = lambda c: None,
                  on_snapshot: Callable[[str], None] = lambda reason: None, stats: Stats | None = None,
-                 resume: bool = False, sample: Callable[[str, int, bool], bool] = lambda pg, seq, is_p2p: True):
-        self.ring, self.rank = ring, rank
+                 resume: bool = False, sample: Callable[[str, int, bool], bool] = lambda pg, seq, is_p2p: True,
+                 detail: str = "full"):
+        self.ring, self.rank, self.detail = ring, rank, detail
         self.reader = RingReader(ring, ring.cursor if resume else 0)
         self.stats = stats or Stats()
         self.on_snapshot = on_snapshot
@@ -283,10 +284,12 @@ class Sidecar:
             if len(self._shapes) >= _SHAPES:
                 self._shapes.clear()
             op, (pg, size) = OPS[record.op], self._group(record.pg)
+            label = op.value if self.detail != "group" else ALL  # the op label at this detail level
+            sized = size_class(record.nbytes) if self.detail == "full" else ALL
             found = self._shapes[key] = Shape(op.value, op.is_p2p, pg, size, record.nbytes,
                                               record.nbytes * bus_factor(op.value, size), self._dtype(record.sig),
-                                              (op.value, pg), (op.value, pg, size_class(record.nbytes)),
-                                              (op.value, pg, "ok"), (pg, "enqueued"), (pg, "completed"))
+                                              (label, pg), (label, pg, sized), (label, pg, "ok"), (pg, "enqueued"),
+                                              (pg, "completed"))
         return found
 
     # -- what exporters see -------------------------------------------------------------------------

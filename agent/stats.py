@@ -15,6 +15,15 @@ DURATION_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.
 SIZE_CLASSES = ((4 << 10, "<=4KiB"), (64 << 10, "<=64KiB"), (1 << 20, "<=1MiB"), (16 << 20, "<=16MiB"),
                 (256 << 20, "<=256MiB"))
 LARGEST_CLASS = ">256MiB"
+DETAILS = ("group", "op", "full")
+"""``COMMLENS_METRICS_DETAIL``: what a rank's per-collective series are split by. ``group`` (the
+default): per process group, ``op`` and ``size_class`` folded into "all", the ``COARSE_BUCKETS`` of
+the latency histogram — a bounded number of series per rank whatever the job does, what the alerts
+and the rank drill-downs need. ``op``: per op too. ``full``: per op and size class, every bucket."""
+COARSE_BUCKETS = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
+"""The latency buckets exposed below ``full`` detail: a subset of ``DURATION_BUCKETS``, so that their
+cumulative counts are exact."""
+ALL = "all"
 RESERVOIR = 2048
 """Durations kept per op for the summary's percentiles (the most recent ones)."""
 
@@ -24,6 +33,10 @@ def size_class(nbytes: int) -> str:
         if nbytes <= limit:
             return name
     return LARGEST_CLASS
+
+
+def exposed_buckets(detail: str) -> tuple[float, ...]:
+    return DURATION_BUCKETS if detail == "full" else COARSE_BUCKETS
 
 
 def bus_factor(op: str, group_size: int) -> float:

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import threading
 from typing import Any, Callable, Mapping
 
@@ -53,7 +54,9 @@ class _Scrapes:
 
 class MetricsCollector(_Scrapes):
     """``stats`` is the sidecar's ``Stats``, ``inflight`` gives its ``GroupInFlight`` by group; the
-    callables are read at each scrape.
+    callables are read at each scrape. The histogram counts in ``buckets`` and is exposed in
+    ``exposed`` (a subset of ``buckets``, default all of them), each exposed bucket with the latest
+    exemplar of the buckets folded into it.
 
     Counters of rare events (hangs, NaN, snapshots, span results) are shown at 0 for every op and
     group seen, so that ``increase()`` in an alert rule sees the first event.
@@ -62,11 +65,26 @@ class MetricsCollector(_Scrapes):
     def __init__(self, stats: Any, inflight: Callable[[], Mapping[str, Any]],
                  dropped: Callable[[], int], spans: Callable[[], Mapping[str, int]],
                  info: Callable[[], Mapping[str, Any]], buckets: tuple[float, ...],
-                 telemetry_errors: Callable[[], Mapping[str, int]] = dict):
+                 telemetry_errors: Callable[[], Mapping[str, int]] = dict, exposed: tuple[float, ...] | None = None):
         super().__init__()
         self.stats, self.inflight, self.dropped, self.spans = stats, inflight, dropped, spans
         self.telemetry_errors = telemetry_errors
-        self.info, self.rank, self.buckets = info, str(info()["rank"]), buckets
+        self.info, self.rank = info, str(info()["rank"])
+        self.exposed = buckets if exposed is None else exposed
+        if not set(self.exposed) <= set(buckets):
+            raise ValueError(f"exposed buckets {self.exposed} are not a subset of the histogram's {buckets}")
+        self._into = [bisect.bisect_left(self.exposed, bound) for bound in buckets] + [len(self.exposed)]
+        """Index of the exposed bucket each of the histogram's buckets (and +Inf) folds into."""
+
+    def _fold(self, counts: list[int], exemplars: list) -> tuple[list[int], list]:
+        if len(self.exposed) + 1 == len(counts):
+            return counts, exemplars
+        folded, latest = [0] * (len(self.exposed) + 1), [None] * (len(self.exposed) + 1)
+        for into, count, exemplar in zip(self._into, counts, exemplars):
+            folded[into] += count
+            if exemplar is not None and (latest[into] is None or exemplar[0] > latest[into][0]):
+                latest[into] = exemplar
+        return folded, latest
 
     def families(self):
         rank, s = self.rank, self.stats
@@ -84,7 +102,8 @@ class MetricsCollector(_Scrapes):
         job = str(info["job"])
         for (op, pg, size), (counts, exemplars, total) in sorted(durations.items()):
             cumulative, running = [], 0
-            for bound, count, exemplar in zip((*map(_bound, self.buckets), "+Inf"), counts, exemplars):
+            counts, exemplars = self._fold(counts, exemplars)
+            for bound, count, exemplar in zip((*map(_bound, self.exposed), "+Inf"), counts, exemplars):
                 running += count
                 if exemplar is None:
                     cumulative.append((bound, running))

@@ -79,7 +79,8 @@ def _metric(text, name, **labels):
 def dtensor_and_fsdp2(rank, world_size, base_port, trace_file):
     agent = commlens.agent.start(Config.from_env({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "COMMLENS_METRICS_ADDR": "127.0.0.1", "COMMLENS_METRICS_PORT": str(base_port), "COMMLENS_TRACE_FILE": trace_file}))
+        "COMMLENS_METRICS_ADDR": "127.0.0.1", "COMMLENS_METRICS_PORT": str(base_port), "COMMLENS_TRACE_FILE": trace_file,
+        "COMMLENS_METRICS_DETAIL": "op"}))
     reader = ch.RingReader(ch.ring(), start=ch.ring().claimed())
     mesh = init_device_mesh("cpu", (world_size,))
     sharded = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])

@@ -30,6 +30,7 @@ def test_an_unmodified_torchrun_job_is_instrumented_in_every_rank(tmp_path):
     script.write_text(TRAIN)
     base = free_ports(2)
     job = _commlens("run", "--metrics-port", str(base), "--metrics-addr", "127.0.0.1", "--job-id", "zero-code",
+                    "--metrics-detail", "op",
                     "--trace-file", str(tmp_path / "spans-{rank}.jsonl"), "--",
                     "torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()), str(script), str(tmp_path))
     try:
