@@ -1,4 +1,4 @@
-"""The ``commlens`` command.
+"""commlens: every collective of a PyTorch distributed job, visible; which rank, which collective, why.
 
     commlens demo --world-size 4 --steps 20        train on CPU with every collective recorded
     commlens demo --inject nan:rank=1:step=3       ... and see commlens name the rank and step
@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import sys
 import tempfile
@@ -64,7 +65,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="commlens", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="commlens", description=__doc__.split("\n")[0],
+                                     epilog=__doc__.split("\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"commlens {importlib.metadata.version('commlens')}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run the instrumented multi-rank training demo on CPU")
     demo.add_argument("--world-size", type=_positive, default=4, help="gloo processes (default 4)")

@@ -63,3 +63,15 @@ def test_a_bad_option_fails_before_the_command_starts(tmp_path):
     _, err = job.communicate(timeout=60)
     assert job.returncode == 2 and "COMMLENS_HANG_THRESHOLD_S='-1'" in err and ">= 0.1" in err
     assert not marker.exists()
+
+
+def test_the_command_says_its_version_and_helps_without_importing_torch():
+    import importlib.metadata
+
+    version = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.strip() == f"commlens {importlib.metadata.version('commlens')}"
+    helped = subprocess.run([sys.executable, "-c", "import sys\nfrom commlens.agent.cli import main\ntry:\n    main(['--help'])\n"
+                             "except SystemExit:\n    pass\nprint('torch loaded:', 'torch' in sys.modules)"],
+                            capture_output=True, text=True)
+    assert "which rank, which collective, why" in helped.stdout and "commlens run -- torchrun" in helped.stdout
+    assert helped.stdout.strip().endswith("torch loaded: False"), helped.stdout
