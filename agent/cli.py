@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
+import shutil
 import sys
 import tempfile
 
@@ -114,12 +115,20 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as error:
             print(f"commlens sidecar: {error}", file=sys.stderr)
             return 2
-    from .demo import run
+    from .config import Config
+    from .demo import demo_environment, run
 
-    out = args.out or tempfile.mkdtemp(prefix="commlens-demo-")
     for fault in args.inject:
         if fault.rank >= args.world_size:
-            parser.error(f"--inject rank={fault.rank} is not accepted: ranks are 0..{args.world_size - 1}")
+            demo.error(f"--inject rank={fault.rank} is not accepted: ranks are 0..{args.world_size - 1}")
+    out = args.out or tempfile.mkdtemp(prefix="commlens-demo-")
+    try:
+        Config.from_env({**os.environ, **demo_environment(out)})  # refused here, before anything is printed or run
+    except ConfigError as error:
+        if args.out is None:
+            shutil.rmtree(out, ignore_errors=True)
+        print(f"commlens demo: {error}", file=sys.stderr)
+        return 2
     port = os.environ.get("COMMLENS_METRICS_PORT", str(DEFAULT_METRICS_PORT))
     print(f"commlens demo: {args.world_size} ranks x {args.steps} steps of DDP on gloo/CPU; metrics on "
           f"127.0.0.1:{port}+rank; traces and flight-recorder dumps in {out}", flush=True)

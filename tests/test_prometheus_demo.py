@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+import tempfile
 import urllib.request
 
 import pytest
@@ -85,10 +86,18 @@ def test_faults_parse_with_a_hang_length_and_bad_ones_are_refused_naming_what_is
             Fault.parse(bad)
 
 
-def test_the_demo_refuses_a_fault_on_a_rank_it_does_not_have(capsys):
+def test_the_demo_refuses_a_fault_on_a_rank_it_does_not_have_and_a_bad_setting_leaving_nothing_behind(
+        capsys, monkeypatch, tmp_path):
     from commlens.agent.cli import main
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the demo would make its folder
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--world-size", "2", "--inject", "nan:rank=0:step=1", "--inject", "hang:rank=2:step=1"])
     assert exit_info.value.code == 2
-    assert "--inject rank=2 is not accepted: ranks are 0..1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--inject rank=2 is not accepted: ranks are 0..1" in err and err.startswith("usage: commlens demo")
+    monkeypatch.setenv("COMMLENS_RING_SLOTS", "3")
+    assert main(["demo", "--world-size", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == "commlens demo: COMMLENS_RING_SLOTS='3' is not accepted: it must be a power of two >= 2"
+    assert out == "" and list(tmp_path.iterdir()) == []
