@@ -154,8 +154,8 @@ def compiled_nan_and_late_rank(rank, world_size):
 def test_the_nan_check_and_the_hang_watchdog_see_compiled_collectives(run_ranks):
     first, second = run_ranks(compiled_nan_and_late_rank, 2)
     assert second["first"] == {("0", "nan"): (2, "all_reduce")}  # its input held NaN at seq 2
-    assert first["first"] == {} and second["nans"][("all_reduce", "0", "nan")] == 1
-    assert first["hangs"] == {("all_reduce", "0"): 1}  # rank 0 waited past the threshold in seq 3
+    assert first["first"] == {} and second["nans"][("all", "0", "nan")] == 1  # op folded: the default detail
+    assert first["hangs"] == {("all", "0"): 1}  # rank 0 waited past the threshold in seq 3
     assert second["hangs"] == {}
 
 
