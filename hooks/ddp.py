@@ -12,7 +12,8 @@ Example::
     model.register_comm_hook(None, commlens.hooks.ddp.wrap(default_hooks.fp16_compress_hook))
 
 With ``instrument()`` on, a hook a user registers is wrapped the same way, and a DDP model that
-registers none has its buckets reduced by PyTorch's ``allreduce_hook``, wrapped, from its first
+registers none has its buckets reduced by ``allreduce_hook`` (PyTorch's, with its callback followed
+to the end: ``futures.then``), wrapped, from its first
 forward. Transparently: DDP validates the user's hook itself and raises its own errors; the model
 keeps the user's hook object (``_comm_hooks``, logging data), so it pickles and copies as without
 commlens; a hookless model's wrapped default goes to its reducer only, which is never pickled; a
@@ -29,11 +30,10 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from . import groups, recorder
-from .futures import when_done
+from .futures import then, when_done
 from .ops import OpName
 from .patch import Patches
 
@@ -66,8 +66,8 @@ def nested_collective(tensors: tuple, output_tensors: tuple) -> bool:
 
 
 def wrap(hook: Callable | None = None) -> Callable:
-    """``hook`` (default: PyTorch's ``allreduce_hook``) recording every bucket it reduces."""
-    inner = default_hooks.allreduce_hook if hook is None else hook
+    """``hook`` (default: ``allreduce_hook``) recording every bucket it reduces."""
+    inner = allreduce_hook if hook is None else hook
     if getattr(inner, "_commlens_wrapped", False):
         return inner
     if not callable(inner):
@@ -113,6 +113,14 @@ def wrap(hook: Callable | None = None) -> Callable:
 
     recorded._commlens_wrapped = True
     return recorded
+
+
+def allreduce_hook(process_group: Any, bucket: Any) -> torch.futures.Future:
+    """PyTorch's ``allreduce_hook`` — the bucket divided by the group's size, then all-reduced — with
+    its callback, which runs on the backend's thread, followed so that the process waits for it at exit."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    tensor = bucket.buffer().div_(group.size())
+    return then(dist.all_reduce(tensor, group=group, async_op=True).get_future(), lambda done: done.value()[0])
 
 
 def _process_group(state: Any) -> Any:

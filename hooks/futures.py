@@ -9,11 +9,15 @@ job exits right after a collective completes: a waiter (DDP's reducer, ``work.wa
 soon as the future is marked complete, before its callbacks have run. So ``when_done`` holds each
 callback by weak reference until the backend's thread has released it — the last time that thread
 touches Python for it — and at exit the process waits (at most ``EXIT_WAIT_S``) for every callback
-whose future has completed. A future still running at exit is not waited for.
+whose future has completed; ``then`` does the same for a chained callback, whose release is the last
+Python of the whole chain. A future still running at exit is not waited for. Callbacks commlens does
+not register (a user's DDP hook chaining its own ``then``) are not seen: after its own, the process
+lets go of the GIL for ``EXIT_GRACE_S`` more, so that one still unwinding can finish.
 
 Example::
 
     when_done(work.get_future(), flight._future_done)
+    return then(work.get_future(), lambda done: done.value()[0])
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import weakref
 from typing import Any, Callable
 
 EXIT_WAIT_S = 5.0
+EXIT_GRACE_S = 0.05
 
 _held: dict[int, tuple[weakref.ref, Any]] = {}
 """id(callback) -> (a weak reference to it, its future), until the backend has released the callback."""
@@ -32,13 +37,24 @@ _at_exit = False
 
 def when_done(future: Any, callback: Callable[[Any], None]) -> None:
     """``future.add_done_callback(callback)``, with the process waiting for it at exit."""
+    _hold(future, callback)
+    future.add_done_callback(callback)
+
+
+def then(future: Any, callback: Callable[[Any], Any]) -> Any:
+    """``future.then(callback)``, with the process waiting for it at exit; ``callback`` must be an
+    object of its own (a new lambda), since it is followed by identity."""
+    _hold(future, callback)
+    return future.then(callback)
+
+
+def _hold(future: Any, callback: Callable) -> None:
     global _at_exit
     if not _at_exit:
         _at_exit = True
         atexit.register(wait_for_callbacks)
     key = id(callback)
     _held[key] = (weakref.ref(callback, lambda _, key=key: _held.pop(key, None)), future)
-    future.add_done_callback(callback)
 
 
 def wait_for_callbacks(timeout_s: float = EXIT_WAIT_S) -> bool:
@@ -49,4 +65,5 @@ def wait_for_callbacks(timeout_s: float = EXIT_WAIT_S) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.001)
+    time.sleep(EXIT_GRACE_S)
     return True

@@ -14,7 +14,11 @@ from commlens.agent.demo import free_port  # noqa: E402
 
 
 def _rank_main(rank, fn, world_size, port, result_dir, timeout_s, backend, kwargs):
+    import faulthandler
+
     import torch.distributed as dist
+
+    faulthandler.enable(all_threads=True)  # a rank that aborts says where each of its threads was
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
     if backend == "nccl":
