@@ -23,6 +23,8 @@ SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on", 
             "parentbased_traceidratio")
 DEFAULT_METRICS_PORT = 9464
 NAN_CHECKS = ("report", "raise", "off")
+METRICS_EXPORTERS = ("prometheus", "otlp", "none")
+TEMPORALITIES = ("cumulative", "delta", "lowmemory")
 
 
 class ConfigError(ValueError):
@@ -63,6 +65,14 @@ class Config:
     """What per-collective series are split by (``stats.DETAILS``): group, op, or full."""
     nan_check: str = "report"
     """``NanCheckHook``'s mode on the inputs of every collective, or "off"."""
+    prometheus: bool = True
+    """Serve the Prometheus endpoint (``OTEL_METRICS_EXPORTER`` lists ``prometheus``, the default)."""
+    otlp_metrics_endpoint: str | None = None
+    """Push the same metrics over OTLP here (``OTEL_METRICS_EXPORTER`` lists ``otlp``); None: no push."""
+    otlp_metrics_protocol: str = "http/protobuf"
+    metrics_interval_s: float = 60.0
+    metrics_delta: bool = False
+    """Delta temporality for OTLP sums and histograms (``..._TEMPORALITY_PREFERENCE`` delta or lowmemory)."""
     ring_slots: int = 65536
     ring_dir: str | None = None
     """Where a pod sidecar (``commlens sidecar``) reads the ranks' rings; None: this process exports."""
@@ -80,6 +90,16 @@ class Config:
         protocol = env.choice("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", None, PROTOCOLS) or \
             env.choice("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf", PROTOCOLS)
         endpoint = _endpoint(env, protocol)
+        metrics_protocol = env.choice("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", None, PROTOCOLS) or \
+            env.choice("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf", PROTOCOLS)
+        exporters = env.names("OTEL_METRICS_EXPORTER", ("prometheus",), METRICS_EXPORTERS)
+        if "prometheus" not in exporters:
+            port = None
+        metrics_endpoint = _endpoint(env, metrics_protocol, "metrics")  # checked even when not used
+        if "otlp" not in exporters:
+            metrics_endpoint = None
+        elif metrics_endpoint is None:  # OpenTelemetry's default
+            metrics_endpoint = "http://localhost:4317" if metrics_protocol == "grpc" else "http://localhost:4318/v1/metrics"
         sampler = env.choice("OTEL_TRACES_SAMPLER", "parentbased_always_on", SAMPLERS)
         budget = env.number("COMMLENS_SPAN_BUDGET", 100, minimum=0)
         if budget == 0 or env.get("OTEL_TRACES_SAMPLER") is not None:  # a sampler chosen: it decides
@@ -112,6 +132,11 @@ class Config:
             snapshot_timeout_s=env.number("COMMLENS_SNAPSHOT_TIMEOUT_S", 10, minimum=0.1),
             nan_check=env.choice("COMMLENS_NAN_CHECK", "report", NAN_CHECKS),
             metrics_detail=env.choice("COMMLENS_METRICS_DETAIL", "group", DETAILS),
+            prometheus="prometheus" in exporters, otlp_metrics_endpoint=metrics_endpoint,
+            otlp_metrics_protocol=metrics_protocol,
+            metrics_interval_s=env.number("OTEL_METRIC_EXPORT_INTERVAL", 60000, minimum=1) / 1000,
+            metrics_delta=env.choice("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "cumulative",
+                                     TEMPORALITIES) != "cumulative",
             ring_slots=env.power_of_two("COMMLENS_RING_SLOTS", 65536),
             ring_dir=env.folder("COMMLENS_RING_DIR"),
         )
@@ -157,6 +182,16 @@ class _Env:
                               "write in (a volume shared with the pod sidecar, e.g. an emptyDir with medium Memory)")
         return raw
 
+    def names(self, name: str, default: tuple[str, ...], accepted: tuple[str, ...]) -> tuple[str, ...]:
+        """A comma-separated list of names from ``accepted``."""
+        raw = self.get(name)
+        if raw is None:
+            return default
+        names = tuple(part.strip() for part in raw.split(",") if part.strip())
+        if not names or any(part not in accepted for part in names):
+            raise ConfigError(f"{name}={raw!r} is not accepted: use a comma-separated list of {', '.join(accepted)}")
+        return names
+
     def choice(self, name: str, default: str | None, accepted: tuple[str, ...]) -> str | None:
         raw = self.get(name)
         if raw is None:
@@ -174,10 +209,11 @@ class _Env:
         return raw.lower() == "true"
 
 
-def _endpoint(env: _Env, protocol: str) -> str | None:
-    """The traces endpoint, as a full URL; None when neither variable is set."""
-    specific, general = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"), env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    name, raw = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", specific) if specific else ("OTEL_EXPORTER_OTLP_ENDPOINT", general)
+def _endpoint(env: _Env, protocol: str, signal: str = "traces") -> str | None:
+    """The endpoint of ``signal`` (traces, metrics), as a full URL; None when neither variable is set."""
+    variable = f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"
+    specific, general = env.get(variable), env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    name, raw = (variable, specific) if specific else ("OTEL_EXPORTER_OTLP_ENDPOINT", general)
     if raw is None:
         return None
     url = urllib.parse.urlsplit(raw)
@@ -189,7 +225,7 @@ def _endpoint(env: _Env, protocol: str) -> str | None:
         raise ConfigError(f"{name}={raw!r} is not accepted: give a URL such as http://collector:4318 "
                           "(scheme http or https, a host, and an optional numeric port)")
     if protocol == "http/protobuf" and not specific:  # the general endpoint gets the signal's path
-        return raw.rstrip("/") + "/v1/traces"
+        return raw.rstrip("/") + f"/v1/{signal}"
     return raw
 
 

@@ -1,4 +1,5 @@
-"""Where one rank's telemetry goes, built from its ``Config``: the span exporter and its transport.
+"""Where telemetry goes, built from a ``Config``: the span exporter and its transport, and the OTLP
+metrics pusher.
 
 Shared by the in-process agent (agent/runtime.py) and the pod sidecar (agent/pod.py), which builds
 one per local rank; imports no torch.
@@ -7,14 +8,16 @@ Example::
 
     spans = span_exporter(config)      # OTLP over gRPC or HTTP, or the trace file when no endpoint is set
     spans.offer(collective)
+    pusher = metrics_pusher(config, collector.families)   # None unless OTEL_METRICS_EXPORTER lists otlp
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from commlens.exporters.otlp import GrpcTransport, HttpTransport, JsonLinesTransport, SpanExporter
+from commlens.exporters.otlp_metrics import MetricsPusher
 
 from .config import Config, ConfigError
 
@@ -51,3 +54,25 @@ def resource(config: Config) -> dict:
     own.update(config.resource_attributes)
     own["service.name"] = config.service_name or own.get("service.name", "commlens")
     return dict(Resource.create(own).attributes)
+
+
+def metrics_pusher(config: Config, families: Callable[[], Iterable[Any]]) -> MetricsPusher | None:
+    """A started pusher of ``families`` over OTLP, every ``OTEL_METRIC_EXPORT_INTERVAL``; None when
+    OTLP metrics are not asked for."""
+    if config.otlp_metrics_endpoint is None:
+        return None
+    endpoint, headers = config.otlp_metrics_endpoint, dict(config.otlp_headers)
+    if config.otlp_metrics_protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as Grpc
+
+        insecure = config.otlp_insecure or endpoint.startswith("http://")
+        exporter = Grpc(endpoint=endpoint, insecure=insecure, headers=headers, timeout=config.otlp_timeout_s)
+    else:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as Http
+
+        exporter = Http(endpoint=endpoint, headers=headers, timeout=config.otlp_timeout_s,
+                        certificate_file=config.otlp_certificate)
+    shared = {k: v for k, v in resource(config).items() if k != "commlens.rank"}  # every series names its rank
+    pusher = MetricsPusher(families, exporter, shared, config.metrics_delta)
+    pusher.start(config.metrics_interval_s)
+    return pusher

@@ -38,7 +38,7 @@ from commlens.hooks.flight_recorder import dump_ring, write_dump
 from commlens.hooks.ring import ERRORS, RING_FILES, Ring
 
 from .config import Config, ConfigError
-from .outputs import span_exporter
+from .outputs import metrics_pusher, span_exporter
 from .sidecar import Sidecar
 from .stats import DURATION_BUCKETS, Stats, exposed_buckets
 
@@ -132,15 +132,16 @@ class PodSidecar:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.server = self.collector = None
+        self.server = None
+        self.collector = PodCollector(self._metrics, self._up)
         if config.metrics_port is not None:
-            self.collector = PodCollector(self._metrics, self._up)
             try:
                 self.server = serve(self.collector, config.metrics_addr, config.metrics_port)
             except OSError as error:
                 raise ConfigError(f"COMMLENS_METRICS_PORT: cannot serve metrics on {config.metrics_addr}:"
                                   f"{config.metrics_port} ({error.strerror}); choose a free port, or 0 to "
                                   "serve none") from None
+        self.metrics_pusher = metrics_pusher(config, self.collector.families)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="commlens-pod-sidecar", daemon=True)
@@ -156,8 +157,9 @@ class PodSidecar:
         self.poll()
         for feed in list(self.feeds.values()):
             feed.spans.shutdown(max(0.0, deadline - time.monotonic()))
-        if self.collector is not None:
-            self.collector.wait_for_scrape(max(0.0, deadline - time.monotonic()))
+        if self.metrics_pusher is not None:
+            self.metrics_pusher.shutdown(max(0.1, deadline - time.monotonic()))
+        self.collector.wait_for_scrape(max(0.0, deadline - time.monotonic()))
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()

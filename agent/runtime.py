@@ -29,7 +29,7 @@ from commlens.hooks.ring import REASONS, SNAPSHOT, ring_file
 
 from .config import Config, ConfigError
 from .job_dumps import JobDumps
-from .outputs import span_exporter
+from .outputs import metrics_pusher, span_exporter
 from .sidecar import Sidecar
 from .signals import SignalWatcher
 from .stats import DURATION_BUCKETS, exposed_buckets
@@ -51,6 +51,7 @@ class Agent:
         else:
             ring = recorder.ring()
         self.sidecar = self.spans = self.server = self.collector = self.job_dumps = self.flight_recorder = None
+        self.metrics_pusher = None
         self._gpu_poller: threading.Thread | None = None
         self._stopping = threading.Event()
         if config.ring_dir is not None:
@@ -81,11 +82,11 @@ class Agent:
                                on_collective=self.spans.queue, sample=self.spans.sampled,
                                on_hang=lambda _: self.snapshot("hang"), detail=config.metrics_detail)
         self.sidecar.pollers.append(cuda.poll)
+        self.collector = collector = MetricsCollector(self.sidecar.stats, self.sidecar.inflight_by_group,
+                                                      lambda: self.sidecar.reader.dropped, lambda: dict(self.spans.counts),
+                                                      self._info, DURATION_BUCKETS, ring.errors,
+                                                      exposed_buckets(config.metrics_detail))
         if config.metrics_port is not None:
-            self.collector = collector = MetricsCollector(self.sidecar.stats, self.sidecar.inflight_by_group,
-                                         lambda: self.sidecar.reader.dropped, lambda: dict(self.spans.counts),
-                                         self._info, DURATION_BUCKETS, ring.errors,
-                                         exposed_buckets(config.metrics_detail))
             try:
                 self.server = serve(collector, config.metrics_addr, config.metrics_port)
             except OSError as error:
@@ -93,6 +94,7 @@ class Agent:
                 raise ConfigError(f"COMMLENS_METRICS_PORT: cannot serve metrics on {config.metrics_addr}:"
                                   f"{config.metrics_port} ({error.strerror}); choose a free base port "
                                   "(each rank uses base + LOCAL_RANK), or 0 to serve none") from None
+        self.metrics_pusher = metrics_pusher(config, collector.families)
         self.flight_recorder = FlightRecorderHook(max_entries=min(2048, ring.slots // 2)).register_with_comm()
         self.job_dumps = JobDumps(config.job, min(1.0, config.hang_threshold_s / 4), lambda: self.snapshot("peer"))
 
@@ -173,6 +175,8 @@ class Agent:
         self.job_dumps.stop()
         self.sidecar.stop(timeout)
         self.spans.shutdown(timeout)
+        if self.metrics_pusher is not None:
+            self.metrics_pusher.shutdown(timeout)
         self.flight_recorder.unregister()
         if self.server is not None:
             self.server.shutdown()

@@ -1,4 +1,5 @@
-"""Real OTLP trace receivers on loopback, built from opentelemetry-proto: gRPC (grpcio) and HTTP/protobuf."""
+"""Real OTLP receivers on loopback, built from opentelemetry-proto: gRPC (grpcio) and HTTP/protobuf, for
+traces (the default) or metrics."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ import threading
 from concurrent import futures
 
 import grpc
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+SERVICES = {  # signal -> (request, response, servicer base, registration)
+    "traces": (trace_service_pb2.ExportTraceServiceRequest, trace_service_pb2.ExportTraceServiceResponse,
+               trace_service_pb2_grpc.TraceServiceServicer, trace_service_pb2_grpc.add_TraceServiceServicer_to_server),
+    "metrics": (metrics_service_pb2.ExportMetricsServiceRequest, metrics_service_pb2.ExportMetricsServiceResponse,
+                metrics_service_pb2_grpc.MetricsServiceServicer,
+                metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server),
+}
 
 
 def spans_of(requests) -> list[tuple[dict, object]]:
@@ -29,19 +39,23 @@ def _plain(value):
     return getattr(value, value.WhichOneof("value")) if value.WhichOneof("value") else None
 
 
-class GrpcReceiver(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self):
+class GrpcReceiver:
+    def __init__(self, signal: str = "traces"):
+        _, response, base, register = SERVICES[signal]
         self.requests, self.headers = [], []
+        receiver = self
+
+        class Servicer(base):
+            def Export(self, request, context):  # noqa: N802 (the service's method name)
+                receiver.requests.append(request)
+                receiver.headers.append(dict(context.invocation_metadata()))
+                return response()
+
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
+        register(Servicer(), self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.server.start()
-
-    def Export(self, request, context):  # noqa: N802 (the service's method name)
-        self.requests.append(request)
-        self.headers.append(dict(context.invocation_metadata()))
-        return trace_service_pb2.ExportTraceServiceResponse()
 
     def close(self):
         self.server.stop(None)
@@ -72,19 +86,20 @@ def serve_posts(handle) -> http.server.ThreadingHTTPServer:
 
 
 class HttpReceiver:
-    def __init__(self):
+    def __init__(self, signal: str = "traces"):
+        self.request_type, self.response_type = SERVICES[signal][:2]
         self.requests, self.headers, self.paths = [], [], []
         self.server = serve_posts(self._export)
         self.port = self.server.server_address[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
 
     def _export(self, path, headers, body):
-        request = trace_service_pb2.ExportTraceServiceRequest()
+        request = self.request_type()
         request.ParseFromString(body)
         self.requests.append(request)
         self.headers.append(headers)
         self.paths.append(path)
-        return "application/x-protobuf", trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+        return "application/x-protobuf", self.response_type().SerializeToString()
 
     def close(self):
         self.server.shutdown()

@@ -111,6 +111,10 @@ def test_a_collector_that_accepts_and_never_answers_costs_counted_spans():
     ("COMMLENS_METRICS_PORT", "70000", "<= 65535"),
     ("OTEL_TRACES_SAMPLER", "sometimes", "traceidratio"),
     ("COMMLENS_DRAIN_INTERVAL_MS", "500", "<= 100"),
+    ("COMMLENS_METRICS_DETAIL", "everything", "group, op, full"),
+    ("OTEL_METRICS_EXPORTER", "otlp,statsd", "prometheus, otlp, none"),
+    ("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "sometimes", "cumulative, delta, lowmemory"),
+    ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "collector:4317", "http://collector:4318"),
 ])
 def test_bad_configuration_fails_at_start_up_naming_variable_value_and_what_is_accepted(variable, value, accepted):
     with pytest.raises(ConfigError) as refused:
