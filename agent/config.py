@@ -74,6 +74,8 @@ class Config:
     metrics_delta: bool = False
     """Delta temporality for OTLP sums and histograms (``..._TEMPORALITY_PREFERENCE`` delta or lowmemory)."""
     ring_slots: int = 65536
+    ring_path: str | None = None
+    """The file this rank's ring is mapped from (``{rank}`` replaced); None: private memory."""
     ring_dir: str | None = None
     """Where a pod sidecar (``commlens sidecar``) reads the ranks' rings; None: this process exports."""
 
@@ -139,6 +141,7 @@ class Config:
                                      TEMPORALITIES) != "cumulative",
             ring_slots=env.power_of_two("COMMLENS_RING_SLOTS", 65536),
             ring_dir=env.folder("COMMLENS_RING_DIR"),
+            ring_path=env.ring_path("COMMLENS_RING_PATH", rank),
         )
 
 
@@ -191,6 +194,21 @@ class _Env:
         if not names or any(part not in accepted for part in names):
             raise ConfigError(f"{name}={raw!r} is not accepted: use a comma-separated list of {', '.join(accepted)}")
         return names
+
+    def ring_path(self, name: str, rank: int) -> str | None:
+        """A file to create in an existing, writable folder (``{rank}`` replaced), or None when unset."""
+        raw = self.get(name)
+        if not raw:
+            return None
+        try:
+            path = raw.format(rank=rank)
+        except (KeyError, IndexError, ValueError):
+            path = None
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path is None or os.path.isdir(path) or not (os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)):
+            raise ConfigError(f"{name}={raw!r} is not accepted: give a file path in an existing folder this process "
+                              "can write in, e.g. /dev/shm/commlens-{rank}.ring ({rank} is replaced)")
+        return path
 
     def choice(self, name: str, default: str | None, accepted: tuple[str, ...]) -> str | None:
         raw = self.get(name)

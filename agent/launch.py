@@ -48,6 +48,9 @@ def run(command: list[str], settings: dict[str, str], sidecar: bool = False) -> 
         made = env["COMMLENS_RING_DIR"] = tempfile.mkdtemp(prefix="commlens-rings-")
     try:
         config = Config.from_env({**env, "RANK": env.get("RANK", "0")})  # a bad setting fails here, not in every rank
+        if config.otlp_endpoint is None and not env.get("COMMLENS_TRACE_FILE"):
+            print(f"commlens run: spans go to {os.path.abspath(config.trace_file)} (set COMMLENS_TRACE_FILE, or "
+                  "OTEL_EXPORTER_OTLP_ENDPOINT for a collector)", file=sys.stderr, flush=True)
         pod = None
         if sidecar:
             pod_env = {key: value for key, value in env.items() if key != MARKER}

@@ -46,10 +46,8 @@ class Agent:
     def __init__(self, config: Config):
         self.config = config
         self._snapshot_lock = threading.Lock()
-        if config.ring_dir is not None:
-            ring = recorder.ring_at(ring_file(config.ring_dir, config.local_rank), config.ring_slots)
-        else:
-            ring = recorder.ring()
+        path = ring_file(config.ring_dir, config.local_rank) if config.ring_dir is not None else config.ring_path
+        ring = recorder.ring_at(path, config.ring_slots)
         self.sidecar = self.spans = self.server = self.collector = self.job_dumps = self.flight_recorder = None
         self.metrics_pusher = None
         self._gpu_poller: threading.Thread | None = None

@@ -51,6 +51,11 @@ static int producer_init(Producer *self, PyObject *args, PyObject *kwds) {
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OKnn", names, &buffer, &slots, &claim_offset,
                                      &records_offset))
         return -1;
+    if (self->view.obj != NULL) {  /* __init__ again: let go of the buffer held so far */
+        PyBuffer_Release(&self->view);
+        self->claim = NULL;
+        self->records = NULL;
+    }
     if (slots < 2 || (slots & (slots - 1))) {
         PyErr_Format(PyExc_ValueError, "slots=%llu is not accepted: it must be a power of two >= 2", slots);
         return -1;
@@ -76,6 +81,11 @@ static void producer_dealloc(Producer *self) {
 }
 
 static PyObject *producer_write(Producer *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (self->claim == NULL) {
+        PyErr_SetString(PyExc_ValueError, "write() on a Producer that was not initialised: create it as "
+                        "Producer(buffer, slots, claim_offset, records_offset)");
+        return NULL;
+    }
     if (nargs < 10 || nargs > 12) {
         PyErr_Format(PyExc_TypeError, "write() takes 10 to 12 arguments (%zd given)", nargs);
         return NULL;

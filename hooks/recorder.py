@@ -47,9 +47,10 @@ def ring() -> Ring:
     return _ring
 
 
-def ring_at(path: str, slots: int) -> Ring:
-    """This process's ring, created as the file ``path`` (the agent's choice wins over the
-    environment's); a ValueError if the process already records into another ring."""
+def ring_at(path: str | None, slots: int) -> Ring:
+    """This process's ring, created as the file ``path`` (None: private memory) with ``slots`` slots
+    unless it exists (the agent's checked configuration wins over the environment's); a ValueError
+    if the process already records into another ring."""
     global _ring
     with _ring_lock:
         if _ring is None:

@@ -115,6 +115,9 @@ def test_a_collector_that_accepts_and_never_answers_costs_counted_spans():
     ("OTEL_METRICS_EXPORTER", "otlp,statsd", "prometheus, otlp, none"),
     ("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "sometimes", "cumulative, delta, lowmemory"),
     ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "collector:4317", "http://collector:4318"),
+    ("COMMLENS_RING_SLOTS", "1000", "power of two"),
+    ("COMMLENS_RING_PATH", "/no/such/folder/ring-{rank}", "existing folder"),
+    ("COMMLENS_RING_PATH", "/tmp/ring-{local}", "{rank} is replaced"),
 ])
 def test_bad_configuration_fails_at_start_up_naming_variable_value_and_what_is_accepted(variable, value, accepted):
     with pytest.raises(ConfigError) as refused:

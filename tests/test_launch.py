@@ -1,5 +1,6 @@
 """``commlens run -- torchrun …``: an unmodified script gets metrics and traces for all its ranks."""
 
+import os
 import subprocess
 import sys
 import time
@@ -63,6 +64,22 @@ def test_a_bad_option_fails_before_the_command_starts(tmp_path):
     _, err = job.communicate(timeout=60)
     assert job.returncode == 2 and "COMMLENS_HANG_THRESHOLD_S='-1'" in err and ">= 0.1" in err
     assert not marker.exists()
+
+
+def test_run_says_where_spans_go_when_nothing_sends_them_elsewhere_and_refuses_a_bad_ring_path(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMMLENS_", "OTEL_"))}
+    quiet = _commlens("run", "--", sys.executable, "-c", "pass", cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    _, err = quiet.communicate(timeout=60)
+    assert quiet.returncode == 0 and f"spans go to {tmp_path}/commlens-traces-{{rank}}.jsonl" in err, err
+    chosen = _commlens("run", "--trace-file", str(tmp_path / "t-{rank}.jsonl"), "--", sys.executable, "-c", "pass",
+                       env=env, stderr=subprocess.PIPE, text=True)
+    assert "spans go to" not in chosen.communicate(timeout=60)[1]
+    marker = tmp_path / "started"
+    refused = _commlens("run", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')",
+                        env={**env, "COMMLENS_RING_PATH": "/no/such/folder/ring-{rank}"}, stderr=subprocess.PIPE,
+                        text=True)
+    _, err = refused.communicate(timeout=60)
+    assert refused.returncode == 2 and "COMMLENS_RING_PATH='/no/such/folder/ring-{rank}'" in err and not marker.exists()
 
 
 def test_the_command_says_its_version_and_helps_without_importing_torch():

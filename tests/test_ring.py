@@ -192,6 +192,19 @@ def test_bad_slot_counts_are_refused_with_what_is_accepted(slots):
         Ring(slots=slots)
 
 
+def test_a_producer_used_before_init_refuses_and_a_second_init_lets_go_of_the_first_buffer():
+    from commlens.hooks._producer import Producer
+
+    with pytest.raises(ValueError, match="not initialised"):
+        Producer.__new__(Producer).write(1, 0, 0, 0, 1, 1, 0, 0, -1, 0)
+    first, second = bytearray(8 + 4 * 72), bytearray(8 + 4 * 72)
+    producer = Producer(first, 4, 0, 8)
+    producer.__init__(second, 4, 0, 8)
+    first.extend(b"x")  # a buffer still held could not be resized (BufferError)
+    producer.write(1, 0, 0, 0, 1, 1, 0, 0, -1, 0)
+    assert second[:8] == (1).to_bytes(8, "little") and first[:8] == bytes(8)
+
+
 def test_attaching_something_else_is_refused(tmp_path):
     path = tmp_path / "not-a-ring"
     path.write_bytes(b"x" * 200)
