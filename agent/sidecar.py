@@ -222,7 +222,7 @@ class Sidecar:
 
     def _started(self, record: Record) -> None:
         if len(self.inflight) >= self.ring.slots:  # its END was lost: forget the oldest
-            oldest = min(self.inflight)
+            oldest = next(iter(self.inflight))  # op ids grow in the order records are inserted: O(1)
             del self.inflight[oldest]
             self._nan.pop(oldest, None)
             self._gpu_start.pop(oldest, None)

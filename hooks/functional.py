@@ -108,9 +108,11 @@ def _group(group: Any, tag: str) -> Any:
     return groups.known.get(key) or groups.group_of(key)
 
 
+PENDING_MAX = 4096
 _pending: dict[int, tuple[recorder.InFlight, tuple[int, ...]]] = {}
 """Storage address of an output not yet waited for -> (its collective, the keys of all its outputs).
-The collective holds its outputs until the wait, as PyTorch's own registry of unwaited work does."""
+The collective holds its outputs until the wait, as PyTorch's own registry of unwaited work does; past
+``PENDING_MAX`` outputs the oldest collective is let go, completed and counted (``work_unjudged``)."""
 _pending_lock = threading.Lock()
 
 
@@ -155,9 +157,18 @@ def _track(flight: recorder.InFlight, result: Any) -> None:
         flight.complete(recorder.OK, None, in_caller=True)
         return
     entry = (flight, tuple(_key(t) for t in outputs))
+    dropped = []
     with _pending_lock:
         for key in entry[1]:
             _pending[key] = entry
+        while len(_pending) > PENDING_MAX:  # never waited for: memory stays bounded however long the job
+            oldest = _pending[next(iter(_pending))]
+            for key in oldest[1]:
+                _pending.pop(key, None)
+            dropped.append(oldest[0])
+    for flight in dropped:
+        recorder.count_error("work_unjudged")
+        flight.complete(recorder.OK, None)
 
 
 def _finish(key: int, error: BaseException | None) -> None:

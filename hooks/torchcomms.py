@@ -46,6 +46,10 @@ def _tensors(args: Any, *names: str) -> tuple:
     return ()
 
 
+FLIGHTS_MAX = 65536
+"""Collectives of one communicator between pre- and post-hook kept at most."""
+
+
 class CommSource:
     """One attached communicator: translates its callbacks into recorder calls."""
 
@@ -74,6 +78,10 @@ class CommSource:
         flight = recorder.begin(op, self.group, inputs, outputs, bool(getattr(args, "async_op", False)),
                                 None if op.is_p2p else target, target if op.is_p2p else None)
         self._flights[op_id] = flight
+        if len(self._flights) > FLIGHTS_MAX:  # a post-hook that never came: bounded, completed and counted
+            lost = self._flights.pop(next(iter(self._flights)))
+            recorder.count_error("work_unjudged")
+            lost.complete(recorder.OK, None)
         self.pre_hooks.call(flight)
 
     def _post(self, *callback: Any) -> None:

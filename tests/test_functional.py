@@ -115,3 +115,22 @@ def test_a_dtensor_and_fsdp2_program_shows_every_collective_in_the_ring_and_the_
         for op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
             assert metrics[op] == sum(1 for o, _ in ends if o == op) > 0, (rank, op, metrics, ends)
         assert inflight == 0
+
+
+def never_waited(rank, world_size):
+    from commlens.hooks import functional
+
+    functional.PENDING_MAX = 8
+    ch.instrument()
+    before = ch.ring().errors()["work_unjudged"]
+    outputs = [funcol.all_reduce(torch.ones(4), "sum", dist.group.WORLD) for _ in range(20)]
+    pending, unjudged = len(functional._pending), ch.ring().errors()["work_unjudged"] - before
+    ch.uninstrument()
+    for output in outputs:
+        output.wait()
+    return pending, unjudged
+
+
+def test_outputs_never_waited_for_are_let_go_past_a_bound_and_counted(run_ranks):
+    for pending, unjudged in run_ranks(never_waited, 2):
+        assert pending == 8 and unjudged == 12

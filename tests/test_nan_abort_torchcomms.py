@@ -137,3 +137,22 @@ def test_torchcomms_communicators_feed_the_same_hooks_and_recorder(form):
 def test_register_with_comm_refuses_what_is_not_a_communicator():
     with pytest.raises(TypeError, match="takes a torchcomms communicator .* object has no register_pre_hook"):
         ch.NanCheckHook().register_with_comm(object())
+
+
+def test_collectives_whose_post_hook_never_comes_are_let_go_past_a_bound_and_counted(monkeypatch):
+    from commlens.hooks import torchcomms
+
+    monkeypatch.setattr(torchcomms, "FLIGHTS_MAX", 4)
+    comm = StandInComm("v0.3")
+    recorder = ch.FlightRecorderHook(max_entries=8).register_with_comm(comm)
+    before = ch.ring().errors()["work_unjudged"]
+
+    class Args:
+        tensors, async_op = [torch.ones(4)], True
+
+    for op_id in range(10):  # pre-hooks only: their collectives never say they ended
+        for fn in list(comm.hooks["pre"]):
+            fn("all_reduce", op_id, Args())
+    held = len(torchcomms._sources[id(comm)]._flights)
+    recorder.unregister()
+    assert held == 4 and ch.ring().errors()["work_unjudged"] - before == 6
