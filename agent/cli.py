@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         return diagnose(argv[1:])
     args = parser.parse_args(argv)
 
-    from .config import DEFAULT_METRICS_PORT, ConfigError
+    from .config import ConfigError
 
     if args.command == "run":
         return _run(parser, args)
@@ -116,24 +116,30 @@ def main(argv: list[str] | None = None) -> int:
             print(f"commlens sidecar: {error}", file=sys.stderr)
             return 2
     from .config import Config
-    from .demo import demo_environment, run
+    from .demo import demo_environment, ports_in_use, run
 
     for fault in args.inject:
         if fault.rank >= args.world_size:
             demo.error(f"--inject rank={fault.rank} is not accepted: ranks are 0..{args.world_size - 1}")
     out = args.out or tempfile.mkdtemp(prefix="commlens-demo-")
+    environment = demo_environment(out, args.world_size)
     try:
-        Config.from_env({**os.environ, **demo_environment(out)})  # refused here, before anything is printed or run
+        config = Config.from_env({**os.environ, **environment})  # refused here, before anything runs
+        taken = ports_in_use(config.metrics_addr, config.metrics_port or 0, args.world_size)
+        if taken:
+            raise ConfigError(f"COMMLENS_METRICS_PORT={environment['COMMLENS_METRICS_PORT']} is not accepted: "
+                              f"port {taken[0]} (rank {taken[0] - config.metrics_port}) is in use on "
+                              f"{config.metrics_addr}; choose another base port, or leave it unset for free ones")
     except ConfigError as error:
         if args.out is None:
             shutil.rmtree(out, ignore_errors=True)
         print(f"commlens demo: {error}", file=sys.stderr)
         return 2
-    port = os.environ.get("COMMLENS_METRICS_PORT", str(DEFAULT_METRICS_PORT))
+    port = environment["COMMLENS_METRICS_PORT"]
     print(f"commlens demo: {args.world_size} ranks x {args.steps} steps of DDP on gloo/CPU; metrics on "
           f"127.0.0.1:{port}+rank; traces and flight-recorder dumps in {out}", flush=True)
     try:
-        outcome = run(args.world_size, args.steps, out, tuple(args.inject), args.keep_serving)
+        outcome = run(args.world_size, args.steps, out, tuple(args.inject), args.keep_serving, environment)
     except ConfigError as error:
         print(f"commlens demo: {error}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """The demo job: a small DDP model trained by N gloo processes on CPU under commlens.
 
 Every rank runs ``commlens.agent.start()``: collectives are recorded, metrics served on
-``COMMLENS_METRICS_PORT + rank`` (default 9464 + rank, on 127.0.0.1), spans written to
+``COMMLENS_METRICS_PORT + rank`` (default: free ports, on 127.0.0.1), spans written to
 ``OUT/traces-rank<R>.jsonl`` unless an OTLP endpoint is configured, and flight-recorder dumps to
 ``OUT/rank_<R>``. At the end the launcher prints a summary (per op: count, p50/p99 latency, busbw;
 per rank: NaN events, hangs, time spent in collectives), the verdict of ``commlens diagnose`` on
@@ -90,18 +90,24 @@ def free_ports(count: int) -> int:
             return base
 
 
-def _is_free(port: int) -> bool:
+def _is_free(port: int, addr: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((addr, port))
         except OSError:
             return False
     return True
 
 
-def demo_environment(out_dir: str) -> dict[str, str]:
-    """The demo's defaults; what the user's environment sets wins."""
+def ports_in_use(addr: str, base: int, count: int) -> list[int]:
+    """Which of the ranks' metrics ports ``base .. base + count - 1`` are taken on ``addr`` (none when base is 0)."""
+    return [base + i for i in range(count) if base and not _is_free(base + i, addr)]
+
+
+def demo_environment(out_dir: str, world_size: int) -> dict[str, str]:
+    """The demo's defaults (metrics on free ports); what the user's environment sets wins."""
     defaults = {"COMMLENS_METRICS_ADDR": "127.0.0.1", "COMMLENS_HANG_THRESHOLD_S": DEMO_HANG_THRESHOLD_S,
+                "COMMLENS_METRICS_PORT": str(free_ports(world_size)),
                 "COMMLENS_TRACE_FILE": os.path.join(out_dir, "traces-rank{rank}.jsonl"),
                 "COMMLENS_JOB_ID": f"demo-{os.getpid()}-{int(time.time())}",
                 "COMMLENS_METRICS_DETAIL": "full",  # a few ranks: every op and size class on the dashboards
@@ -219,10 +225,11 @@ class Outcome:
 
 
 def run(world_size: int, steps: int, out_dir: str, faults: tuple[Fault, ...] = (),
-        keep_serving: bool = False) -> Outcome:
-    """Train with ``world_size`` ranks; returns the summary, each rank's result and torchfrtrace's run."""
+        keep_serving: bool = False, environment: dict[str, str] | None = None) -> Outcome:
+    """Train with ``world_size`` ranks (in ``environment``, default ``demo_environment``); returns the
+    summary, each rank's result and torchfrtrace's run."""
     os.makedirs(out_dir, exist_ok=True)
-    environment = demo_environment(out_dir)
+    environment = environment or demo_environment(out_dir, world_size)
     from commlens.agent.config import Config
 
     Config.from_env({**os.environ, **environment})  # a bad setting fails here, before any rank starts

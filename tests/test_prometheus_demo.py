@@ -101,3 +101,21 @@ def test_the_demo_refuses_a_fault_on_a_rank_it_does_not_have_and_a_bad_setting_l
     out, err = capsys.readouterr()
     assert err.strip() == "commlens demo: COMMLENS_RING_SLOTS='3' is not accepted: it must be a power of two >= 2"
     assert out == "" and list(tmp_path.iterdir()) == []
+
+
+def test_the_demo_refuses_a_metrics_port_in_use_in_one_line_before_any_rank_starts(capsys, monkeypatch, tmp_path):
+    import socket
+
+    from commlens.agent.cli import main
+    from commlens.agent.demo import free_ports
+
+    base = free_ports(2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + 1))
+        taken.listen(1)
+        monkeypatch.setenv("COMMLENS_METRICS_PORT", str(base))
+        assert main(["demo", "--world-size", "2", "--out", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"commlens demo: COMMLENS_METRICS_PORT={base} is not accepted: port {base + 1} "
+                                 "(rank 1) is in use on 127.0.0.1; choose another base port, or leave it unset for "
+                                 "free ones\n")
