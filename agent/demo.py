@@ -21,7 +21,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import datetime
-import functools
 import json
 import os
 import signal
@@ -29,7 +28,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 import torch
@@ -121,17 +119,6 @@ class _Stopped(Exception):
     """The injected ``skip`` fault: this rank stops issuing collectives."""
 
 
-class _StopServing(Exception):
-    """SIGTERM or SIGINT while a rank serves its final metrics (``--keep-serving``): it stops cleanly."""
-
-
-def _stop_serving(serving: threading.Event, signum: int, frame: object) -> None:
-    if serving.is_set():
-        raise _StopServing
-    signal.signal(signum, signal.SIG_DFL)  # still training: the signal does what it would have done
-    os.kill(os.getpid(), signum)
-
-
 def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faults: tuple[Fault, ...],
            keep_serving: bool, environment: dict[str, str]) -> None:
     import commlens.agent
@@ -144,10 +131,6 @@ def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faul
     timeout = datetime.timedelta(seconds=threshold + 10 if kinds & {"desync", "size", "skip"}
                                  else max([300] + [fault.s + 60 for fault in faults]))
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
-    serving = threading.Event()
-    if keep_serving:  # before commlens' own SIGTERM handling, which chains to this once its snapshot is written
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, functools.partial(_stop_serving, serving))
     agent = commlens.agent.start()  # with the NaN/Inf check, on by default
     pg = dist.distributed_c10d._get_default_group()
     torch.manual_seed(0)
@@ -195,14 +178,9 @@ def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faul
     _write_result(out_dir, rank, agent, step_seqs, model)
     _wait_for_all(rank, world_size, timeout)
     if keep_serving:
-        serving.set()
         sys.stdout.write(f"rank {rank}: serving metrics until SIGTERM\n")  # one write: lines stay whole
         sys.stdout.flush()
-        try:
-            while True:
-                signal.pause()
-        except _StopServing:
-            pass
+        signal.pause()
     commlens.agent.stop()
     dist.destroy_process_group()
 
@@ -255,21 +233,8 @@ def run(world_size: int, steps: int, out_dir: str, faults: tuple[Fault, ...] = (
     from commlens.agent.config import Config
 
     Config.from_env({**os.environ, **environment})  # a bad setting fails here, before any rank starts
-    ranks = mp.start_processes(_train, args=(world_size, steps, out_dir, free_port(), faults, keep_serving,
-                                             environment), nprocs=world_size, start_method="spawn", join=False)
-
-    def forward(signum: int, frame: object) -> None:
-        for process in ranks.processes:
-            if process.is_alive():
-                os.kill(process.pid, signal.SIGTERM)
-
-    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGINT)}
-    try:  # SIGTERM or Ctrl-C ends the ranks (serving, with --keep-serving) and the summary is still printed
-        while not ranks.join():
-            pass
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    mp.start_processes(_train, args=(world_size, steps, out_dir, free_port(), faults, keep_serving, environment),
+                       nprocs=world_size, start_method="spawn")
     results = []
     for rank in range(world_size):
         with open(os.path.join(out_dir, f"result-rank{rank}.json")) as f:

@@ -119,17 +119,3 @@ def test_the_demo_refuses_a_metrics_port_in_use_in_one_line_before_any_rank_star
     assert out == "" and err == (f"commlens demo: COMMLENS_METRICS_PORT={base} is not accepted: port {base + 1} "
                                  "(rank 1) is in use on 127.0.0.1; choose another base port, or leave it unset for "
                                  "free ones\n")
-
-
-def test_keep_serving_stops_on_sigterm_ending_every_rank_and_printing_the_summary(tmp_path):
-    import signal
-
-    from commlens.agent.demo import ports_in_use
-
-    with Demo(tmp_path, 2, 3) as demo:
-        demo.wait_serving()
-        demo.process.send_signal(signal.SIGTERM)  # to the launcher alone, as a user or Kubernetes would
-        rest = demo.process.stdout.read()
-        code = demo.process.wait(60)
-    assert code == 0 and "verdict: nothing wrong found" in rest, rest
-    assert ports_in_use("127.0.0.1", demo.base, 2) == []  # no rank left serving
