@@ -104,6 +104,8 @@ class Shape(NamedTuple):
     """``counter_key`` + "ok": the completed counter's key for the common status, built once."""
     enqueued_key: tuple[str, str]
     completed_key: tuple[str, str]
+    typical_key: tuple[str, str, str]
+    """(op, pg, size class) whatever the detail level: what a slow outlier is judged against."""
 
 
 class Sidecar:
@@ -273,8 +275,8 @@ class Sidecar:
         return hung
 
     def _is_slow(self, shape: Shape, seconds: float) -> bool:
-        typical, seen = self._typical.get(shape.duration_key, (seconds, 0))
-        self._typical[shape.duration_key] = (typical + _EWMA * (seconds - typical), seen + 1)
+        typical, seen = self._typical.get(shape.typical_key, (seconds, 0))
+        self._typical[shape.typical_key] = (typical + _EWMA * (seconds - typical), seen + 1)
         return seen >= _SLOW_AFTER and seconds > self.slow_factor * typical
 
     def _shape(self, record: Record) -> Shape:
@@ -289,7 +291,7 @@ class Sidecar:
             found = self._shapes[key] = Shape(op.value, op.is_p2p, pg, size, record.nbytes,
                                               record.nbytes * bus_factor(op.value, size), self._dtype(record.sig),
                                               (label, pg), (label, pg, sized), (label, pg, "ok"), (pg, "enqueued"),
-                                              (pg, "completed"))
+                                              (pg, "completed"), (op.value, pg, size_class(record.nbytes)))
         return found
 
     # -- what exporters see -------------------------------------------------------------------------

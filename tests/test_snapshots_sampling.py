@@ -130,3 +130,24 @@ def test_the_sidecar_builds_only_the_collectives_the_sampler_keeps_and_every_ano
     assert transport.names.count(("all_reduce", 2)) == 1  # the failed one, kept whatever its trace id
     assert counts == {"sampled_out": 200 - len(expected), "exported": len(expected)}, counts
     assert sum(sidecar.stats.completed.values()) == 200  # every collective in the metrics
+
+
+def test_a_slow_outlier_is_judged_against_its_own_op_and_size_at_the_default_detail_level():
+    from commlens.hooks.ops import CODE, OpName
+
+    slow = []
+    ring = Ring(slots=1024)
+    sidecar = Sidecar(ring, rank=0, hang_threshold_s=60, detail="group",
+                      on_collective=lambda c: slow.append((c.op, c.seq)) if c.slow else None)
+    group = ring.intern(json.dumps({"name": "0", "desc": "default_pg", "ranks": [0, 1], "rank": 0,
+                                    "backend": "gloo"}))
+    small, large = CODE[OpName.all_reduce], CODE[OpName.all_gather_into_tensor]
+    timeline = [(small, 256, 100_000)] * 40 + [(large, 1 << 30, 50_000_000)] * 3 + [(small, 256, 2_000_000)]
+    t = 0
+    for seq, (op, nbytes, duration_ns) in enumerate(timeline, 1):
+        ring.write(START, op, 0, group, seq, seq, nbytes, 0, -1, 0, 0, t)
+        ring.write(END, op, OK, group, seq, seq, nbytes, 0, -1, 0, 0, t + duration_ns)
+        t += duration_ns + 1_000_000
+    sidecar.drain()
+    # the large all_gathers are as fast as such all_gathers go; the small all_reduce 20x its usual time is slow
+    assert slow == [("all_reduce", len(timeline))]
