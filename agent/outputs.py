@@ -73,6 +73,6 @@ def metrics_pusher(config: Config, families: Callable[[], Iterable[Any]]) -> Met
         exporter = Http(endpoint=endpoint, headers=headers, timeout=config.otlp_timeout_s,
                         certificate_file=config.otlp_certificate)
     shared = {k: v for k, v in resource(config).items() if k != "commlens.rank"}  # every series names its rank
-    pusher = MetricsPusher(families, exporter, shared, config.metrics_delta)
+    pusher = MetricsPusher(families, exporter, shared, config.metrics_delta, config.otlp_timeout_s)
     pusher.start(config.metrics_interval_s)
     return pusher

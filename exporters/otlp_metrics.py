@@ -38,8 +38,8 @@ SCOPE = InstrumentationScope("commlens")
 
 class MetricsPusher:
     def __init__(self, families: Callable[[], Iterable[Any]], exporter: Any, resource: Mapping[str, Any],
-                 delta: bool = False):
-        self.families, self.exporter, self.delta = families, exporter, delta
+                 delta: bool = False, timeout_s: float = 10.0):
+        self.families, self.exporter, self.delta, self.timeout_s = families, exporter, delta, timeout_s
         self.resource = Resource.create(dict(resource))
         self.temporality = AggregationTemporality.DELTA if delta else AggregationTemporality.CUMULATIVE
         self.counts: collections.Counter[str] = collections.Counter()
@@ -48,6 +48,8 @@ class MetricsPusher:
         """(name, attributes) -> the cumulative value at the last export (delta temporality)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._exporting = threading.Lock()
+        """One export at a time: the thread's, a caller's, the last one at shutdown (delta keeps state)."""
 
     def start(self, interval_s: float) -> None:
         self._thread = threading.Thread(target=self._run, args=(interval_s,), name="commlens-otlp-metrics",
@@ -65,17 +67,18 @@ class MetricsPusher:
 
     def _run(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
-            self.export(interval_s)
+            self.export(self.timeout_s)
 
     def export(self, timeout_s: float) -> bool:
         """Build and send one export now; True if the receiver took it."""
-        try:
-            data = self.build(time.time_ns())
-            result = self.exporter.export(data, timeout_millis=timeout_s * 1000)
-        except Exception:  # noqa: BLE001 — telemetry never fails the job: counted
-            result = MetricExportResult.FAILURE
-        ok = result == MetricExportResult.SUCCESS
-        self.counts["exported" if ok else "failed"] += 1
+        with self._exporting:
+            try:
+                data = self.build(time.time_ns())
+                result = self.exporter.export(data, timeout_millis=timeout_s * 1000)
+            except Exception:  # noqa: BLE001 — telemetry never fails the job: counted
+                result = MetricExportResult.FAILURE
+            ok = result == MetricExportResult.SUCCESS
+            self.counts["exported" if ok else "failed"] += 1
         return ok
 
     def build(self, now_ns: int) -> MetricsData:

@@ -78,10 +78,15 @@ class CommSource:
         flight = recorder.begin(op, self.group, inputs, outputs, bool(getattr(args, "async_op", False)),
                                 None if op.is_p2p else target, target if op.is_p2p else None)
         self._flights[op_id] = flight
-        if len(self._flights) > FLIGHTS_MAX:  # a post-hook that never came: bounded, completed and counted
-            lost = self._flights.pop(next(iter(self._flights)))
-            recorder.count_error("work_unjudged")
-            lost.complete(recorder.OK, None)
+        flights = self._flights  # one dict throughout: an abort on another thread may replace it
+        if len(flights) > FLIGHTS_MAX:  # a post-hook that never came: bounded, completed and counted
+            try:
+                lost = flights.pop(next(iter(flights)))
+            except (StopIteration, KeyError, RuntimeError):  # emptied or changed meanwhile: nothing to let go
+                lost = None
+            if lost is not None:
+                recorder.count_error("work_unjudged")
+                lost.complete(recorder.OK, None)
         self.pre_hooks.call(flight)
 
     def _post(self, *callback: Any) -> None:
