@@ -23,6 +23,7 @@ import dataclasses
 import datetime
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -77,17 +78,31 @@ def _hit(faults: tuple[Fault, ...], kind: str, rank: int, step: int) -> Fault | 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on loopback now, outside the kernel's ephemeral range (see ``free_ports``)."""
+    return free_ports(1)
 
 
 def free_ports(count: int) -> int:
-    """A base port such that base .. base + count - 1 are all free on loopback now."""
+    """A base port such that base .. base + count - 1 are all free on loopback now.
+
+    They are drawn from below the kernel's ephemeral range, so that no outgoing connection (gloo's
+    between ranks, the store's) can take one of them before the rank that is to serve on it binds it.
+    """
+    low = _ephemeral_low()
+    if low - count <= 10000:
+        raise RuntimeError(f"no room below the ephemeral port range (starts at {low}) for {count} ports")
     while True:
-        base = free_port()
-        if base + count <= 65536 and all(_is_free(base + i) for i in range(1, count)):
+        base = random.randrange(10000, low - count)
+        if all(_is_free(base + i) for i in range(count)):
             return base
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def _is_free(port: int, addr: str = "127.0.0.1") -> bool:
