@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 
 from commlens.hooks.ops import OPS
 from commlens.hooks.ring import (END, FLAG_ASYNC, FLAG_LAST_BUCKET, GPU_START, NAN, NAN_HAS_INF, NAN_HAS_NAN, NAN_OUTPUT,
-                                 PHASES, REASONS, SNAPSHOT, START, STATUS, Record, Ring, RingReader)
+                                 NOT_ISSUED, PHASES, REASONS, SNAPSHOT, START, STATUS, Record, Ring, RingReader)
 
 from .stats import ALL, Stats, bus_factor, size_class
 
@@ -226,17 +226,23 @@ class Sidecar:
         if len(self.inflight) >= self.ring.slots:  # its END was lost: forget the oldest
             oldest = next(iter(self.inflight))  # op ids grow in the order records are inserted: O(1)
             del self.inflight[oldest]
-            self._nan.pop(oldest, None)
-            self._gpu_start.pop(oldest, None)
-            self._hung.discard(oldest)
+            self._forget(oldest)
         self.inflight[record.op_id] = record
         shape = self._shapes.get((record.op, record.pg, record.nbytes, record.sig)) or self._shape(record)
         if not shape.is_p2p:
             self.stats.enqueued(shape, record.seq)
 
+    def _forget(self, op_id: int) -> None:
+        self._nan.pop(op_id, None)
+        self._gpu_start.pop(op_id, None)
+        self._hung.discard(op_id)
+
     def _ended(self, end: Record) -> None:
         op_id = end.op_id
         start = self.inflight.pop(op_id, None)
+        if end.flags == NOT_ISSUED:
+            self._forget(op_id)
+            return
         shape = self._shapes.get((end.op, end.pg, end.nbytes, end.sig)) or self._shape(end)
         status = STATUS[end.flags] if end.flags < len(STATUS) else "error"
         seconds = (end.t_ns - start.t_ns) / 1e9 if start is not None else None

@@ -3,7 +3,8 @@
 ``wrap(hook)`` returns a DDP communication hook that records each gradient bucket as one
 ``all_reduce``: the same pre- and post-hooks fire for it (so ``NanCheckHook`` checks the bucket before
 it is reduced), it takes c10d's sequence number of the collective the hook issues, and it completes
-when the hook's future does. The collectives the wrapped hook issues itself are not recorded a
+when the hook's future does. A bucket whose hook issues no collective (``noop_hook``) completes with
+status "not_issued" and is not exported: the next collective holds its sequence number. The collectives the wrapped hook issues itself are not recorded a
 second time; their payload is the bucket's size after compression (``DdpBucket.wire_bytes``).
 
 Example::
@@ -36,6 +37,7 @@ from . import groups, recorder
 from .futures import then, when_done
 from .ops import OpName
 from .patch import Patches
+from .ring import NOT_ISSUED
 
 @dataclasses.dataclass
 class DdpBucket:
@@ -92,6 +94,8 @@ def wrap(hook: Callable | None = None) -> Callable:
             active += 1
         _scope.bucket = info
         issuing, recorder.issuing.on = recorder.issuing.on, True  # PyTorch's own hooks step aside
+        seq_source = flight.group.seq_source
+        seq_before = seq_source() if seq_source is not None else None
         try:
             future = inner(state, bucket)
         except BaseException as error:
@@ -104,6 +108,9 @@ def wrap(hook: Callable | None = None) -> Callable:
                 active -= 1
         if not isinstance(future, torch._C.Future):  # DDP raises its own error for this
             flight.complete(recorder.ERROR, TypeError(f"communication hook returned {type(future).__name__}"))
+            return future
+        if seq_before is not None and seq_source() == seq_before:  # e.g. noop_hook: no collective, no seq of its own
+            flight.complete(NOT_ISSUED, None)
             return future
         if flight.gpu is not None:  # a bucket on a CUDA device completes when the GPU has reduced it
             flight.gpu_end(future)

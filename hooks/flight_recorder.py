@@ -24,7 +24,7 @@ import tempfile
 from typing import Any
 
 from .ops import OPS, OpName
-from .ring import END, START, STATUS
+from .ring import END, NOT_ISSUED, START, STATUS
 
 VERSION = "2.10"
 DUMP_PREFIX_ENV = "TORCHCOMM_FR_DUMP_TEMP_FILE"
@@ -122,7 +122,7 @@ def entries(ring: Any, max_entries: int, from_op_id: int = 0, until_op_id: int |
         if groups is not None and group.get("name") not in groups:
             continue
         (starts if record.kind == START else ends)[record.op_id] = record
-    op_ids = sorted(starts)[-max_entries:]
+    op_ids = sorted(i for i in starts if i not in ends or ends[i].flags != NOT_ISSUED)[-max_entries:]
     first = op_ids[0] if from_op_id == 0 and op_ids else from_op_id
     found = [_entry(starts[i], ends.get(i), described[starts[i].pg], ring, first) for i in op_ids]
     return found, _pg_config(described), _pg_status(found)

@@ -67,7 +67,9 @@ class PreHookArgs:
 class PostHookArgs:
     """What a post-hook receives, once the collective has completed (or failed).
 
-    ``status`` is "ok", "error" or "timeout"; times are ``time.monotonic_ns()`` values.
+    ``status`` is "ok", "error" or "timeout" ("not_issued": a DDP bucket whose communication hook
+    issued no collective, such as ``noop_hook``; it has no sequence number of its own); times are
+    ``time.monotonic_ns()`` values.
     """
 
     __slots__ = ("pre", "work", "status", "error", "start_ns", "end_ns")

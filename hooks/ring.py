@@ -63,9 +63,10 @@ NAN_OUTPUT, NAN_HAS_NAN, NAN_HAS_INF = 1, 2, 4
 """Bits of a NAN record's ``flags``: the tensor was an output; it held NaN; it held Inf."""
 FLAG_ASYNC, FLAG_LAST_BUCKET = 1, 2
 """Bits of a START record's ``flags``: the op is async; it is a DDP model's last gradient bucket."""
-OK, ERROR, TIMEOUT = 0, 1, 2
-STATUS = ("ok", "error", "timeout")
-"""An END record's ``flags``: the op's status, by index."""
+OK, ERROR, TIMEOUT, NOT_ISSUED = 0, 1, 2, 3
+STATUS = ("ok", "error", "timeout", "not_issued")
+"""An END record's ``flags``: the op's status, by index. ``not_issued``: a DDP bucket whose communication
+hook issued no collective (``noop_hook``); it is no collective, and readers of the ring drop it."""
 PHASES = ("", "other", "forward", "backward", "optimizer")
 """A record's ``phase``: where in the training step the op was issued (module attribution)."""
 

@@ -49,8 +49,12 @@ def wrapped_hooks_match_plain_ddp(rank, world_size):
         results[name] = _grads(model, rank)
     model = DDP(_model())
     model.register_comm_hook(None, debugging_hooks.noop_hook)
+    noop_phase = []
+    seqs = ch.register_post_hook(lambda a: noop_phase.append((a.name.value, a.pre.seq, a.status)))
     results["noop"] = _grads(model, rank, after_backward=_noop_then_average)
+    seqs.remove()
     handle.remove()
+    results["noop_phase"] = noop_phase
     results["buckets"] = [(b.index, b.is_last, b.nbytes, b.wire_bytes, status) for b, status in buckets]
     ch.uninstrument()
     return results
@@ -69,7 +73,12 @@ def test_wrapped_builtin_hooks_give_plain_ddps_gradients_and_record_each_bucket(
         # allreduce, fp16, default: 2 steps each, one bucket each; noop: its hook issues nothing
         assert [b[:3] for b in r["buckets"]] == [(0, True, params_bytes)] * 8
         assert [b[3] for b in r["buckets"]] == [params_bytes] * 2 + [params_bytes // 2] * 2 + [params_bytes] * 2 + [0] * 2
-        assert {b[4] for b in r["buckets"]} == {"ok"}
+        assert [b[4] for b in r["buckets"]] == ["ok"] * 6 + ["not_issued"] * 2
+        # the manual all_reduces after noop_hook's buckets each hold a sequence number of their own
+        issued = [seq for _, seq, status in r["noop_phase"] if status == "ok"]
+        assert len(set(issued)) == len(issued), r["noop_phase"]
+        manual = [op for op, _, status in r["noop_phase"] if status == "ok" and op == "all_reduce"]
+        assert len(manual) == 2 * len(list(_model().parameters())), r["noop_phase"]
 
 
 def eleven_layers(rank, world_size):
