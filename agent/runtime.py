@@ -152,9 +152,13 @@ class Agent:
                 self._snapshot_lock.release()
 
     def stop(self) -> None:
-        """Stop recording; drain the ring, flush spans (within the snapshot timeout), stop serving;
-        with a pod sidecar, mark the ring closed (the rank ended cleanly)."""
-        timeout = self.config.snapshot_timeout_s
+        """Stop recording; drain the ring, flush spans and metrics, all within the snapshot timeout
+        whatever the collector does; stop serving; with a pod sidecar, mark the ring closed (the rank
+        ended cleanly)."""
+        deadline = time.monotonic() + self.config.snapshot_timeout_s
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
         self._abort_handle.remove()
         attribution.disable()
         uninstrument()
@@ -165,16 +169,16 @@ class Agent:
             sys.excepthook = self._previous_excepthook
         self._stopping.set()
         if self._gpu_poller is not None:
-            self._gpu_poller.join(timeout)
+            self._gpu_poller.join(left())
             cuda.poll()
         if self.sidecar is None:
             recorder.ring().close()
             return
         self.job_dumps.stop()
-        self.sidecar.stop(timeout)
-        self.spans.shutdown(timeout)
+        self.sidecar.stop(left())
+        self.spans.shutdown(left())
         if self.metrics_pusher is not None:
-            self.metrics_pusher.shutdown(timeout)
+            self.metrics_pusher.shutdown(max(0.1, left()))
         self.flight_recorder.unregister()
         if self.server is not None:
             self.server.shutdown()

@@ -58,7 +58,7 @@ class _Encode:
     def __init__(self):
         self.bytes = 0
 
-    def send(self, request) -> None:
+    def send(self, request, within_s: float) -> None:
         self.bytes += len(request.SerializeToString())
 
     def close(self) -> None:

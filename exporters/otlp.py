@@ -6,14 +6,16 @@ default when no collector is configured — appended to a file as OTLP JSON, one
 line. The trace id derives from (job, process group, sequence number), so the same collective on
 every rank shares one trace; sampling is keyed on it, and anomalies (NaN, hang, error, slow) are
 always kept. Every outcome is counted in ``counts``: ``exported``, ``failed`` (the collector did not
-take the batch), ``dropped`` (the queue was full), ``sampled_out``.
+take the batch, or it was still queued when the time given to ``shutdown`` ran out), ``dropped`` (the
+queue was full), ``sampled_out``. A transport's ``send(request, within_s)`` returns or raises within its own
+timeout and ``within_s``, whichever is less.
 
 Example::
 
     exporter = SpanExporter(HttpTransport("http://collector:4318/v1/traces"), {"service.name": "train"},
                             job="run-7")
     exporter.offer(collective)      # from the sidecar thread; never blocks
-    exporter.shutdown(timeout_s=5)  # sends what is queued, within the time
+    exporter.shutdown(timeout_s=5)  # sends what is queued within 5 s; the rest is counted failed
 """
 
 from __future__ import annotations
@@ -117,6 +119,8 @@ class SpanExporter:
         self._queue: collections.deque = collections.deque()
         self._wake, self._idle, self._stop = threading.Event(), threading.Event(), threading.Event()
         self._idle.set()
+        self._deadline = float("inf")  # set by shutdown: no send outlasts it
+        self._sending, self._abandoned, self._counting = 0, False, threading.Lock()
         self._thread = threading.Thread(target=self._run, name="commlens-spans", daemon=True)
         self._thread.start()
 
@@ -175,29 +179,51 @@ class SpanExporter:
         return self._idle.wait(timeout_s)
 
     def shutdown(self, timeout_s: float) -> None:
-        self.flush(timeout_s)
+        """Send what is queued within ``timeout_s`` whatever the collector does; every span not
+        handed over by then is counted ``failed``."""
+        self._deadline = time.monotonic() + timeout_s
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout_s)
+        with self._counting:
+            unsent = len(self._queue)  # the sidecar, the only producer, has stopped
+            self._queue.clear()
+            if self._thread.is_alive():  # a send begun before shutdown may outlast it: written off unconfirmed
+                self._abandoned = True
+                unsent += self._sending
+            if unsent:
+                self.counts["failed"] += unsent
         self.transport.close()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.interval_s)
-            self._wake.clear()
-            while self._queue:
-                batch = [self._queue.popleft() for _ in range(min(self.batch_size, len(self._queue)))]
+        while True:
+            stopping = self._stop.is_set()
+            if not stopping:
+                self._wake.wait(self.interval_s)
+                self._wake.clear()
+            while time.monotonic() < self._deadline:
+                with self._counting:
+                    if self._abandoned or not self._queue:
+                        break
+                    batch = [self._queue.popleft() for _ in range(min(self.batch_size, len(self._queue)))]
+                    self._sending = len(batch)
                 self._send(batch)
             self._idle.set()
+            if stopping:
+                return
 
     def _send(self, batch: list) -> None:
         try:
             request = self.request([self.builder.build(c) for c in batch])
-            self.transport.send(request)
+            self.transport.send(request, max(0.01, self._deadline - time.monotonic()))
         except Exception:  # a dead or slow collector: the batch is lost, and counted
-            self.counts["failed"] += len(batch)
+            result = "failed"
         else:
-            self.counts["exported"] += len(batch)
+            result = "exported"
+        with self._counting:
+            if not self._abandoned:
+                self.counts[result] += len(batch)
+            self._sending = 0
 
     def request(self, spans: list[Span]) -> ExportTraceServiceRequest:
         return ExportTraceServiceRequest(resource_spans=[ResourceSpans(
@@ -222,8 +248,8 @@ class GrpcTransport:
         self._export = TraceServiceStub(self._channel).Export
         self.timeout_s, self.metadata = timeout_s, tuple(headers)
 
-    def send(self, request: ExportTraceServiceRequest) -> None:
-        self._export(request, timeout=self.timeout_s, metadata=self.metadata)
+    def send(self, request: ExportTraceServiceRequest, within_s: float) -> None:
+        self._export(request, timeout=min(self.timeout_s, within_s), metadata=self.metadata)
 
     def close(self) -> None:
         self._channel.close()
@@ -237,10 +263,10 @@ class HttpTransport:
         self.headers = {"Content-Type": "application/x-protobuf", **dict(headers)}
         self._tls = ssl.create_default_context(cafile=certificate) if endpoint.startswith("https") else None
 
-    def send(self, request: ExportTraceServiceRequest) -> None:
+    def send(self, request: ExportTraceServiceRequest, within_s: float) -> None:
         post = urllib.request.Request(self.endpoint, data=request.SerializeToString(), headers=self.headers,
                                       method="POST")
-        with urllib.request.urlopen(post, timeout=self.timeout_s, context=self._tls) as response:
+        with urllib.request.urlopen(post, timeout=min(self.timeout_s, within_s), context=self._tls) as response:
             response.read()
 
     def close(self) -> None:
@@ -254,7 +280,7 @@ class JsonLinesTransport:
         self.path = path
         open(path, "a").close()  # fail now, at start-up, if the file cannot be written
 
-    def send(self, request: ExportTraceServiceRequest) -> None:
+    def send(self, request: ExportTraceServiceRequest, within_s: float) -> None:
         line = json.dumps(otlp_json(request), separators=(",", ":"))
         with open(self.path, "a") as f:
             f.write(line + "\n")

@@ -103,6 +103,37 @@ def test_a_collector_that_accepts_and_never_answers_costs_counted_spans():
     assert counts["exported"] == 0 and counts["dropped"] >= 190 and counts["failed"] + counts["dropped"] == 300
 
 
+def stops_against_a_silent_collector(rank, world_size, endpoint):
+    import time
+
+    agent = commlens.agent.start(Config.from_env({
+        "RANK": str(rank), "WORLD_SIZE": str(world_size), "COMMLENS_METRICS_PORT": "0",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc" if rank == 0 else "http/protobuf", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_TRACES_SAMPLER": "always_on", "OTEL_EXPORTER_OTLP_TIMEOUT": "60000", "COMMLENS_SNAPSHOT_TIMEOUT_S": "2"}))
+    for _ in range(3000):
+        dist.all_reduce(torch.ones(4))
+    dist.barrier()
+    started = time.monotonic()
+    commlens.agent.stop()
+    with agent.sidecar.stats.lock:
+        completed = sum(agent.sidecar.stats.completed.values())
+    return time.monotonic() - started, completed, dict(agent.spans.counts)
+
+
+def test_stop_is_bounded_by_the_snapshot_timeout_against_a_silent_collector_and_every_span_is_counted(run_ranks):
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # connections complete in the backlog; nothing ever answers, over gRPC or HTTP
+    try:
+        results = run_ranks(stops_against_a_silent_collector, 2, endpoint=f"http://127.0.0.1:{silent.getsockname()[1]}")
+    finally:
+        silent.close()
+    for stop_s, completed, counts in results:
+        assert stop_s < 2 + 1, stop_s  # the snapshot timeout, not the collector's 60 s, bounds it
+        assert counts.get("exported", 0) == 0 and counts["failed"] > 0
+        assert sum(counts.values()) == completed >= 3001  # every collective's span: exactly one result
+
+
 @pytest.mark.parametrize("variable, value, accepted", [
     ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json", "grpc, http/protobuf"),
     ("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4317", "http://collector:4318"),

@@ -57,7 +57,7 @@ def _collective(seq, **anomaly):
 
 
 class _Nowhere:
-    def send(self, request):
+    def send(self, request, within_s):
         pass
 
     def close(self):
@@ -106,7 +106,7 @@ class _Kept:
     def __init__(self):
         self.names = []
 
-    def send(self, request):
+    def send(self, request, within_s):
         self.names += [(s.name, s.status.code) for rs in request.resource_spans for ss in rs.scope_spans
                        for s in ss.spans]
 
