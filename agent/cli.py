@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="a fault, repeatable: nan|hang|desync|size|skip:rank=R:step=S (hang also takes "
                       ":s=SECONDS), or slow:rank=R:ms=M")
     demo.add_argument("--keep-serving", action="store_true",
-                      help="after training, keep serving metrics until SIGTERM (for a Prometheus to scrape)")
+                      help="after training, keep serving metrics (for a Prometheus to scrape) until SIGTERM or "
+                      "Ctrl-C; then the summary")
     launch = commands.add_parser("run", help="run COMMAND with commlens started in every distributed rank",
                                  description="Options set the COMMLENS_*/OTEL_* variable named in their help; "
                                  "the environment configures the rest.")

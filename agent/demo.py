@@ -22,6 +22,7 @@ import bisect
 import dataclasses
 import datetime
 import json
+import multiprocessing.synchronize
 import os
 import random
 import signal
@@ -135,7 +136,7 @@ class _Stopped(Exception):
 
 
 def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faults: tuple[Fault, ...],
-           keep_serving: bool, environment: dict[str, str]) -> None:
+           serving: multiprocessing.synchronize.Event | None, environment: dict[str, str]) -> None:
     import commlens.agent
 
     os.environ.update(environment)
@@ -192,10 +193,11 @@ def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faul
     agent.flight_recorder.dump_file(rank)
     _write_result(out_dir, rank, agent, step_seqs, model)
     _wait_for_all(rank, world_size, timeout)
-    if keep_serving:
-        sys.stdout.write(f"rank {rank}: serving metrics until SIGTERM\n")  # one write: lines stay whole
+    if serving is not None:  # --keep-serving: until the launcher, on SIGTERM or Ctrl-C, sets the event
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches every rank: the launcher decides
+        sys.stdout.write(f"rank {rank}: serving metrics until SIGTERM or Ctrl-C\n")  # one write: lines stay whole
         sys.stdout.flush()
-        signal.pause()
+        serving.wait()
     commlens.agent.stop()
     dist.destroy_process_group()
 
@@ -248,8 +250,17 @@ def run(world_size: int, steps: int, out_dir: str, faults: tuple[Fault, ...] = (
     from commlens.agent.config import Config
 
     Config.from_env({**os.environ, **environment})  # a bad setting fails here, before any rank starts
-    mp.start_processes(_train, args=(world_size, steps, out_dir, free_port(), faults, keep_serving, environment),
-                       nprocs=world_size, start_method="spawn")
+    serving = mp.get_context("spawn").Event() if keep_serving else None
+    ranks = mp.start_processes(_train, args=(world_size, steps, out_dir, free_port(), faults, serving, environment),
+                               nprocs=world_size, start_method="spawn", join=False)
+    previous = {signum: signal.signal(signum, lambda *_: serving.set()) for signum in (signal.SIGTERM, signal.SIGINT)
+                if serving is not None}
+    try:  # with --keep-serving, SIGTERM or Ctrl-C ends the serving; every rank stops cleanly, then the summary
+        while not ranks.join():
+            pass
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     results = []
     for rank in range(world_size):
         with open(os.path.join(out_dir, f"result-rank{rank}.json")) as f:

@@ -81,7 +81,7 @@ class Demo:
         while serving < self.world:
             line = self.process.stdout.readline()
             assert line, "the demo ended before serving its metrics"
-            serving += line.count("serving metrics until SIGTERM")
+            serving += line.count("serving metrics until SIGTERM or Ctrl-C")
 
     def result(self, rank: int) -> dict:
         return json.loads((self.out / f"result-rank{rank}.json").read_text())

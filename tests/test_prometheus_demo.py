@@ -1,6 +1,7 @@
 """The demo, scraped by a real Prometheus (Debian's package); its verdict names injected faults."""
 
 import json
+import os
 import subprocess
 import tempfile
 import urllib.request
@@ -119,3 +120,21 @@ def test_the_demo_refuses_a_metrics_port_in_use_in_one_line_before_any_rank_star
     assert out == "" and err == (f"commlens demo: COMMLENS_METRICS_PORT={base} is not accepted: port {base + 1} "
                                  "(rank 1) is in use on 127.0.0.1; choose another base port, or leave it unset for "
                                  "free ones\n")
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_keep_serving_ends_on_sigterm_or_ctrl_c_stopping_every_rank_and_printing_the_summary(tmp_path, signum):
+    import signal
+
+    from commlens.agent.demo import ports_in_use
+
+    with Demo(tmp_path, 2, 3) as demo:
+        demo.wait_serving()
+        if signum == "SIGTERM":
+            demo.process.send_signal(signal.SIGTERM)  # to the launcher alone, as a user or Kubernetes would
+        else:
+            os.killpg(demo.process.pid, signal.SIGINT)  # Ctrl-C: a terminal signals the whole process group
+        rest = demo.process.stdout.read()
+        code = demo.process.wait(60)
+    assert code == 0 and "verdict: nothing wrong found" in rest, rest
+    assert ports_in_use("127.0.0.1", demo.base, 2) == []  # no rank left serving
