@@ -5,6 +5,8 @@
 2. Span build and encode: commlens' spans (OTLP protobuf built from the records, serialized) against
    the OpenTelemetry SDK's own path (tracer spans, BatchSpanProcessor, the OTLP encoder), in spans
    per second. Goal: commlens >= 2x the SDK.
+3. The trace file (the embedded default sink): spans built and written as OTLP JSON lines, with
+   commlens' own JSON mapping against protobuf's ``json_format.MessageToDict``, in spans per second.
 
     python bench/export_throughput.py
 """
@@ -80,6 +82,43 @@ def commlens_span_rate() -> float:
     return statistics.median(rates)
 
 
+def file_span_rates() -> tuple[float, float]:
+    """Spans/s written to an OTLP JSON lines file: commlens' JSON mapping, and protobuf's in its place."""
+    import base64
+    import os
+    import tempfile
+
+    from google.protobuf.json_format import MessageToDict
+
+    from commlens.exporters import otlp
+
+    def protobufs(request):
+        data = MessageToDict(request, use_integers_for_enums=True)
+        for span in data["resourceSpans"][0]["scopeSpans"][0]["spans"]:
+            span["traceId"], span["spanId"] = (base64.b64decode(span[k]).hex() for k in ("traceId", "spanId"))
+        return data
+
+    collectives, rates = _collectives(), {"commlens": [], "protobuf": []}
+    ours = otlp.otlp_json
+    with tempfile.TemporaryDirectory() as folder:
+        for _ in range(ROUNDS):
+            for name, mapping in (("commlens", ours), ("protobuf", protobufs)):
+                otlp.otlp_json = mapping
+                path = os.path.join(folder, name)
+                exporter = SpanExporter(otlp.JsonLinesTransport(path), {"service.name": "bench"}, job="bench",
+                                        world_size=4, queue_size=len(collectives))
+                start = time.perf_counter()
+                for c in collectives:
+                    exporter.offer(c)
+                exporter.flush(120)
+                rates[name].append(len(collectives) / (time.perf_counter() - start))
+                exporter.shutdown(5)
+                assert exporter.counts["exported"] == len(collectives)
+                os.unlink(path)
+    otlp.otlp_json = ours
+    return statistics.median(rates["commlens"]), statistics.median(rates["protobuf"])
+
+
 def sdk_span_rate() -> float:
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.sdk.resources import Resource
@@ -122,9 +161,12 @@ def sdk_span_rate() -> float:
 def main() -> int:
     drained = drain_rate()
     ours, sdk = commlens_span_rate(), sdk_span_rate()
+    to_file, via_protobuf = file_span_rates()
     print(f"drain and aggregate: {drained / 1e3:.0f}k records/s on one core (goal >= 300k)")
     print(f"spans built and encoded: commlens {ours / 1e3:.1f}k/s, OpenTelemetry SDK path {sdk / 1e3:.1f}k/s "
           f"= {ours / sdk:.2f}x (goal >= 2x)")
+    print(f"spans written to the trace file: {to_file / 1e3:.1f}k/s, {via_protobuf / 1e3:.1f}k/s with protobuf's "
+          f"MessageToDict = {to_file / via_protobuf:.2f}x")
     return 0
 
 
