@@ -22,6 +22,14 @@ def test_the_alert_rules_parse_and_pass_their_promtool_unit_tests():
     assert tests.returncode == 0 and "SUCCESS" in tests.stdout, tests.stdout + tests.stderr
 
 
+def test_the_long_term_storage_config_is_valid_and_keeps_per_rank_buckets_local():
+    check = promtool("check", "config", "prometheus-long-term.yaml", cwd=DEPLOY)
+    assert check.returncode == 0, check.stdout + check.stderr
+    [remote] = yaml.safe_load((DEPLOY / "prometheus-long-term.yaml").read_text())["remote_write"]
+    assert {"source_labels": ["__name__"], "regex": "commlens_collective_duration_seconds_bucket",
+            "action": "drop"} in remote["write_relabel_configs"]
+
+
 def _build():
     spec = importlib.util.spec_from_file_location("deploy_build", DEPLOY / "build.py")
     module = importlib.util.module_from_spec(spec)
@@ -29,9 +37,9 @@ def _build():
     return module
 
 
-def _documents():
-    """(file name, document) of every manifest in deploy/kubernetes except the kustomization."""
-    return [(path.name, document) for path in sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+def _documents(folder: str = "kubernetes"):
+    """(file name, document) of every manifest in ``deploy/<folder>`` except the kustomization."""
+    return [(path.name, document) for path in sorted((DEPLOY / folder).glob("*.yaml"))
             if path.name != "kustomization.yaml" for document in yaml.safe_load_all(path.read_text())]
 
 
@@ -48,9 +56,10 @@ def test_the_prometheus_rule_and_dashboards_config_map_hold_the_files_they_are_b
         assert json.loads(dashboards[path.name]) == json.loads(path.read_text())
 
 
-def test_the_kustomization_lists_every_manifest():
-    kustomization = yaml.safe_load((DEPLOY / "kubernetes" / "kustomization.yaml").read_text())
-    assert sorted(kustomization["resources"]) == sorted({name for name, _ in _documents()})
+@pytest.mark.parametrize("folder", ["kubernetes", "kubernetes/gateway"])
+def test_the_kustomization_lists_every_manifest(folder):
+    kustomization = yaml.safe_load((DEPLOY / folder / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted({name for name, _ in _documents(folder)})
 
 
 def test_the_manifests_validate_strictly_against_the_kubernetes_and_prometheus_operator_schemas():
@@ -59,7 +68,7 @@ def test_the_manifests_validate_strictly_against_the_kubernetes_and_prometheus_o
 
     version = kubernetes_validate.latest_version()
     kinds = set()
-    for name, document in _documents():
+    for name, document in _documents() + _documents("kubernetes/gateway"):
         kinds.add(document["kind"])
         model = {"PodMonitor": operator.PodMonitor, "PrometheusRule": operator.PrometheusRule}.get(document["kind"])
         if model is None:
@@ -67,7 +76,7 @@ def test_the_manifests_validate_strictly_against_the_kubernetes_and_prometheus_o
         else:  # the operator's CRD schema as pydantic models; an unknown field is dropped, so compare
             parsed = model.model_validate(document).model_dump(by_alias=True, exclude_none=True, mode="json")
             assert parsed == document, name
-    assert kinds == {"ConfigMap", "Job", "PodMonitor", "PrometheusRule"}
+    assert kinds == {"ConfigMap", "Job", "PodMonitor", "PrometheusRule", "Deployment", "Service"}
 
 
 def test_the_schema_checks_reject_a_misspelt_field():
@@ -83,3 +92,18 @@ def test_the_schema_checks_reject_a_misspelt_field():
     monitor["spec"]["podMetricsEndpoints"][0]["intervall"] = "15s"
     parsed = operator.PodMonitor.model_validate(monitor).model_dump(by_alias=True, exclude_none=True, mode="json")
     assert parsed != monitor
+
+
+def test_the_pod_collectors_send_to_the_gateway_and_every_pipeline_uses_only_components_it_defines():
+    pod = yaml.safe_load(dict(_documents())["otel-collector-config.yaml"]["data"]["config.yaml"])
+    gateway_documents = _documents("kubernetes/gateway")
+    gateway = yaml.safe_load(next(d for _, d in gateway_documents if d["kind"] == "ConfigMap")["data"]["config.yaml"])
+    service = next(d for _, d in gateway_documents if d["kind"] == "Service")
+    grpc_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "otlp-grpc")
+    assert pod["exporters"]["otlp"]["endpoint"] == \
+        f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc:{grpc_port}"
+    for config in (pod, gateway):
+        assert set(config["service"]["pipelines"]) == {"traces", "metrics"}
+        for pipeline in config["service"]["pipelines"].values():
+            for kind in ("receivers", "processors", "exporters"):
+                assert set(pipeline[kind]) <= set(config[kind]), (kind, pipeline)
