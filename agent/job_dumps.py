@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import threading
 from typing import Any, Callable
 
@@ -34,6 +35,7 @@ class JobDumps:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="commlens-job-dumps", daemon=True)
         self._thread.start()
+        atexit.register(self.stop)  # before finalization: a store call cut short there aborts the process
 
     def request(self) -> None:
         """Ask every rank of the job, this one excepted, to write its dump."""
@@ -45,6 +47,7 @@ class JobDumps:
                     self.errors += 1
 
     def stop(self) -> None:
+        atexit.unregister(self.stop)
         self._stop.set()
         self._thread.join(self.period_s + 1)
 
