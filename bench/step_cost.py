@@ -4,7 +4,8 @@ Two gloo ranks train a DDP model (3 x Linear(1024), batch 64) in rounds that alt
 commlens and ``commlens.agent.start()`` at its defaults (NaN/Inf check on, span budget, metrics at
 the default detail level, spans to the embedded file sink); every round builds a fresh DDP model,
 warms it up, then times ``--steps`` steps. Each commlens round is paired with the no-commlens round
-before it; the ratios' min - median - max are printed, with the medians of the step times.
+before it; the ratios' min - median - max are printed, with the medians of the step times, and the
+spans a rank wrote per second at the default span budget against the collectives it ran.
 
     python bench/step_cost.py --rounds 8 --steps 60
 """
@@ -48,14 +49,18 @@ def _rank(rank: int, port: int, rounds: int, steps: int, out: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     folder = tempfile.mkdtemp(prefix="commlens-step-cost-")
-    times = {"off": [], "on": []}
+    times = {"off": [], "on": [], "spans_per_s": [], "collectives_per_s": []}
     for _ in range(rounds):
         times["off"].append(_round(steps))
-        commlens.agent.start(Config.from_env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                                              "COMMLENS_METRICS_PORT": "0",
-                                              "COMMLENS_TRACE_FILE": os.path.join(folder, "t-{rank}.jsonl")}))
+        started = time.perf_counter()
+        agent = commlens.agent.start(Config.from_env({
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "COMMLENS_METRICS_PORT": "0",
+            "COMMLENS_TRACE_FILE": os.path.join(folder, "t-{rank}.jsonl")}))
         times["on"].append(_round(steps))
+        seconds = time.perf_counter() - started
         commlens.agent.stop()
+        times["spans_per_s"].append(agent.spans.counts["exported"] / seconds)
+        times["collectives_per_s"].append(sum(agent.spans.counts.values()) / seconds)
     out[rank] = times
     dist.destroy_process_group()
 
@@ -74,6 +79,8 @@ def main() -> None:
     print(f"  no commlens: median {statistics.median(times['off']) * 1e3:.2f} ms")
     print(f"  commlens defaults: median {statistics.median(times['on']) * 1e3:.2f} ms")
     print(f"  ratio (paired): {ratios[0]:.3f} - {statistics.median(ratios):.3f} - {ratios[-1]:.3f} (min - median - max)")
+    print(f"  spans written per second per rank: median {statistics.median(times['spans_per_s']):.0f}, of "
+          f"{statistics.median(times['collectives_per_s']):.0f} collectives per second")
 
 
 if __name__ == "__main__":
