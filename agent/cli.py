@@ -6,6 +6,7 @@
     commlens run --sidecar -- torchrun ... train.py        ... with one pod sidecar process serving them all
     commlens sidecar --ring-dir /dev/shm/commlens           the pod sidecar (a Kubernetes sidecar container)
     commlens diagnose ./commlens-out               which rank, which collective, why
+    commlens timeline ./commlens-out               every rank's collectives on one timeline (Perfetto)
 """
 
 from __future__ import annotations
@@ -97,11 +98,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="the command to run, e.g. torchrun ... train.py")
     commands.add_parser("diagnose", add_help=False, help="name the rank, collective and cause of what went wrong "
                         "(live from metrics or Prometheus, or from trace files and dumps)")
+    commands.add_parser("timeline", add_help=False, help="a cross-rank timeline of a job's collectives, for "
+                        "ui.perfetto.dev or chrome://tracing, from its trace files")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["diagnose"]:
         from .diagnose import main as diagnose
 
         return diagnose(argv[1:])
+    if argv[:1] == ["timeline"]:
+        from .timeline import main as timeline
+
+        return timeline(argv[1:])
     args = parser.parse_args(argv)
 
     from .config import ConfigError
@@ -147,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     print(outcome.summary)
     report = (outcome.analyzer.stdout + outcome.analyzer.stderr).strip()
     print("torchfrtrace:", report or "no mismatch found")
+    from .timeline import OPEN_IN, write
+
+    print(f"timeline: {write(out)} ({OPEN_IN})")
     return outcome.analyzer.returncode
 
 

@@ -44,7 +44,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from typing import Iterable
+from typing import Iterable, Iterator
 
 STRAGGLER_MIN_S = 0.005
 """A straggler arrives at least this much later, on average, than the group's first rank ..."""
@@ -433,11 +433,8 @@ def from_files(folder: str) -> list[RankFacts]:
     """Facts from the OTLP JSON-lines trace files (``*.jsonl``) and flight-recorder dumps in ``folder``."""
     ranks: dict[int, RankFacts] = {}
     completed: set[tuple[int, str, int]] = set()
-    for path in sorted(glob.glob(os.path.join(folder, "*.jsonl"))):
-        with open(path) as f:
-            for line in f:
-                if line.strip():
-                    _spans_fact(ranks, json.loads(line), completed)
+    for span, attributes in spans_in(folder):
+        _span_fact(ranks, span, attributes, completed)
     for f in ranks.values():  # a hang that the spans show resolved is no longer in flight
         for pg, group in f.groups.items():
             if group.hung is not None and (f.rank, pg, group.hung[1]) in completed:
@@ -454,6 +451,19 @@ def from_files(folder: str) -> list[RankFacts]:
     return [ranks[rank] for rank in sorted(ranks)]
 
 
+def spans_in(folder: str) -> Iterator[tuple[dict, dict]]:
+    """Every span of the OTLP JSON-lines trace files (``*.jsonl``) in ``folder``, with its attributes."""
+    for path in sorted(glob.glob(os.path.join(folder, "*.jsonl"))):
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                for resource_spans in json.loads(line).get("resourceSpans", ()):
+                    for scope_spans in resource_spans.get("scopeSpans", ()):
+                        for span in scope_spans.get("spans", ()):
+                            yield span, {item["key"]: _value(item) for item in span.get("attributes", ())}
+
+
 def _value(attribute: dict):
     value = attribute["value"]
     for key in ("intValue", "doubleValue", "boolValue", "stringValue"):
@@ -462,30 +472,26 @@ def _value(attribute: dict):
     return None
 
 
-def _spans_fact(ranks: dict[int, RankFacts], request: dict, completed: set[tuple[int, str, int]]) -> None:
-    for resource_spans in request.get("resourceSpans", ()):
-        for scope_spans in resource_spans.get("scopeSpans", ()):
-            for span in scope_spans.get("spans", ()):
-                a = {item["key"]: _value(item) for item in span.get("attributes", ())}
-                if a.get("commlens.p2p") or "commlens.rank" not in a:
-                    continue
-                rank, seq, op, pg = int(a["commlens.rank"]), int(a["commlens.seq"]), a["commlens.op"], str(a["commlens.pg.name"])
-                group = ranks.setdefault(rank, RankFacts(rank)).group(pg)
-                if not a.get("commlens.in_flight"):
-                    completed.add((rank, pg, seq))
-                    if a.get("commlens.status") in ("error", "timeout") and (group.failed is None or seq < group.failed[1]):
-                        group.failed = (op, seq)
-                group.arrivals[seq] = (op, int(span["startTimeUnixNano"]))
-                group.issued = max(group.issued, seq)
-                if a.get("commlens.hang"):
-                    group.hangs_seen.add(seq)
-                    if a.get("commlens.in_flight"):
-                        group.hung = (op, seq)
-                        age = float(a.get("commlens.age_s", 0.0))
-                        group.threshold_s = age if group.threshold_s is None else min(group.threshold_s, age)
-                for kind in ("nan", "inf"):
-                    if a.get(f"commlens.{kind}") and (group.nonfinite is None or seq < group.nonfinite[0]):
-                        group.nonfinite = (seq, op, kind)
+def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[tuple[int, str, int]]) -> None:
+    if a.get("commlens.p2p") or "commlens.rank" not in a:
+        return
+    rank, seq, op, pg = int(a["commlens.rank"]), int(a["commlens.seq"]), a["commlens.op"], str(a["commlens.pg.name"])
+    group = ranks.setdefault(rank, RankFacts(rank)).group(pg)
+    if not a.get("commlens.in_flight"):
+        completed.add((rank, pg, seq))
+        if a.get("commlens.status") in ("error", "timeout") and (group.failed is None or seq < group.failed[1]):
+            group.failed = (op, seq)
+    group.arrivals[seq] = (op, int(span["startTimeUnixNano"]))
+    group.issued = max(group.issued, seq)
+    if a.get("commlens.hang"):
+        group.hangs_seen.add(seq)
+        if a.get("commlens.in_flight"):
+            group.hung = (op, seq)
+            age = float(a.get("commlens.age_s", 0.0))
+            group.threshold_s = age if group.threshold_s is None else min(group.threshold_s, age)
+    for kind in ("nan", "inf"):
+        if a.get(f"commlens.{kind}") and (group.nonfinite is None or seq < group.nonfinite[0]):
+            group.nonfinite = (seq, op, kind)
 
 
 def _dump_fact(facts: RankFacts, dump: dict) -> None:

@@ -1,0 +1,259 @@
+"""``commlens timeline``: a job's collectives as one cross-rank timeline, for Perfetto or chrome://tracing.
+
+From a job's trace files (the OTLP JSON lines that ``commlens run`` and the demo write) it builds a
+trace-event JSON file: a process per rank, a thread per process group, each collective a slice named
+by its op (args: bytes, seq, group, module, phase, status, DDP bucket); flow arrows joining the same
+``(group, seq)`` across ranks in the order the ranks arrived, so an arrow ends at the last rank to
+arrive; instant markers for NaN/Inf, hangs and failed collectives on the rank whose span says so,
+and for each verdict of ``commlens diagnose`` on the rank it names; where a DDP model's last
+gradient bucket marks the end of a step, the steps as slices of their own.
+
+Clocks: each rank stamps its spans with its own wall clock. A collective ends on all of its ranks at
+about the same instant (the last arrival releases them all), so each rank's offset is estimated as
+the median, over the collectives it shares with others, of its end minus the collective's median end
+across ranks, and subtracted; a rank that shares no collective is left as it is.
+
+Example::
+
+    commlens timeline ./commlens-out                # writes ./commlens-out/timeline.json
+    commlens timeline ./commlens-out --last 30s -o last.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import statistics
+import sys
+from typing import Iterable, NamedTuple
+
+from .diagnose import findings, from_files, spans_in
+
+
+class Slice(NamedTuple):
+    """One rank's span of one collective."""
+
+    rank: int
+    pg: str
+    seq: int
+    op: str
+    start_ns: int
+    end_ns: int
+    attributes: dict
+
+
+def slices(folder: str) -> list[Slice]:
+    """Every collective span in ``folder``'s trace files, one per rank and collective: a hung one's
+    completed span replaces the in-flight one of its hang snapshot (p2p ops are kept, unjoined)."""
+    found: dict[tuple, Slice] = {}
+    for span, a in spans_in(folder):
+        if "commlens.rank" not in a:
+            continue
+        s = Slice(int(a["commlens.rank"]), str(a["commlens.pg.name"]), int(a["commlens.seq"]), a["commlens.op"],
+                  int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"]), a)
+        key = (s.rank, s.pg, s.seq, bool(a.get("commlens.p2p")))
+        if key not in found or found[key].attributes.get("commlens.in_flight"):
+            found[key] = s
+    return sorted(found.values(), key=lambda s: s.start_ns)
+
+
+def clock_offsets(found: Iterable[Slice]) -> dict[int, int]:
+    """Each rank's clock minus the job's, in ns, from the ends of the collectives ranks share."""
+    ends: dict[tuple[str, int], dict[int, int]] = collections.defaultdict(dict)
+    for s in found:
+        if not s.attributes.get("commlens.p2p") and not s.attributes.get("commlens.in_flight"):
+            ends[(s.pg, s.seq)][s.rank] = s.end_ns
+    deltas: dict[int, list[int]] = collections.defaultdict(list)
+    for by_rank in ends.values():
+        if len(by_rank) > 1:
+            middle = statistics.median(by_rank.values())
+            for rank, end in by_rank.items():
+                deltas[rank].append(end - middle)
+    return {rank: int(statistics.median(values)) for rank, values in deltas.items()}
+
+
+def _window(found: list[Slice], last_s: float | None, steps: tuple[int, int] | None,
+            boundaries: dict[int, list[int]]) -> list[Slice]:
+    if last_s is not None and found:
+        since = max(s.end_ns for s in found) - int(last_s * 1e9)
+        found = [s for s in found if s.end_ns >= since]
+    if steps is not None:
+        first, last = steps
+        kept = []
+        for s in found:
+            ends = boundaries.get(s.rank, [])
+            step = sum(1 for end in ends if end < s.start_ns)  # steps this rank had finished when s started
+            if first <= step < last:
+                kept.append(s)
+        found = kept
+    return found
+
+
+def _step_ends(found: list[Slice]) -> dict[int, list[int]]:
+    """Per rank, the ends of the DDP steps its spans show (the end of each last gradient bucket)."""
+    ends: dict[int, list[int]] = collections.defaultdict(list)
+    for s in found:
+        if s.attributes.get("commlens.ddp.is_last"):
+            ends[s.rank].append(s.end_ns)
+    return {rank: sorted(values) for rank, values in ends.items()}
+
+
+def trace(folder: str, last_s: float | None = None, steps: tuple[int, int] | None = None) -> dict:
+    """The trace-event document of the job in ``folder`` (see the module's docstring)."""
+    found = slices(folder)
+    offsets = clock_offsets(found)
+    found = [s._replace(start_ns=s.start_ns - offsets.get(s.rank, 0), end_ns=s.end_ns - offsets.get(s.rank, 0))
+             for s in found]
+    boundaries = _step_ends(found)
+    if steps is not None and not boundaries:
+        raise ValueError("--steps needs the steps' ends, which only a DDP model's last gradient buckets give; "
+                         "this job's spans hold none: use --last")
+    found = _window(found, last_s, steps, boundaries)
+    origin = min((s.start_ns for s in found), default=0)
+
+    def us(ns: int) -> float:
+        return (ns - origin) / 1e3
+
+    events: list[dict] = []
+    groups = sorted({s.pg for s in found}, key=lambda pg: (len(pg), pg))
+    tids = {pg: i + 1 for i, pg in enumerate(groups)}
+    for rank in sorted({s.rank for s in found}):
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}})
+        events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "steps"}})
+        for pg in groups:
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tids[pg], "args": {"name": f"group {pg}"}})
+    for s in found:
+        events.append({"ph": "X", "name": s.op, "cat": "collective", "pid": s.rank, "tid": tids[s.pg],
+                       "ts": us(s.start_ns), "dur": max((s.end_ns - s.start_ns) / 1e3, 0.001), "args": _args(s)})
+        for marker in _markers(s):
+            events.append({"ph": "i", "s": "t", "name": marker, "cat": "anomaly", "pid": s.rank, "tid": tids[s.pg],
+                           "ts": us(s.start_ns), "args": {"op": s.op, "seq": s.seq, "group": s.pg}})
+    events += _flows(found, tids, us)
+    events += _steps(boundaries, {s.rank for s in found}, found, us)
+    events += _verdicts(folder, found, us)
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"source": os.path.abspath(folder), "clock_offsets_ns": {str(r): o for r, o in offsets.items()}}}
+
+
+def _args(s: Slice) -> dict:
+    a = s.attributes
+    args = {"group": s.pg, "seq": s.seq, "bytes": a.get("commlens.bytes"), "status": a.get("commlens.status")}
+    for key in ("module", "phase", "ddp.bucket", "dtype"):
+        if f"commlens.{key}" in a:
+            args[key] = a[f"commlens.{key}"]
+    return args
+
+
+def _markers(s: Slice) -> list[str]:
+    a = s.attributes
+    markers = [name for key, name in (("commlens.nan", "NaN"), ("commlens.inf", "Inf"), ("commlens.hang", "hang"))
+               if a.get(key)]
+    if a.get("commlens.status") in ("error", "timeout"):
+        markers.append(f"collective {a['commlens.status']}")
+    return markers
+
+
+def _flows(found: list[Slice], tids: dict[str, int], us) -> list[dict]:
+    """Arrows through the ranks of each (group, seq), first arrival to last."""
+    joined: dict[tuple[str, int], list[Slice]] = collections.defaultdict(list)
+    for s in found:
+        if not s.attributes.get("commlens.p2p"):
+            joined[(s.pg, s.seq)].append(s)
+    events = []
+    for flow_id, ((pg, seq), members) in enumerate(sorted(joined.items(), key=lambda item: (item[0][0], item[0][1]))):
+        if len(members) < 2:
+            continue
+        members.sort(key=lambda s: s.start_ns)
+        for i, s in enumerate(members):
+            phase = "s" if i == 0 else "f" if i == len(members) - 1 else "t"
+            event = {"ph": phase, "id": flow_id + 1, "name": f"{s.op} seq {seq}", "cat": "arrival", "pid": s.rank,
+                     "tid": tids[pg], "ts": us(s.start_ns)}
+            if phase == "f":
+                event["bp"] = "e"
+            events.append(event)
+    return events
+
+
+def _steps(boundaries: dict[int, list[int]], ranks: set[int], found: list[Slice], us) -> list[dict]:
+    events = []
+    for rank in sorted(ranks & set(boundaries)):
+        starts = [min(s.start_ns for s in found if s.rank == rank)] + boundaries[rank][:-1]
+        for step, (start, end) in enumerate(zip(starts, boundaries[rank])):
+            if end > start:
+                events.append({"ph": "X", "name": f"step {step}", "cat": "step", "pid": rank, "tid": 0, "ts": us(start),
+                               "dur": (end - start) / 1e3})
+    return events
+
+
+def _verdicts(folder: str, found: list[Slice], us) -> list[dict]:
+    """A marker for each verdict of ``commlens diagnose``, on each rank it names: at the collective it
+    names where the timeline holds it, else at that rank's last collective."""
+    where = {(s.rank, s.pg, s.seq): s.start_ns for s in found}
+    last = {}
+    for s in found:
+        last[s.rank] = max(last.get(s.rank, s.end_ns), s.end_ns)
+    events = []
+    for finding in findings(from_files(folder)):
+        for rank in finding.ranks:
+            ts = where.get((rank, finding.pg, finding.seq), last.get(rank))
+            if ts is not None:
+                events.append({"ph": "i", "s": "p", "name": f"verdict: {finding.kind.replace('_', ' ')}",
+                               "cat": "verdict", "pid": rank, "ts": us(ts), "args": {"verdict": finding.line()}})
+    return events
+
+
+OPEN_IN = "open it in https://ui.perfetto.dev or chrome://tracing"
+
+
+def _seconds(text: str) -> float:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)?", text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not accepted: give a duration such as 30s, 500ms, 5m or 1h")
+    return float(match[1]) * {"ms": 1e-3, "s": 1, "m": 60, "h": 3600, None: 1}[match[2]]
+
+
+def _step_range(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"(\d+):(\d+)", text.strip())
+    if not match or int(match[1]) >= int(match[2]):
+        raise argparse.ArgumentTypeError(f"{text!r} is not accepted: give A:B with A < B, steps A to B-1 (from 0)")
+    return int(match[1]), int(match[2])
+
+
+def write(folder: str, path: str | None = None, last_s: float | None = None,
+          steps: tuple[int, int] | None = None) -> str:
+    """Write the timeline of the job in ``folder`` to ``path`` (default ``folder/timeline.json``)."""
+    path = path or os.path.join(folder, "timeline.json")
+    document = trace(folder, last_s, steps)
+    with open(path, "w") as f:
+        json.dump(document, f, separators=(",", ":"))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``commlens timeline FOLDER``: write the timeline and say where to open it."""
+    parser = argparse.ArgumentParser(
+        prog="commlens timeline", description="A cross-rank timeline of a job's collectives, for ui.perfetto.dev "
+        "or chrome://tracing, from its trace files.")
+    parser.add_argument("folder", help="a job's trace files (*.jsonl), as commlens run or the demo wrote them")
+    parser.add_argument("-o", "--output", help="the trace file to write (default: FOLDER/timeline.json)")
+    window = parser.add_mutually_exclusive_group()
+    window.add_argument("--last", type=_seconds, metavar="DURATION", help="only the last DURATION of the job (30s, 5m)")
+    window.add_argument("--steps", type=_step_range, metavar="A:B",
+                        help="only DDP steps A to B-1, counted from the first step in the files")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.folder):
+        parser.error(f"{args.folder!r} is not a folder: give the folder of a job's trace files")
+    try:
+        path = write(args.folder, args.output, args.last, args.steps)
+    except ValueError as error:
+        parser.error(str(error))
+    print(f"timeline: {path} ({OPEN_IN})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

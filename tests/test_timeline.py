@@ -1,0 +1,86 @@
+"""``commlens timeline`` on ordinary training scripts with a fault written into them, run under
+``commlens run`` (4 gloo ranks): the trace-event file a user opens in Perfetto or chrome://tracing."""
+
+import collections
+import json
+import subprocess
+import sys
+
+import pytest
+
+from commlens.agent.diagnose import spans_in
+from monitoring import TrainingJob
+
+WORLD = 4
+
+
+def _timeline(tmp_path, fault, rank=2, **job):
+    tmp_path.mkdir(exist_ok=True)
+    with TrainingJob(tmp_path, WORLD, fault, rank=rank, step=5, steps=30, **job) as training:
+        assert training.wait(120) == 0
+    done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "timeline", str(training.out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith(f"timeline: {training.out / 'timeline.json'} "), done
+    document = json.loads((training.out / "timeline.json").read_text())
+    recorded = {(int(a["commlens.rank"]), a["commlens.pg.name"], int(a["commlens.seq"]))
+                for _, a in spans_in(str(training.out)) if not a.get("commlens.p2p")}
+    return document["traceEvents"], recorded
+
+
+def _check_structure(events, recorded):
+    for event in events:
+        assert event["ph"] in "XstfiM" and isinstance(event["pid"], int), event
+        if event["ph"] != "M":
+            assert isinstance(event["ts"], float) and event["ts"] >= 0, event
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {f"rank {r}" for r in range(WORLD)}
+    slices = [(e["pid"], e["args"]["group"], e["args"]["seq"]) for e in events if e.get("cat") == "collective"]
+    assert len(slices) == len(set(slices)) and set(slices) == recorded  # one slice per recorded collective per rank
+    flows = collections.defaultdict(list)
+    for e in events:
+        if e["ph"] in "stf":
+            flows[e["id"]].append(e)
+    by_collective = collections.defaultdict(set)
+    for pid, group, seq in slices:
+        by_collective[(group, seq)].add(pid)
+    joined = {}
+    for members in flows.values():
+        assert [e["ph"] for e in members] == ["s"] + ["t"] * (len(members) - 2) + ["f"]
+        assert [e["ts"] for e in members] == sorted(e["ts"] for e in members)  # first arrival to last
+        joined[members[0]["name"]] = {e["pid"] for e in members}
+    assert len(flows) == sum(1 for ranks in by_collective.values() if len(ranks) > 1)
+    return flows
+
+
+def test_a_late_ranks_timeline_joins_every_collective_across_ranks_and_its_arrows_end_on_the_late_rank(tmp_path):
+    events, recorded = _timeline(tmp_path, "late")
+    flows = _check_structure(events, recorded)
+    [verdict] = [e for e in events if e.get("cat") == "verdict"]
+    assert verdict["name"] == "verdict: late rank" and verdict["pid"] == 2, verdict
+    group, seq = verdict["args"]["verdict"].split("(group ")[1].split(")")[0].split(", seq ")
+    late = [members for members in flows.values() if members[0]["name"].endswith(f"seq {seq}")
+            and any(e["pid"] == 2 for e in members)]
+    assert late and all(members[-1]["pid"] == 2 for members in late)  # the late rank arrives last
+    assert any(e["name"] == "hang" for e in events if e["ph"] == "i")
+
+
+def test_the_nan_origin_is_marked_on_its_rank_and_a_healthy_jobs_timeline_holds_no_marker(tmp_path):
+    events, recorded = _timeline(tmp_path / "nan", "nan", rank=1)
+    _check_structure(events, recorded)
+    origin = [e for e in events if e.get("cat") == "verdict"]
+    assert [(e["name"], e["pid"]) for e in origin] == [("verdict: nan origin", 1)], origin
+    assert any(e["name"] == "NaN" and e["pid"] == 1 for e in events if e.get("cat") == "anomaly")
+
+    events, recorded = _timeline(tmp_path / "none", "none")
+    _check_structure(events, recorded)
+    assert [e for e in events if e["ph"] == "i"] == []
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--last", "soon"], "'soon' is not accepted: give a duration such as 30s"),
+    (["--steps", "5:2"], "'5:2' is not accepted: give A:B with A < B"),
+])
+def test_a_bad_window_is_refused_naming_what_is_accepted(tmp_path, argv, error):
+    done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "timeline", str(tmp_path), *argv],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and error in done.stderr, done.stderr
