@@ -44,7 +44,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 STRAGGLER_MIN_S = 0.005
 """A straggler arrives at least this much later, on average, than the group's first rank ..."""
@@ -429,12 +429,15 @@ def load_dump(path: str) -> dict:
     return data
 
 
-def from_files(folder: str) -> list[RankFacts]:
-    """Facts from the OTLP JSON-lines trace files (``*.jsonl``) and flight-recorder dumps in ``folder``."""
+def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = None) -> list[RankFacts]:
+    """Facts from the OTLP JSON-lines trace files (``*.jsonl``) and flight-recorder dumps in ``folder``;
+    ``each_span(span, attributes)`` sees every span as it is read, for a caller that needs them too."""
     ranks: dict[int, RankFacts] = {}
     completed: set[tuple[int, str, int]] = set()
     for span, attributes in spans_in(folder):
         _span_fact(ranks, span, attributes, completed)
+        if each_span is not None:
+            each_span(span, attributes)
     for f in ranks.values():  # a hang that the spans show resolved is no longer in flight
         for pg, group in f.groups.items():
             if group.hung is not None and (f.rank, pg, group.hung[1]) in completed:

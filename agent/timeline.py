@@ -22,19 +22,20 @@ Example::
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import json
 import os
 import re
 import statistics
 import sys
-from typing import Iterable, NamedTuple
+from typing import Iterable, Iterator, NamedTuple
 
-from .diagnose import findings, from_files, spans_in
+from .diagnose import findings, from_files
 
 
 class Slice(NamedTuple):
-    """One rank's span of one collective."""
+    """One rank's span of one collective, with what the timeline shows of it."""
 
     rank: int
     pg: str
@@ -42,29 +43,52 @@ class Slice(NamedTuple):
     op: str
     start_ns: int
     end_ns: int
-    attributes: dict
+    p2p: bool
+    in_flight: bool
+    last_bucket: bool
+    args: dict
+    markers: tuple[str, ...]
 
 
-def slices(folder: str) -> list[Slice]:
-    """Every collective span in ``folder``'s trace files, one per rank and collective: a hung one's
-    completed span replaces the in-flight one of its hang snapshot (p2p ops are kept, unjoined)."""
+_ARGS = {"commlens.bytes": "bytes", "commlens.status": "status", "commlens.dtype": "dtype",
+         "commlens.module": "module", "commlens.phase": "phase", "commlens.ddp.bucket": "ddp.bucket"}
+_MARKERS = (("commlens.nan", "NaN"), ("commlens.inf", "Inf"), ("commlens.hang", "hang"))
+
+
+def _slice(span: dict, a: dict) -> Slice | None:
+    if "commlens.rank" not in a:
+        return None
+    markers = tuple(name for key, name in _MARKERS if a.get(key))
+    if a.get("commlens.status") in ("error", "timeout"):
+        markers += (f"collective {a['commlens.status']}",)
+    return Slice(int(a["commlens.rank"]), str(a["commlens.pg.name"]), int(a["commlens.seq"]), a["commlens.op"],
+                 int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"]), bool(a.get("commlens.p2p")),
+                 bool(a.get("commlens.in_flight")), bool(a.get("commlens.ddp.is_last")),
+                 {name: a[key] for key, name in _ARGS.items() if key in a}, markers)
+
+
+def read(folder: str) -> tuple[list[Slice], list]:
+    """The collectives in ``folder``'s trace files, one per rank and collective (a hung one's completed
+    span replaces the in-flight one of its hang snapshot), and ``commlens diagnose``'s findings on
+    the folder: both from one pass over the files."""
     found: dict[tuple, Slice] = {}
-    for span, a in spans_in(folder):
-        if "commlens.rank" not in a:
-            continue
-        s = Slice(int(a["commlens.rank"]), str(a["commlens.pg.name"]), int(a["commlens.seq"]), a["commlens.op"],
-                  int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"]), a)
-        key = (s.rank, s.pg, s.seq, bool(a.get("commlens.p2p")))
-        if key not in found or found[key].attributes.get("commlens.in_flight"):
-            found[key] = s
-    return sorted(found.values(), key=lambda s: s.start_ns)
+
+    def keep(span: dict, a: dict) -> None:
+        s = _slice(span, a)
+        if s is not None:
+            key = (s.rank, s.pg, s.seq, s.p2p)
+            if key not in found or found[key].in_flight:
+                found[key] = s
+
+    verdicts = findings(from_files(folder, keep))
+    return sorted(found.values(), key=lambda s: s.start_ns), verdicts
 
 
 def clock_offsets(found: Iterable[Slice]) -> dict[int, int]:
     """Each rank's clock minus the job's, in ns, from the ends of the collectives ranks share."""
     ends: dict[tuple[str, int], dict[int, int]] = collections.defaultdict(dict)
     for s in found:
-        if not s.attributes.get("commlens.p2p") and not s.attributes.get("commlens.in_flight"):
+        if not s.p2p and not s.in_flight:
             ends[(s.pg, s.seq)][s.rank] = s.end_ns
     deltas: dict[int, list[int]] = collections.defaultdict(list)
     for by_rank in ends.values():
@@ -75,6 +99,15 @@ def clock_offsets(found: Iterable[Slice]) -> dict[int, int]:
     return {rank: int(statistics.median(values)) for rank, values in deltas.items()}
 
 
+def _step_ends(found: list[Slice]) -> dict[int, list[int]]:
+    """Per rank, the ends of the DDP steps its spans show (the end of each last gradient bucket)."""
+    ends: dict[int, list[int]] = collections.defaultdict(list)
+    for s in found:
+        if s.last_bucket:
+            ends[s.rank].append(s.end_ns)
+    return {rank: sorted(values) for rank, values in ends.items()}
+
+
 def _window(found: list[Slice], last_s: float | None, steps: tuple[int, int] | None,
             boundaries: dict[int, list[int]]) -> list[Slice]:
     if last_s is not None and found:
@@ -82,128 +115,97 @@ def _window(found: list[Slice], last_s: float | None, steps: tuple[int, int] | N
         found = [s for s in found if s.end_ns >= since]
     if steps is not None:
         first, last = steps
-        kept = []
-        for s in found:
-            ends = boundaries.get(s.rank, [])
-            step = sum(1 for end in ends if end < s.start_ns)  # steps this rank had finished when s started
-            if first <= step < last:
-                kept.append(s)
-        found = kept
+        found = [s for s in found if first <= bisect.bisect_left(boundaries.get(s.rank, []), s.start_ns) < last]
     return found
 
 
-def _step_ends(found: list[Slice]) -> dict[int, list[int]]:
-    """Per rank, the ends of the DDP steps its spans show (the end of each last gradient bucket)."""
-    ends: dict[int, list[int]] = collections.defaultdict(list)
-    for s in found:
-        if s.attributes.get("commlens.ddp.is_last"):
-            ends[s.rank].append(s.end_ns)
-    return {rank: sorted(values) for rank, values in ends.items()}
-
-
-def trace(folder: str, last_s: float | None = None, steps: tuple[int, int] | None = None) -> dict:
-    """The trace-event document of the job in ``folder`` (see the module's docstring)."""
-    found = slices(folder)
+def events(folder: str, last_s: float | None = None, steps: tuple[int, int] | None = None) -> tuple[Iterator[dict], dict]:
+    """The trace events of the job in ``folder`` (see the module's docstring), as they are made,
+    and the document's ``otherData``."""
+    found, verdicts = read(folder)
     offsets = clock_offsets(found)
-    found = [s._replace(start_ns=s.start_ns - offsets.get(s.rank, 0), end_ns=s.end_ns - offsets.get(s.rank, 0))
-             for s in found]
+    found = sorted((s._replace(start_ns=s.start_ns - offsets.get(s.rank, 0), end_ns=s.end_ns - offsets.get(s.rank, 0))
+                    for s in found), key=lambda s: s.start_ns)
     boundaries = _step_ends(found)
     if steps is not None and not boundaries:
         raise ValueError("--steps needs the steps' ends, which only a DDP model's last gradient buckets give; "
                          "this job's spans hold none: use --last")
     found = _window(found, last_s, steps, boundaries)
+    other = {"source": os.path.abspath(folder), "clock_offsets_ns": {str(r): o for r, o in offsets.items()}}
+    return _made(found, verdicts, boundaries), other
+
+
+def _made(found: list[Slice], verdicts: list, boundaries: dict[int, list[int]]) -> Iterator[dict]:
     origin = min((s.start_ns for s in found), default=0)
 
     def us(ns: int) -> float:
         return (ns - origin) / 1e3
 
-    events: list[dict] = []
     groups = sorted({s.pg for s in found}, key=lambda pg: (len(pg), pg))
     tids = {pg: i + 1 for i, pg in enumerate(groups)}
-    for rank in sorted({s.rank for s in found}):
-        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}})
-        events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "steps"}})
+    ranks = sorted({s.rank for s in found})
+    for rank in ranks:
+        yield {"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}}
+        yield {"ph": "M", "name": "process_sort_index", "pid": rank, "args": {"sort_index": rank}}
+        yield {"ph": "M", "name": "thread_name", "pid": rank, "tid": 0, "args": {"name": "steps"}}
         for pg in groups:
-            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tids[pg], "args": {"name": f"group {pg}"}})
+            yield {"ph": "M", "name": "thread_name", "pid": rank, "tid": tids[pg], "args": {"name": f"group {pg}"}}
     for s in found:
-        events.append({"ph": "X", "name": s.op, "cat": "collective", "pid": s.rank, "tid": tids[s.pg],
-                       "ts": us(s.start_ns), "dur": max((s.end_ns - s.start_ns) / 1e3, 0.001), "args": _args(s)})
-        for marker in _markers(s):
-            events.append({"ph": "i", "s": "t", "name": marker, "cat": "anomaly", "pid": s.rank, "tid": tids[s.pg],
-                           "ts": us(s.start_ns), "args": {"op": s.op, "seq": s.seq, "group": s.pg}})
-    events += _flows(found, tids, us)
-    events += _steps(boundaries, {s.rank for s in found}, found, us)
-    events += _verdicts(folder, found, us)
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"source": os.path.abspath(folder), "clock_offsets_ns": {str(r): o for r, o in offsets.items()}}}
+        yield {"ph": "X", "name": s.op, "cat": "collective", "pid": s.rank, "tid": tids[s.pg], "ts": us(s.start_ns),
+               "dur": max((s.end_ns - s.start_ns) / 1e3, 0.001), "args": {"group": s.pg, "seq": s.seq, **s.args}}
+        for marker in s.markers:
+            yield {"ph": "i", "s": "t", "name": marker, "cat": "anomaly", "pid": s.rank, "tid": tids[s.pg],
+                   "ts": us(s.start_ns), "args": {"op": s.op, "seq": s.seq, "group": s.pg}}
+    yield from _flows(found, tids, us)
+    yield from _steps(boundaries, set(ranks), found, us)
+    yield from _verdicts(verdicts, found, us)
 
 
-def _args(s: Slice) -> dict:
-    a = s.attributes
-    args = {"group": s.pg, "seq": s.seq, "bytes": a.get("commlens.bytes"), "status": a.get("commlens.status")}
-    for key in ("module", "phase", "ddp.bucket", "dtype"):
-        if f"commlens.{key}" in a:
-            args[key] = a[f"commlens.{key}"]
-    return args
-
-
-def _markers(s: Slice) -> list[str]:
-    a = s.attributes
-    markers = [name for key, name in (("commlens.nan", "NaN"), ("commlens.inf", "Inf"), ("commlens.hang", "hang"))
-               if a.get(key)]
-    if a.get("commlens.status") in ("error", "timeout"):
-        markers.append(f"collective {a['commlens.status']}")
-    return markers
-
-
-def _flows(found: list[Slice], tids: dict[str, int], us) -> list[dict]:
+def _flows(found: list[Slice], tids: dict[str, int], us) -> Iterator[dict]:
     """Arrows through the ranks of each (group, seq), first arrival to last."""
     joined: dict[tuple[str, int], list[Slice]] = collections.defaultdict(list)
-    for s in found:
-        if not s.attributes.get("commlens.p2p"):
+    for s in found:  # in order of (aligned) start: each list is in arrival order
+        if not s.p2p:
             joined[(s.pg, s.seq)].append(s)
-    events = []
-    for flow_id, ((pg, seq), members) in enumerate(sorted(joined.items(), key=lambda item: (item[0][0], item[0][1]))):
+    flow_id = 0
+    for (pg, seq), members in joined.items():
         if len(members) < 2:
             continue
-        members.sort(key=lambda s: s.start_ns)
+        flow_id += 1
         for i, s in enumerate(members):
             phase = "s" if i == 0 else "f" if i == len(members) - 1 else "t"
-            event = {"ph": phase, "id": flow_id + 1, "name": f"{s.op} seq {seq}", "cat": "arrival", "pid": s.rank,
+            event = {"ph": phase, "id": flow_id, "name": f"{s.op} seq {seq}", "cat": "arrival", "pid": s.rank,
                      "tid": tids[pg], "ts": us(s.start_ns)}
             if phase == "f":
                 event["bp"] = "e"
-            events.append(event)
-    return events
+            yield event
 
 
-def _steps(boundaries: dict[int, list[int]], ranks: set[int], found: list[Slice], us) -> list[dict]:
-    events = []
+def _steps(boundaries: dict[int, list[int]], ranks: set[int], found: list[Slice], us) -> Iterator[dict]:
+    first = {}
+    for s in found:
+        first.setdefault(s.rank, s.start_ns)
     for rank in sorted(ranks & set(boundaries)):
-        starts = [min(s.start_ns for s in found if s.rank == rank)] + boundaries[rank][:-1]
+        starts = [first[rank]] + boundaries[rank][:-1]
         for step, (start, end) in enumerate(zip(starts, boundaries[rank])):
             if end > start:
-                events.append({"ph": "X", "name": f"step {step}", "cat": "step", "pid": rank, "tid": 0, "ts": us(start),
-                               "dur": (end - start) / 1e3})
-    return events
+                yield {"ph": "X", "name": f"step {step}", "cat": "step", "pid": rank, "tid": 0, "ts": us(start),
+                       "dur": (end - start) / 1e3}
 
 
-def _verdicts(folder: str, found: list[Slice], us) -> list[dict]:
+def _verdicts(verdicts: list, found: list[Slice], us) -> Iterator[dict]:
     """A marker for each verdict of ``commlens diagnose``, on each rank it names: at the collective it
     names where the timeline holds it, else at that rank's last collective."""
-    where = {(s.rank, s.pg, s.seq): s.start_ns for s in found}
-    last = {}
+    where = {(s.rank, s.pg, s.seq): s.start_ns for s in found if not s.p2p}
+    last: dict[int, int] = {}
     for s in found:
         last[s.rank] = max(last.get(s.rank, s.end_ns), s.end_ns)
-    events = []
-    for finding in findings(from_files(folder)):
+    for finding in verdicts:
         for rank in finding.ranks:
             ts = where.get((rank, finding.pg, finding.seq), last.get(rank))
             if ts is not None:
-                events.append({"ph": "i", "s": "p", "name": f"verdict: {finding.kind.replace('_', ' ')}",
-                               "cat": "verdict", "pid": rank, "ts": us(ts), "args": {"verdict": finding.line()}})
-    return events
+                yield {"ph": "i", "s": "p", "name": f"verdict: {finding.kind.replace('_', ' ')}", "cat": "verdict",
+                       "pid": rank, "ts": us(ts), "args": {"verdict": finding.line()}}
 
 
 OPEN_IN = "open it in https://ui.perfetto.dev or chrome://tracing"
@@ -227,9 +229,12 @@ def write(folder: str, path: str | None = None, last_s: float | None = None,
           steps: tuple[int, int] | None = None) -> str:
     """Write the timeline of the job in ``folder`` to ``path`` (default ``folder/timeline.json``)."""
     path = path or os.path.join(folder, "timeline.json")
-    document = trace(folder, last_s, steps)
-    with open(path, "w") as f:
-        json.dump(document, f, separators=(",", ":"))
+    made, other = events(folder, last_s, steps)
+    with open(path, "w") as f:  # event by event: a long job's timeline is never held whole
+        f.write('{"displayTimeUnit":"ms","otherData":' + json.dumps(other) + ',"traceEvents":[')
+        for i, event in enumerate(made):
+            f.write(("," if i else "") + json.dumps(event, separators=(",", ":")))
+        f.write("]}")
     return path
 
 
