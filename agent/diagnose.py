@@ -148,10 +148,11 @@ def _hang(pg: str, members: list[RankFacts]) -> list[Finding]:
         seq = collections.Counter(s for _, s in live.values()).most_common(1)[0][0]
         ops = {rank: op for rank, (op, s) in live.items() if s == seq}
     else:  # after the fact: a hang that resolved, known from the spans of the ranks that waited
-        waited = collections.Counter(s for f in members if pg in f.groups for s in f.groups[pg].hangs_seen)
+        waited = {s for f in members if pg in f.groups for s in f.groups[pg].hangs_seen}
         if not waited:
             return []
-        seq = waited.most_common(1)[0][0]
+        seq = min(waited)  # the first: later waits follow from it (a broadcast's root waits on a late receiver,
+        # then the others wait on both in the next collective)
         ops = {f.rank: f.groups[pg].arrivals[seq][0] for f in members
                if pg in f.groups and seq in f.groups[pg].hangs_seen and seq in f.groups[pg].arrivals}
         if not ops:
