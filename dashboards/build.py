@@ -14,11 +14,11 @@ import json
 import pathlib
 import sys
 
-from grafana_foundation_sdk.builders import dashboard, prometheus, table, timeseries
+from grafana_foundation_sdk.builders import dashboard, prometheus, statetimeline, table, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models.dashboard import (DashboardCursorSync, DashboardLinkType, DataSourceRef,
-                                                     VariableRefresh, VariableSort)
+                                                     FieldColorModeId, VariableRefresh, VariableSort)
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -51,6 +51,22 @@ def latest(title: str, description: str, expr: str) -> table.Panel:
     q = (prometheus.Dataquery().expr(expr).datasource(DATASOURCE).instant().format(PromQueryFormat.TABLE)
          .ref_id("A"))
     return table.Panel().title(title).description(description).datasource(DATASOURCE).height(8).span(12).with_target(q)
+
+
+def arrival() -> statetimeline.Panel:
+    """Each rank's lateness in its group's collectives, over time: a row per rank and group."""
+    def mean_wait(selector: str) -> str:
+        return (f"sum by (job, pg, rank) (rate(commlens_collective_duration_seconds_sum{{{selector}}}[$__rate_interval]))"
+                f" / sum by (job, pg, rank) (rate(commlens_collective_duration_seconds_count{{{selector}}}"
+                "[$__rate_interval]))")
+    lateness = f"max by (job, pg) ({mean_wait(GROUP)}) - on (job, pg) group_right {mean_wait(SELECT)}"
+    colours = dashboard.FieldColor().mode(FieldColorModeId.CONTINUOUS_GR_YL_RD)
+    return (statetimeline.Panel().title("Arrival: how much later each rank arrives").description(
+        "In a synchronous collective a rank waits for the last to arrive, so the group's longest mean wait minus "
+        "a rank's own is how much later that rank arrives, on average over the interval: the red row is the "
+        "rank the others wait for. A latency panel's exemplar opens one collective's trace, every rank's span "
+        "in it, where a trace backend is configured.").unit("s").datasource(DATASOURCE).height(8).span(24)
+        .color_scheme(colours).fill_opacity(70).line_width(0).with_target(query(lateness, "rank {{rank}} · group {{pg}}").ref_id("A")))
 
 
 def latency(selector: str) -> list[prometheus.Dataquery]:
@@ -111,6 +127,7 @@ def overview() -> dashboard.Dashboard:
                               query(f"max by (rank, pg) (commlens_collective_inflight_oldest_seconds{{{SELECT}}})",
                                     "rank {{rank}} · group {{pg}}")))
             .with_row(dashboard.Row("Progress"))
+            .with_panel(arrival())
             .with_panel(graph("Collectives behind the group", "How far each rank's last issued collective is "
                               "behind the most advanced rank of its group: a rank that stays above 0 is the one "
                               "the others wait for.", "none", query(lag, "rank {{rank}} · group {{pg}}")))
