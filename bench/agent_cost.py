@@ -1,0 +1,212 @@
+"""The whole agent's cost on the training process: each configuration against no commlens, in one run.
+
+Every trial is a fresh 2-rank gloo job on CPU that runs one workload under one configuration; trials
+are interleaved (every configuration of a workload, then the next workload, repeat after repeat), and
+each configuration's time is divided by the no-commlens trial of the same workload and repeat. The
+table gives the paired ratios' min - median - max, and the CPU that commlens itself used per
+collective: its threads in the training process (by native thread id), the training thread's extra
+CPU over no commlens, and the pod sidecar's process apart. Beside the NaN/Inf check's cost it
+prints one ``torch.sum`` over the same payload, its goal's yardstick (issue 19: at most 1.2x that).
+
+Configurations: ``none``; ``default`` (``commlens.agent.start()``: NaN/Inf check, span budget, spans to
+the trace file); ``no-nan-check`` (the default with ``COMMLENS_NAN_CHECK=off``); ``every-span``
+(``OTEL_TRACES_SAMPLER=always_on``); ``pod-sidecar`` (the ranks write rings only; ``commlens sidecar``,
+a process of its own, drains them). Workloads: all_reduce of 4 KiB, 1 MiB and 64 MiB, a DDP step
+(3 x Linear(1024), batch 64) and an FSDP2 step of the same model.
+
+    python bench/agent_cost.py --repeats 5       # the figures (about 25 minutes on 2 cores)
+    python bench/agent_cost.py --quick           # every path once, briefly (CI: no timing judged)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from commlens.agent.demo import free_port, free_ports
+
+CONFIGS = {
+    "none": None,
+    "default": {},
+    "no-nan-check": {"COMMLENS_NAN_CHECK": "off"},
+    "every-span": {"OTEL_TRACES_SAMPLER": "always_on"},
+    "pod-sidecar": {"COMMLENS_RING_DIR": ""},  # filled in per trial
+}
+WORKLOADS = {"all_reduce 4 KiB": (1 << 10, 2000), "all_reduce 1 MiB": (1 << 18, 400),
+             "all_reduce 64 MiB": (1 << 24, 12), "DDP step": (None, 60), "FSDP2 step": (None, 40)}
+"""Name: (float32 elements of the payload, or None for a training step; iterations timed)."""
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(3)])
+
+
+def _workload(name: str, iterations: int) -> float:
+    """Seconds per iteration (median of 5 slices of ``iterations``, after a warm-up)."""
+    elements, _ = WORKLOADS[name]
+    if elements is not None:
+        tensor = torch.ones(elements)
+
+        def step() -> None:
+            dist.all_reduce(tensor)
+    else:
+        model = _model()
+        if name.startswith("DDP"):
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model:
+                fully_shard(layer)
+            fully_shard(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x = torch.randn(64, 1024)
+
+        def step() -> None:
+            optimizer.zero_grad()
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+    for _ in range(max(3, iterations // 10)):  # warm-up
+        step()
+    dist.barrier()
+    slices, per_slice = [], max(1, iterations // 5)
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(per_slice):
+            step()
+        slices.append((time.perf_counter() - started) / per_slice)
+    return statistics.median(slices)
+
+
+def _cpu_s(stat: str) -> float:
+    """User + system CPU seconds from a ``/proc/.../stat`` file."""
+    with open(stat) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _thread_cpu_s(native_id: int) -> float:
+    return _cpu_s(f"/proc/self/task/{native_id}/stat")
+
+
+def _trial(rank: int, port: int, workload: str, iterations: int, settings: dict | None, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+    agent = None
+    if settings is not None:
+        import commlens.agent
+
+        os.environ.update(settings)
+        agent = commlens.agent.start()
+    main_thread, group = threading.main_thread().native_id, dist.distributed_c10d._get_default_group()
+    before = {t.native_id: _thread_cpu_s(t.native_id) for t in threading.enumerate()}
+    first_seq = group._get_sequence_number_for_group()
+    seconds = _workload(workload, iterations)
+    collectives = group._get_sequence_number_for_group() - first_seq  # warm-up included, as in the CPU figures
+    threads = {t.native_id: t.name for t in threading.enumerate()}
+    spent = {name: _thread_cpu_s(tid) - before.get(tid, 0.0) for tid, name in threads.items()}
+    training = spent.pop(threads[main_thread])
+    commlens_threads = sum(s for name, s in spent.items() if name.startswith("commlens"))
+    sum_s = None
+    elements = WORKLOADS[workload][0]
+    if elements is not None:  # the NaN check's yardstick: one pass over the same payload
+        tensor = torch.ones(elements)
+        started = time.perf_counter()
+        for _ in range(20):
+            torch.sum(tensor)
+        sum_s = (time.perf_counter() - started) / 20
+    if agent is not None:
+        import commlens.agent
+
+        commlens.agent.stop()
+    if rank == 0:
+        out["result"] = {"seconds": seconds, "collectives": collectives, "training_cpu_s": training,
+                         "commlens_cpu_s": commlens_threads, "sum_s": sum_s}
+    dist.destroy_process_group()
+
+
+def trial(workload: str, config: str, iterations: int) -> dict:
+    """One fresh 2-rank job of ``workload`` under ``config``; rank 0's figures."""
+    settings = None if CONFIGS[config] is None else {
+        "COMMLENS_METRICS_PORT": str(free_ports(2)), "COMMLENS_METRICS_ADDR": "127.0.0.1", **CONFIGS[config]}
+    sidecar, folder = None, tempfile.mkdtemp(prefix="commlens-agent-cost-")
+    if settings is not None:
+        settings["COMMLENS_TRACE_FILE"] = os.path.join(folder, "traces-{rank}.jsonl")
+    if config == "pod-sidecar":
+        settings["COMMLENS_RING_DIR"] = folder
+        sidecar = subprocess.Popen([sys.executable, "-m", "commlens.agent.cli", "sidecar", "--ring-dir", folder,
+                                    "--metrics-port", "0", "--trace-file", os.path.join(folder, "pod.jsonl")],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert sidecar.stdout.readline().startswith("commlens sidecar:")  # started: from here its CPU counts
+        sidecar_started_s = _cpu_s(f"/proc/{sidecar.pid}/stat")
+    try:
+        with mp.Manager() as manager:
+            out = manager.dict()
+            mp.start_processes(_trial, args=(free_port(), workload, iterations, settings, out), nprocs=2,
+                               start_method="spawn")
+            result = dict(out["result"])
+    finally:
+        if sidecar is not None:
+            result["sidecar_cpu_s"] = _cpu_s(f"/proc/{sidecar.pid}/stat") - sidecar_started_s
+            sidecar.terminate()
+            sidecar.wait(30)
+    return result
+
+
+def _spread(values: list[float]) -> str:
+    values = sorted(values)
+    return f"{values[0]:.3f} - {statistics.median(values):.3f} - {values[-1]:.3f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="every workload and configuration once, briefly")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    args = parser.parse_args()
+    repeats = 1 if args.quick else args.repeats
+    results: dict[tuple[str, str], list[dict]] = {}
+    for repeat in range(repeats):
+        for workload in args.workloads:
+            iterations = 2 if args.quick else WORKLOADS[workload][1]
+            for config in CONFIGS:
+                results.setdefault((workload, config), []).append(trial(workload, config, iterations))
+            print(f"repeat {repeat + 1}/{repeats}: {workload} done", file=sys.stderr, flush=True)
+    print(f"{'workload':<20}{'config':<14}{'ratio min - median - max':>26}{'commlens µs/coll':>18}"
+          f"{'+training µs/coll':>19}{'sidecar µs/coll':>17}")
+    for workload in args.workloads:
+        baseline = results[(workload, "none")]
+        for config in CONFIGS:
+            runs = results[(workload, config)]
+            ratios = [run["seconds"] / base["seconds"] for run, base in zip(runs, baseline)]
+            per = statistics.median(run["collectives"] for run in runs)
+            threads = statistics.median(run["commlens_cpu_s"] for run in runs) / per * 1e6
+            extra = statistics.median(run["training_cpu_s"] - base["training_cpu_s"]
+                                      for run, base in zip(runs, baseline)) / per * 1e6
+            sidecar = statistics.median(run.get("sidecar_cpu_s", 0.0) for run in runs) / per * 1e6
+            print(f"{workload:<20}{config:<14}{_spread(ratios):>26}{threads:>18.1f}{extra:>19.1f}{sidecar:>17.1f}")
+        sums = [run["sum_s"] for run in baseline if run["sum_s"] is not None]
+        if sums:
+            nan_cost = statistics.median(run["seconds"] - nan_off["seconds"] for run, nan_off
+                                         in zip(results[(workload, "default")], results[(workload, "no-nan-check")]))
+            print(f"{workload:<20}NaN check: +{nan_cost * 1e6:.1f} µs per collective; one torch.sum over the "
+                  f"payload: {statistics.median(sums) * 1e6:.1f} µs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
