@@ -162,6 +162,10 @@ def _hang(pg: str, members: list[RankFacts]) -> list[Finding]:
     lost = sorted(f.rank for f in members if f.lost)
     if lost:
         others = [rank for rank in sorted(ops) if rank not in lost]
+        own = [f.groups[pg] for f in members if f.rank == lost[0] and pg in f.groups]
+        if own and 0 < own[0].issued <= seq:  # the collective it died in: its last (others may have finished it)
+            majority = own[0].hung[0] if own[0].hung and own[0].hung[1] == own[0].issued else majority
+            seq = own[0].issued
         return [Finding("lost_rank", tuple(lost), pg, majority, seq,
                         "its process ended without a signal or an exception (SIGKILL, the OOM killer, a crash)"
                         + (f"; ranks {others} waited in or failed in seq {seq}" if others else ""))]
@@ -171,7 +175,7 @@ def _hang(pg: str, members: list[RankFacts]) -> list[Finding]:
         found.append(_desync(pg, seq, {r: ops[r] for r in wrong}, waiting, majority))
     starts = [f.groups[pg].arrivals[seq][1] for f in members if f.rank in waiting and seq in f.groups[pg].arrivals]
     thresholds = [f.groups[pg].threshold_s for f in members if pg in f.groups and f.groups[pg].threshold_s]
-    late = {f.rank: why for f in members if f.rank not in ops
+    late = {f.rank: why for f in members if f.rank not in ops and f.rank not in live  # waiting ones are evidence
             and (why := _late(f, pg, seq, bool(live), min(starts, default=None), min(thresholds, default=0.0)))
             is not None}
     if late:

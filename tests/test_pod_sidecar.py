@@ -43,12 +43,13 @@ def test_a_killed_rank_is_reported_in_its_collective_from_shared_memory(tmp_path
                                  f"http://127.0.0.1:{sidecar.port}/metrics", "--window", "1"],
                                 capture_output=True, text=True, timeout=60)
     assert job.process.returncode != 0
-    # The collective it died in is the last it issued, and the others waited in it (hung) or failed in it.
+    # The collective it died in is the last it issued, and the others waited in it (hung) or failed in it,
+    # or in the next, where its part of the one it died in had reached them already.
     # Rank 2 may also show the step's DDP bucket in flight: that work had completed, but its completion
     # callback was still waiting for the GIL when the process killed itself.
     died_in = issued[2]
     assert inflight[2] >= 1 and hung in (died_in, died_in - 1), (inflight, hung, issued)
-    assert others == {r: died_in for r in others}, others
+    assert set(others.values()) <= {died_in, died_in + 1}, (others, died_in)
     assert snapshots[(("rank", "2"), ("reason", "exit"))] == 1
     assert f"killed or crashed: rank 2 in all_reduce (group 0, seq {int(died_in)})" in report.stdout, \
         report.stdout + report.stderr
