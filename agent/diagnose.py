@@ -175,7 +175,7 @@ def _hang(pg: str, members: list[RankFacts]) -> list[Finding]:
         found.append(_desync(pg, seq, {r: ops[r] for r in wrong}, waiting, majority))
     starts = [f.groups[pg].arrivals[seq][1] for f in members if f.rank in waiting and seq in f.groups[pg].arrivals]
     thresholds = [f.groups[pg].threshold_s for f in members if pg in f.groups and f.groups[pg].threshold_s]
-    late = {f.rank: why for f in members if f.rank not in ops and f.rank not in live  # waiting ones are evidence
+    late = {f.rank: why for f in members if f.rank not in ops
             and (why := _late(f, pg, seq, bool(live), min(starts, default=None), min(thresholds, default=0.0)))
             is not None}
     if late:
