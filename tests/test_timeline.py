@@ -43,12 +43,18 @@ def _check_structure(events, recorded):
     by_collective = collections.defaultdict(set)
     for pid, group, seq in slices:
         by_collective[(group, seq)].add(pid)
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"].removeprefix("group ") for e in events
+              if e["ph"] == "M" and e["name"] == "thread_name"}
     joined = {}
     for members in flows.values():
         assert [e["ph"] for e in members] == ["s"] + ["t"] * (len(members) - 2) + ["f"]
         assert [e["ts"] for e in members] == sorted(e["ts"] for e in members)  # first arrival to last
-        joined[members[0]["name"]] = {e["pid"] for e in members}
-    assert len(flows) == sum(1 for ranks in by_collective.values() if len(ranks) > 1)
+        [group] = {tracks[(e["pid"], e["tid"])] for e in members}
+        [seq] = {int(e["name"].rsplit(" seq ", 1)[1]) for e in members}
+        joined[(group, seq)] = {e["pid"] for e in members}
+    # every (group, seq) recorded on more than one rank has one arrow, through exactly its ranks
+    assert len(joined) == len(flows)
+    assert joined == {key: ranks for key, ranks in by_collective.items() if len(ranks) > 1}
     return flows
 
 
