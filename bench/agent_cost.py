@@ -5,8 +5,9 @@ are interleaved (every configuration of a workload, then the next workload, repe
 each configuration's time is divided by the no-commlens trial of the same workload and repeat. The
 table gives the paired ratios' min - median - max, and the CPU that commlens itself used per
 collective: its threads in the training process (by native thread id), the training thread's extra
-CPU over no commlens, and the pod sidecar's process apart. Beside the NaN/Inf check's cost it
-prints one ``torch.sum`` over the same payload, its goal's yardstick (issue 19: at most 1.2x that).
+CPU over no commlens, and the pod sidecar's process apart. The NaN/Inf check's cost is timed within
+each default trial of an all_reduce (slices with and without it, alternated), beside one ``torch.sum``
+over the same payload, its goal's yardstick (issue 19: at most 1.2x that).
 
 Configurations: ``none``; ``default`` (``commlens.agent.start()``: NaN/Inf check, span budget, spans to
 the trace file); ``no-nan-check`` (the default with ``COMMLENS_NAN_CHECK=off``); ``every-span``
@@ -53,41 +54,57 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(3)])
 
 
-def _workload(name: str, iterations: int) -> float:
-    """Seconds per iteration (median of 5 slices of ``iterations``, after a warm-up)."""
+def _step(name: str):
+    """One iteration of workload ``name``, as a function."""
     elements, _ = WORKLOADS[name]
     if elements is not None:
         tensor = torch.ones(elements)
-
-        def step() -> None:
-            dist.all_reduce(tensor)
+        return lambda: dist.all_reduce(tensor)
+    model = _model()
+    if name.startswith("DDP"):
+        model = torch.nn.parallel.DistributedDataParallel(model)
     else:
-        model = _model()
-        if name.startswith("DDP"):
-            model = torch.nn.parallel.DistributedDataParallel(model)
-        else:
-            from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard
 
-            for layer in model:
-                fully_shard(layer)
-            fully_shard(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-        x = torch.randn(64, 1024)
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 1024)
 
-        def step() -> None:
-            optimizer.zero_grad()
-            model(x).pow(2).mean().backward()
-            optimizer.step()
+    def step() -> None:
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+    return step
+
+
+def _slice_s(step, iterations: int) -> float:
+    """Seconds per iteration over ``iterations`` of ``step``."""
+    started = time.perf_counter()
+    for _ in range(iterations):
+        step()
+    return (time.perf_counter() - started) / iterations
+
+
+def _workload(step, iterations: int) -> float:
+    """Seconds per iteration (median of 5 slices of ``iterations``, after a warm-up)."""
     for _ in range(max(3, iterations // 10)):  # warm-up
         step()
     dist.barrier()
-    slices, per_slice = [], max(1, iterations // 5)
+    return statistics.median(_slice_s(step, max(1, iterations // 5)) for _ in range(5))
+
+
+def _check_cost_s(check, step, iterations: int) -> float:
+    """Seconds the NaN/Inf check adds per iteration, within one trial: slices with it and without it
+    alternate (every rank toggles its own at the same collective), median minus median."""
+    checked, unchecked, per_slice = [], [], max(1, iterations // 5)
     for _ in range(5):
-        started = time.perf_counter()
-        for _ in range(per_slice):
-            step()
-        slices.append((time.perf_counter() - started) / per_slice)
-    return statistics.median(slices)
+        checked.append(_slice_s(step, per_slice))
+        check.unregister()
+        unchecked.append(_slice_s(step, per_slice))
+        check.register_with_comm()
+    return statistics.median(checked) - statistics.median(unchecked)
 
 
 def _cpu_s(stat: str) -> float:
@@ -115,14 +132,17 @@ def _trial(rank: int, port: int, workload: str, iterations: int, settings: dict 
     main_thread, group = threading.main_thread().native_id, dist.distributed_c10d._get_default_group()
     before = {t.native_id: _thread_cpu_s(t.native_id) for t in threading.enumerate()}
     first_seq = group._get_sequence_number_for_group()
-    seconds = _workload(workload, iterations)
+    step = _step(workload)
+    seconds = _workload(step, iterations)
     collectives = group._get_sequence_number_for_group() - first_seq  # warm-up included, as in the CPU figures
     threads = {t.native_id: t.name for t in threading.enumerate()}
     spent = {name: _thread_cpu_s(tid) - before.get(tid, 0.0) for tid, name in threads.items()}
     training = spent.pop(threads[main_thread])
     commlens_threads = sum(s for name, s in spent.items() if name.startswith("commlens"))
-    sum_s = None
+    sum_s = check_s = None
     elements = WORKLOADS[workload][0]
+    if elements is not None and agent is not None and agent.nan_check is not None:
+        check_s = _check_cost_s(agent.nan_check, step, iterations)
     if elements is not None:  # the NaN check's yardstick: one pass over the same payload
         tensor = torch.ones(elements)
         started = time.perf_counter()
@@ -135,7 +155,8 @@ def _trial(rank: int, port: int, workload: str, iterations: int, settings: dict 
         commlens.agent.stop()
     if rank == 0:
         out["result"] = {"seconds": seconds, "collectives": collectives, "training_cpu_s": training,
-                         "commlens_cpu_s": commlens_threads, "sum_s": sum_s}
+                         "commlens_cpu_s": commlens_threads, "sum_s": sum_s,
+                         "check_s": check_s}
     dist.destroy_process_group()
 
 
@@ -200,11 +221,12 @@ def main() -> int:
             sidecar = statistics.median(run.get("sidecar_cpu_s", 0.0) for run in runs) / per * 1e6
             print(f"{workload:<20}{config:<14}{_spread(ratios):>26}{threads:>18.1f}{extra:>19.1f}{sidecar:>17.1f}")
         sums = [run["sum_s"] for run in baseline if run["sum_s"] is not None]
-        if sums:
-            nan_cost = statistics.median(run["seconds"] - nan_off["seconds"] for run, nan_off
-                                         in zip(results[(workload, "default")], results[(workload, "no-nan-check")]))
-            print(f"{workload:<20}NaN check: +{nan_cost * 1e6:.1f} µs per collective; one torch.sum over the "
-                  f"payload: {statistics.median(sums) * 1e6:.1f} µs")
+        checks = [run["check_s"] for run in results[(workload, "default")] if run["check_s"] is not None]
+        if sums and checks:
+            check, one_sum = statistics.median(checks), statistics.median(sums)
+            print(f"{workload:<20}NaN check: +{check * 1e6:.1f} µs per collective "
+                  f"({min(checks) * 1e6:.1f} - {max(checks) * 1e6:.1f}); one torch.sum over the payload: "
+                  f"{one_sum * 1e6:.1f} µs; ratio {check / one_sum:.2f} (goal <= 1.2)")
     return 0
 
 

@@ -17,7 +17,7 @@ import warnings
 import weakref
 from typing import Any, Callable
 
-from .ops import CODE, OpName, AbortHookArgs, PostHookArgs, PreHookArgs
+from .ops import CODE, OPS, OpName, AbortHookArgs, PostHookArgs, PreHookArgs
 from .registry import abort_hooks, post_hooks, pre_hooks
 from . import cuda
 from .futures import when_done
@@ -276,7 +276,8 @@ def aborted(group_name: str) -> None:
 def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple, wire_peer: int,
                  call: Callable, args: tuple, kwargs: dict) -> Any:
     """``call(*args, **kwargs)``, a synchronous collective, recorded as START and END with nothing
-    else: the path taken while no hook of any kind is registered. Allocates no per-op object."""
+    else: the path taken while no pre- or post-hook is registered. Allocates no per-op object
+    unless it fails (the abort hooks' arguments)."""
     try:
         # signature() and next_collective_seq(), with their common cases inlined: this runs per op
         found = None
@@ -299,7 +300,7 @@ def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple,
             result = call(*args, **kwargs)
         except BaseException as error:
             cuda.tracker().release(pair)
-            write(END, code, TIMEOUT if _is_timeout(error) else ERROR, sid, op_id, seq, nbytes, sig, wire_peer, 0)
+            _failed_unhooked(code, group, op_id, seq, nbytes, sig, wire_peer, tensors, output_tensors, error)
             raise
         cuda.tracker().end(pair, None, lambda start_ns, end_ns: cuda.write_completion(
             code, OK, sid, op_id, seq, nbytes, sig, wire_peer, 0, start_ns, end_ns), None)
@@ -307,10 +308,22 @@ def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple,
     try:
         result = call(*args, **kwargs)
     except BaseException as error:
-        write(END, code, TIMEOUT if _is_timeout(error) else ERROR, sid, op_id, seq, nbytes, sig, wire_peer, 0)
+        _failed_unhooked(code, group, op_id, seq, nbytes, sig, wire_peer, tensors, output_tensors, error)
         raise
     write(END, code, OK, sid, op_id, seq, nbytes, sig, wire_peer, 0)
     return result
+
+
+def _failed_unhooked(code: int, group: Group, op_id: int, seq: int, nbytes: int, sig: int, wire_peer: int,
+                     tensors: tuple, output_tensors: tuple, error: BaseException) -> None:
+    """END of a collective that raised on the unhooked path, then the abort hooks, with the
+    arguments the hooked path gives them: abort hooks do not take a collective off this path."""
+    status = TIMEOUT if _is_timeout(error) else ERROR
+    (_ring or ring()).write(END, code, status, group.sid, op_id, seq, nbytes, sig, wire_peer, 0)
+    if abort_hooks.entries:
+        call = PreHookArgs(OPS[code], op_id, group.handle, group.name, seq, tensors, output_tensors, False,
+                           None if wire_peer < 0 else wire_peer, None, group.rank)
+        abort_hooks.call(AbortHookArgs(call, error, STATUS[status]))
 
 
 _warned = False

@@ -91,12 +91,19 @@ def _report(kind: str, hook: Hook, error: Exception) -> None:
 
 pre_hooks, post_hooks, abort_hooks = _Hooks("pre"), _Hooks("post"), _Hooks("abort")
 hooked = False
-"""Whether any pre-, post- or abort hook is registered: one lookup for the hot path."""
+"""Whether a pre- or post-hook that must see every collective is registered: one lookup for the hot
+path. (Abort hooks run where a collective fails, on every path.)"""
+checking_inputs = False
+"""Whether an input check is registered (``register_input_check``)."""
+_input_checks: set[Hook] = set()
 
 
 def _update_hooked() -> None:
-    global hooked
-    hooked = bool(pre_hooks.entries or post_hooks.entries or abort_hooks.entries)
+    global hooked, checking_inputs
+    registered = {hook for hook, _ in pre_hooks.entries}
+    _input_checks.intersection_update(registered)
+    hooked = bool(post_hooks.entries) or len(registered) > len(_input_checks)
+    checking_inputs = bool(_input_checks)
 
 
 def register_pre_hook(hook: Hook, *, propagate: bool = False) -> RemovableHandle:
@@ -105,6 +112,13 @@ def register_pre_hook(hook: Hook, *, propagate: bool = False) -> RemovableHandle
     With ``propagate=True`` an exception from the hook reaches the caller and the collective is
     not issued (what ``NanCheckHook(mode="raise")`` uses); otherwise it is counted and ignored.
     """
+    return pre_hooks.add(hook, propagate)
+
+
+def register_input_check(hook: Hook, *, propagate: bool = False) -> RemovableHandle:
+    """A pre-hook that does nothing when every input tensor is finite (``NanCheckHook``'s): the hot
+    path may skip it for a collective whose inputs its own scan found finite (hooks/nan_check.py)."""
+    _input_checks.add(hook)
     return pre_hooks.add(hook, propagate)
 
 

@@ -29,6 +29,30 @@ def test_report_mode_records_nan_and_inf_and_lets_the_collective_run(run_ranks):
     assert [f for f, _, _ in rank0] == [1 | FLAG_NAN | FLAG_INF]  # only the output, after the all_reduce
 
 
+def nan_report_inputs(rank, world_size):
+    ch.instrument()
+    reader = ch.RingReader(ch.ring())
+    big = torch.ones(1 << 19)  # too large to scan on the CPU: summed by torch
+    big[-1] = float("inf")
+    strided = torch.ones(4, 3)
+    strided[1, 0] = float("nan")
+    with ch.NanCheckHook(mode="report"):  # inputs only: finite collectives keep the unhooked path
+        dist.all_reduce(torch.ones(8))
+        dist.all_reduce(torch.tensor([1.0, float("nan"), float("nan")], dtype=torch.bfloat16))
+        dist.all_reduce(big)
+        dist.all_reduce(strided[:, 0])
+        dist.all_reduce(torch.ones(8))
+    records = reader.read()
+    ops = {r.op_id for r in records if r.kind == ch.START}
+    return len(ops), [(r.flags, r.nbytes) for r in records if r.kind == ch.NAN]
+
+
+def test_report_mode_on_inputs_counts_what_each_collective_held(run_ranks):
+    for collectives, found in run_ranks(nan_report_inputs, 2):
+        assert collectives == 5
+        assert found == [(FLAG_NAN, 2), (FLAG_INF, 1), (FLAG_NAN, 1)]
+
+
 def nan_raise(rank, world_size):
     ch.instrument()
     aborts = []
