@@ -57,8 +57,8 @@ def _model() -> torch.nn.Module:
 def _step(name: str):
     """One iteration of workload ``name``, as a function."""
     elements, _ = WORKLOADS[name]
-    if elements is not None:
-        tensor = torch.ones(elements)
+    if elements is not None:  # zeros: a summed payload of ones would double each time, and be Inf
+        tensor = torch.zeros(elements)  # after 128 collectives: every one a NaN/Inf event from then on
         return lambda: dist.all_reduce(tensor)
     model = _model()
     if name.startswith("DDP"):
@@ -97,12 +97,16 @@ def _workload(step, iterations: int) -> float:
 
 def _check_cost_s(check, step, iterations: int) -> float:
     """Seconds the NaN/Inf check adds per iteration, within one trial: slices with it and without it
-    alternate (every rank toggles its own at the same collective), median minus median."""
-    checked, unchecked, per_slice = [], [], max(1, iterations // 5)
-    for _ in range(5):
-        checked.append(_slice_s(step, per_slice))
-        check.unregister()
-        unchecked.append(_slice_s(step, per_slice))
+    alternate, in the order ABBA (every rank toggles its own at the same collective), median minus
+    median."""
+    checked, unchecked, per_slice, registered = [], [], max(1, iterations // 5), True
+    for order in range(6):
+        for on in (True, False) if order % 2 == 0 else (False, True):
+            if on != registered:
+                check.register_with_comm() if on else check.unregister()
+                registered = on
+            (checked if on else unchecked).append(_slice_s(step, per_slice))
+    if not registered:
         check.register_with_comm()
     return statistics.median(checked) - statistics.median(unchecked)
 

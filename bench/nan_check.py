@@ -1,10 +1,13 @@
 """The NaN/Inf check's cost per collective against payload size, and against one ``torch.sum``.
 
-The check is one reduction over each input (a finite sum proves every element finite; only a
-non-finite sum is checked element by element). Measured on a world-size-1 gloo group, all hooks
-instrumented in both arms: all_reduce with ``NanCheckHook`` against all_reduce with a pre-hook that
-does nothing; beside it, one ``torch.sum`` of the same tensor, the check's floor (issue goal: the
-check adds at most 1.2× a sum). Medians of ``--repeats`` interleaved rounds.
+The check is one pass over each input: a contiguous CPU tensor of up to 1 MiB of floats is scanned in
+C for all-ones exponents, a larger one summed by torch (a finite sum proves every element finite);
+only a tensor found non-finite is counted element by element. What it adds to a collective is timed
+on the training thread's hot path (``instrument()``'s all_reduce with a backend that returns at once,
+so that no backend noise is in it), with ``NanCheckHook`` against without; beside it the check's pass
+alone, one ``torch.sum`` of the same tensor (the floor, issue 19's goal: the check adds at most 1.2x
+a sum), and a real world-size-1 gloo all_reduce with and without the check. Medians of ``--repeats``
+interleaved rounds (min - max of the added time beside it), torch on one thread.
 
     python bench/nan_check.py
 """
@@ -20,6 +23,9 @@ import torch
 import torch.distributed as dist
 
 import commlens.hooks as ch
+from commlens.agent.demo import free_port
+from commlens.hooks.distributed import _all_reduce, _instrumented
+from commlens.hooks.nan_check import tensor_finite
 
 SIZES = {"4 KiB": 4 << 10, "1 MiB": 1 << 20, "64 MiB": 64 << 20}
 
@@ -31,31 +37,44 @@ def _per_call(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def _backend_returns_at_once(tensor, op=None, group=None, async_op=False):
+    return None
+
+
+def _added(fn, calls: int, repeats: int) -> list[float]:
+    """Seconds ``NanCheckHook`` adds to ``fn``, per round: rounds with and without it, alternated."""
+    added = []
+    for _ in range(repeats):
+        without = _per_call(fn, calls)
+        check = ch.NanCheckHook().register_with_comm()
+        added.append(_per_call(fn, calls) - without)
+        check.unregister()
+    return added
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     ch.instrument()
     torch.set_num_threads(1)
-    print(f"{'payload':<8}{'all_reduce µs':>14}{'+ check µs':>12}{'sum µs':>10}{'check / sum':>13}")
+    hot_path = _instrumented(ch.OpName.all_reduce, _backend_returns_at_once, _all_reduce)
+    print(f"{'payload':<8}{'added on the hot path µs':>30}{'pass µs':>9}{'sum µs':>8}{'added / sum':>13}"
+          f"{'gloo all_reduce µs':>20}{'added there µs':>16}")
     for name, nbytes in SIZES.items():
         t = torch.randn(nbytes // 4)
-        calls = max(3, min(2000, (256 << 20) // nbytes))
-        plain, checked, sums = [], [], []
-        for _ in range(args.repeats):
-            handle = ch.register_pre_hook(lambda a: None)
-            plain.append(_per_call(lambda: dist.all_reduce(t), calls))
-            handle.remove()
-            check = ch.NanCheckHook().register_with_comm()
-            checked.append(_per_call(lambda: dist.all_reduce(t), calls))
-            check.unregister()
-            sums.append(_per_call(lambda: t.sum(), calls))
-        base, with_check, total = (statistics.median(x) * 1e6 for x in (plain, checked, sums))
-        added = with_check - base
-        print(f"{name:<8}{base:>14.1f}{added:>12.1f}{total:>10.1f}{added / total:>12.2f}x", flush=True)
+        calls = max(3, min(5000, (256 << 20) // nbytes))
+        added = _added(lambda: hot_path(t), calls, args.repeats)
+        one_pass = statistics.median(_per_call(lambda: tensor_finite(t), calls) for _ in range(args.repeats))
+        one_sum = statistics.median(_per_call(lambda: torch.sum(t), calls) for _ in range(args.repeats))
+        gloo = statistics.median(_per_call(lambda: dist.all_reduce(t), calls) for _ in range(args.repeats))
+        in_gloo = statistics.median(_added(lambda: dist.all_reduce(t), calls, args.repeats))
+        median = statistics.median(added)
+        spread = f"{median * 1e6:.2f} ({min(added) * 1e6:.2f} - {max(added) * 1e6:.2f})"
+        print(f"{name:<8}{spread:>30}{one_pass * 1e6:>9.2f}{one_sum * 1e6:>8.2f}{median / one_sum:>12.2f}x"
+              f"{gloo * 1e6:>20.1f}{in_gloo * 1e6:>16.1f}", flush=True)
     ch.uninstrument()
     dist.destroy_process_group()
 

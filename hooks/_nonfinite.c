@@ -19,6 +19,7 @@ enum { KIND_FLOAT32, KIND_FLOAT64, KIND_FLOAT16, KIND_BFLOAT16, KINDS };
     __attribute__((target_clones("avx2", "default")))                             \
     static int NAME(const UINT *x, Py_ssize_t n) {                                 \
         UINT carried = 0;                                                          \
+        _Pragma("GCC unroll 8")                                                    \
         for (Py_ssize_t i = 0; i < n; i++)                                         \
             carried |= (UINT)((x[i] & (UINT)(EXPONENT)) + (UINT)(LOWEST_EXPONENT_BIT)); \
         return !(carried & (UINT)(SIGN));                                          \

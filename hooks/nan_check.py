@@ -78,7 +78,7 @@ class NanCheckHook:
             if t.is_cuda and self.mode == "report":  # on the device, read when ready: no host sync
                 cuda.tracker().check(t, lambda flags, index=index: self._found(call, index, which | flags, 0))
                 continue
-            if _all_finite(t):  # on a CUDA tensor in raise mode, this waits for the device
+            if tensor_finite(t):  # on a CUDA tensor in raise mode, this waits for the device
                 continue
             nans, infs = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
             if not nans and not infs:  # the sum overflowed; every element is finite
@@ -126,7 +126,7 @@ def _scannable(t: torch.Tensor) -> tuple[int, int] | None:
         else None
 
 
-def _all_finite(t: torch.Tensor) -> bool:
+def tensor_finite(t: torch.Tensor) -> bool:
     """One pass over ``t`` and no temporary of its size; True proves every element finite, False
     sends it to the exact per-element count. A ``_scannable`` tensor is scanned in C
     (``_nonfinite.c``: 0.5 µs for 4 KiB, where the dispatch of a ``torch.sum`` alone takes 1.4); any
