@@ -3,9 +3,11 @@
 Every trial is a fresh 2-rank gloo job on CPU that runs one workload under one configuration; trials
 are interleaved (every configuration of a workload, then the next workload, repeat after repeat), and
 each configuration's time is divided by the no-commlens trial of the same workload and repeat. The
-table gives the paired ratios' min - median - max, and the CPU that commlens itself used per
-collective: its threads in the training process (by native thread id), the training thread's extra
-CPU over no commlens, and the pod sidecar's process apart. The NaN/Inf check's cost is timed within
+table gives the paired ratios' min - median - max. The CPU that commlens itself uses per collective
+comes from a one-rank job per configuration that runs ``--cpu-collectives`` all_reduces of 4 KiB
+(100,000: the kernel's CPU clock ticks every 10 ms, too coarse for the few collectives of a timed
+trial): its threads in the training process (by native thread id), the training thread's extra CPU
+over no commlens, and the pod sidecar's process apart. The NaN/Inf check's cost is timed within
 each default trial of an all_reduce (slices with and without it, alternated), beside one ``torch.sum``
 over the same payload, its goal's yardstick (issue 19: at most 1.2x that).
 
@@ -15,7 +17,7 @@ the trace file); ``no-nan-check`` (the default with ``COMMLENS_NAN_CHECK=off``);
 a process of its own, drains them). Workloads: all_reduce of 4 KiB, 1 MiB and 64 MiB, a DDP step
 (3 x Linear(1024), batch 64) and an FSDP2 step of the same model.
 
-    python bench/agent_cost.py --repeats 5       # the figures (about 25 minutes on 2 cores)
+    python bench/agent_cost.py --repeats 5       # the figures (about 15 minutes on 2 cores)
     python bench/agent_cost.py --quick           # every path once, briefly (CI: no timing judged)
 """
 
@@ -122,11 +124,12 @@ def _thread_cpu_s(native_id: int) -> float:
     return _cpu_s(f"/proc/self/task/{native_id}/stat")
 
 
-def _trial(rank: int, port: int, workload: str, iterations: int, settings: dict | None, out: dict) -> None:
+def _trial(rank: int, world_size: int, port: int, workload: str, iterations: int, settings: dict | None,
+           out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2")
+                      WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
     agent = None
     if settings is not None:
         import commlens.agent
@@ -145,7 +148,7 @@ def _trial(rank: int, port: int, workload: str, iterations: int, settings: dict 
     commlens_threads = sum(s for name, s in spent.items() if name.startswith("commlens"))
     sum_s = check_s = None
     elements = WORKLOADS[workload][0]
-    if elements is not None and agent is not None and agent.nan_check is not None:
+    if elements is not None and agent is not None and agent.nan_check is not None and world_size > 1:
         check_s = _check_cost_s(agent.nan_check, step, iterations)
     if elements is not None:  # the NaN check's yardstick: one pass over the same payload
         tensor = torch.ones(elements)
@@ -164,10 +167,11 @@ def _trial(rank: int, port: int, workload: str, iterations: int, settings: dict 
     dist.destroy_process_group()
 
 
-def trial(workload: str, config: str, iterations: int) -> dict:
-    """One fresh 2-rank job of ``workload`` under ``config``; rank 0's figures."""
+def trial(workload: str, config: str, iterations: int, world_size: int = 2) -> dict:
+    """One fresh gloo job of ``workload`` under ``config``; rank 0's figures."""
     settings = None if CONFIGS[config] is None else {
-        "COMMLENS_METRICS_PORT": str(free_ports(2)), "COMMLENS_METRICS_ADDR": "127.0.0.1", **CONFIGS[config]}
+        "COMMLENS_METRICS_PORT": str(free_ports(world_size)), "COMMLENS_METRICS_ADDR": "127.0.0.1",
+        **CONFIGS[config]}
     sidecar, folder = None, tempfile.mkdtemp(prefix="commlens-agent-cost-")
     if settings is not None:
         settings["COMMLENS_TRACE_FILE"] = os.path.join(folder, "traces-{rank}.jsonl")
@@ -181,8 +185,8 @@ def trial(workload: str, config: str, iterations: int) -> dict:
     try:
         with mp.Manager() as manager:
             out = manager.dict()
-            mp.start_processes(_trial, args=(free_port(), workload, iterations, settings, out), nprocs=2,
-                               start_method="spawn")
+            mp.start_processes(_trial, args=(world_size, free_port(), workload, iterations, settings, out),
+                               nprocs=world_size, start_method="spawn")
             result = dict(out["result"])
     finally:
         if sidecar is not None:
@@ -202,6 +206,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="every workload and configuration once, briefly")
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--cpu-collectives", type=int, default=100_000,
+                        help="all_reduces of 4 KiB a one-rank job runs per configuration for the CPU figures")
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
     results: dict[tuple[str, str], list[dict]] = {}
@@ -211,19 +217,14 @@ def main() -> int:
             for config in CONFIGS:
                 results.setdefault((workload, config), []).append(trial(workload, config, iterations))
             print(f"repeat {repeat + 1}/{repeats}: {workload} done", file=sys.stderr, flush=True)
-    print(f"{'workload':<20}{'config':<14}{'ratio min - median - max':>26}{'commlens µs/coll':>18}"
-          f"{'+training µs/coll':>19}{'sidecar µs/coll':>17}")
+    collectives = 2000 if args.quick else args.cpu_collectives
+    cpu = {config: trial("all_reduce 4 KiB", config, collectives, world_size=1) for config in CONFIGS}
+    print(f"{'workload':<20}{'config':<14}{'ratio min - median - max':>26}")
     for workload in args.workloads:
         baseline = results[(workload, "none")]
         for config in CONFIGS:
-            runs = results[(workload, config)]
-            ratios = [run["seconds"] / base["seconds"] for run, base in zip(runs, baseline)]
-            per = statistics.median(run["collectives"] for run in runs)
-            threads = statistics.median(run["commlens_cpu_s"] for run in runs) / per * 1e6
-            extra = statistics.median(run["training_cpu_s"] - base["training_cpu_s"]
-                                      for run, base in zip(runs, baseline)) / per * 1e6
-            sidecar = statistics.median(run.get("sidecar_cpu_s", 0.0) for run in runs) / per * 1e6
-            print(f"{workload:<20}{config:<14}{_spread(ratios):>26}{threads:>18.1f}{extra:>19.1f}{sidecar:>17.1f}")
+            ratios = [run["seconds"] / base["seconds"] for run, base in zip(results[(workload, config)], baseline)]
+            print(f"{workload:<20}{config:<14}{_spread(ratios):>26}")
         sums = [run["sum_s"] for run in baseline if run["sum_s"] is not None]
         checks = [run["check_s"] for run in results[(workload, "default")] if run["check_s"] is not None]
         if sums and checks:
@@ -231,6 +232,14 @@ def main() -> int:
             print(f"{workload:<20}NaN check: +{check * 1e6:.1f} µs per collective "
                   f"({min(checks) * 1e6:.1f} - {max(checks) * 1e6:.1f}); one torch.sum over the payload: "
                   f"{one_sum * 1e6:.1f} µs; ratio {check / one_sum:.2f} (goal <= 1.2)")
+    print(f"\nCPU per collective, µs: one rank, {collectives:,} all_reduces of 4 KiB per configuration")
+    print(f"{'config':<14}{'commlens threads':>18}{'+training thread':>18}{'pod sidecar':>13}{'total':>8}")
+    for config, run in cpu.items():
+        per = run["collectives"]
+        threads = run["commlens_cpu_s"] / per * 1e6
+        extra = (run["training_cpu_s"] - cpu["none"]["training_cpu_s"]) / per * 1e6
+        sidecar = run.get("sidecar_cpu_s", 0.0) / per * 1e6
+        print(f"{config:<14}{threads:>18.1f}{extra:>18.1f}{sidecar:>13.1f}{threads + extra + sidecar:>8.1f}")
     return 0
 
 

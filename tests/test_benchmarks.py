@@ -14,13 +14,18 @@ def test_the_agent_cost_benchmark_measures_every_configuration_on_every_workload
 
     done = subprocess.run([sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.splitlines()[1:]
+    ratio_table, cpu_table = done.stdout.split("\n\n")
+    lines = ratio_table.splitlines()[1:]
     rows = {}
     for row in (line.split() for line in lines if "NaN check" not in line):
-        # workload, config, ratio "min - median - max", commlens, +training and sidecar µs per collective
-        rows[(" ".join(row[:-9]), row[-9])] = [float(row[i]) for i in (-8, -6, -4, -3, -2, -1)]
+        # workload, config, ratio "min - median - max"
+        rows[(" ".join(row[:-6]), row[-6])] = [float(row[i]) for i in (-5, -3, -1)]
     assert set(rows) == {(w, c) for w in WORKLOADS for c in CONFIGS}, sorted(rows)
     assert all(values[0] > 0 for values in rows.values())
-    assert all(rows[(w, "none")][:3] == [1.0, 1.0, 1.0] for w in WORKLOADS)  # each trial paired with itself
+    assert all(rows[(w, "none")] == [1.0, 1.0, 1.0] for w in WORKLOADS)  # each trial paired with itself
     nan_lines = [line for line in lines if "NaN check" in line]
     assert len(nan_lines) == sum(1 for elements, _ in WORKLOADS.values() if elements is not None)
+    # CPU per collective: commlens threads, the training thread's extra, the pod sidecar, their total
+    cpu = {row[0]: [float(v) for v in row[1:]] for row in (line.split() for line in cpu_table.splitlines()[2:])}
+    assert set(cpu) == set(CONFIGS) and cpu["none"] == [0.0, 0.0, 0.0, 0.0], cpu
+    assert all(abs(row[0] + row[1] + row[2] - row[3]) < 0.15 for row in cpu.values()), cpu
