@@ -5,8 +5,8 @@ are interleaved (every configuration of a workload, then the next workload, repe
 each configuration's time is divided by the no-commlens trial of the same workload and repeat. The
 table gives the paired ratios' min - median - max. The CPU that commlens itself uses per collective
 comes from a one-rank job per configuration that runs ``--cpu-collectives`` all_reduces of 4 KiB
-(100,000: the kernel's CPU clock ticks every 10 ms, too coarse for the few collectives of a timed
-trial): its threads in the training process (by native thread id), the training thread's extra CPU
+(100,000, and a tenth more to warm up: the kernel's CPU clock ticks every 10 ms, too coarse for the
+few collectives of a timed trial), divided by the collectives it counted: its threads in the training process (by native thread id), the training thread's extra CPU
 over no commlens, and the pod sidecar's process apart. The NaN/Inf check's cost is timed within
 each default trial of an all_reduce (slices with and without it, alternated), beside one ``torch.sum``
 over the same payload, its goal's yardstick (issue 19: at most 1.2x that).

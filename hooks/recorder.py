@@ -318,12 +318,15 @@ def _failed_unhooked(code: int, group: Group, op_id: int, seq: int, nbytes: int,
                      tensors: tuple, output_tensors: tuple, error: BaseException) -> None:
     """END of a collective that raised on the unhooked path, then the abort hooks, with the
     arguments the hooked path gives them: abort hooks do not take a collective off this path."""
-    status = TIMEOUT if _is_timeout(error) else ERROR
-    (_ring or ring()).write(END, code, status, group.sid, op_id, seq, nbytes, sig, wire_peer, 0)
-    if abort_hooks.entries:
-        call = PreHookArgs(OPS[code], op_id, group.handle, group.name, seq, tensors, output_tensors, False,
-                           None if wire_peer < 0 else wire_peer, None, group.rank)
-        abort_hooks.call(AbortHookArgs(call, error, STATUS[status]))
+    try:
+        status = TIMEOUT if _is_timeout(error) else ERROR
+        (_ring or ring()).write(END, code, status, group.sid, op_id, seq, nbytes, sig, wire_peer, 0)
+        if abort_hooks.entries:
+            call = PreHookArgs(OPS[code], op_id, group.handle, group.name, seq, tensors, output_tensors, False,
+                               None if wire_peer < 0 else wire_peer, None, group.rank)
+            abort_hooks.call(AbortHookArgs(call, error, STATUS[status]))
+    except Exception as failed:  # the collective's own error is what reaches the caller
+        internal_error("END", failed)
 
 
 _warned = False

@@ -27,19 +27,24 @@ class _Hooks:
     def __init__(self, kind: str):
         self.kind = kind
         self.entries: tuple[tuple[Hook, bool], ...] = ()
+        self.input_checks: tuple[Hook, ...] = ()
+        """The entries' hooks registered as input checks (``register_input_check``)."""
 
-    def add(self, hook: Hook, propagate: bool) -> RemovableHandle:
+    def add(self, hook: Hook, propagate: bool, input_check: bool = False) -> RemovableHandle:
         if not callable(hook):
             raise TypeError(f"register_{self.kind}_hook() takes a callable; got {type(hook).__name__} {hook!r}")
         if any(existing is hook for existing, _ in self.entries):
             raise ValueError(f"{hook!r} is already registered as a {self.kind}-hook; "
                              "remove its handle before registering it again")
+        if input_check:
+            self.input_checks = self.input_checks + (hook,)
         self.entries = self.entries + ((hook, propagate),)
         _update_hooked()
         return RemovableHandle(self, hook)
 
     def discard(self, hook: Hook) -> None:
         self.entries = tuple(entry for entry in self.entries if entry[0] is not hook)
+        self.input_checks = tuple(check for check in self.input_checks if check is not hook)
         _update_hooked()
 
     def call(self, args: object, in_caller: bool = True) -> None:
@@ -95,15 +100,12 @@ hooked = False
 path. (Abort hooks run where a collective fails, on every path.)"""
 checking_inputs = False
 """Whether an input check is registered (``register_input_check``)."""
-_input_checks: set[Hook] = set()
 
 
 def _update_hooked() -> None:
     global hooked, checking_inputs
-    registered = {hook for hook, _ in pre_hooks.entries}
-    _input_checks.intersection_update(registered)
-    hooked = bool(post_hooks.entries) or len(registered) > len(_input_checks)
-    checking_inputs = bool(_input_checks)
+    hooked = bool(post_hooks.entries) or len(pre_hooks.entries) > len(pre_hooks.input_checks)
+    checking_inputs = bool(pre_hooks.input_checks)
 
 
 def register_pre_hook(hook: Hook, *, propagate: bool = False) -> RemovableHandle:
@@ -118,8 +120,7 @@ def register_pre_hook(hook: Hook, *, propagate: bool = False) -> RemovableHandle
 def register_input_check(hook: Hook, *, propagate: bool = False) -> RemovableHandle:
     """A pre-hook that does nothing when every input tensor is finite (``NanCheckHook``'s): the hot
     path may skip it for a collective whose inputs its own scan found finite (hooks/nan_check.py)."""
-    _input_checks.add(hook)
-    return pre_hooks.add(hook, propagate)
+    return pre_hooks.add(hook, propagate, input_check=True)
 
 
 def register_post_hook(hook: Hook, *, propagate: bool = False) -> RemovableHandle:

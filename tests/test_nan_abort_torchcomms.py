@@ -1,5 +1,6 @@
 """NaN/Inf checks, abort hooks on a real timeout, and torchcomms communicators (a stand-in)."""
 
+import dataclasses
 import datetime
 
 import pytest
@@ -51,6 +52,33 @@ def test_report_mode_on_inputs_counts_what_each_collective_held(run_ranks):
     for collectives, found in run_ranks(nan_report_inputs, 2):
         assert collectives == 5
         assert found == [(FLAG_NAN, 2), (FLAG_INF, 1), (FLAG_NAN, 1)]
+
+
+@dataclasses.dataclass
+class SeenSeqs:
+    """A user's pre-hook; a dataclass instance is unhashable (eq=True), as any callable may be."""
+
+    seqs: list
+
+    def __call__(self, args):
+        self.seqs.append(args.seq)
+
+
+def pre_hook_beside_the_check(rank, world_size):
+    ch.instrument()
+    seen = SeenSeqs([])
+    with ch.NanCheckHook(mode="report"):
+        handle = ch.register_pre_hook(seen)
+        dist.all_reduce(torch.ones(4))
+        dist.all_reduce(torch.ones(4))
+        handle.remove()
+        dist.all_reduce(torch.ones(4))  # the check alone again
+    return seen.seqs
+
+
+def test_a_users_pre_hook_beside_the_nan_check_sees_every_collective_until_removed(run_ranks):
+    for seqs in run_ranks(pre_hook_beside_the_check, 2):
+        assert len(seqs) == 2 and seqs[1] == seqs[0] + 1, seqs
 
 
 def nan_raise(rank, world_size):
