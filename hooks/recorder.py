@@ -319,7 +319,7 @@ def _failed_unhooked(code: int, group: Group, op_id: int, seq: int, nbytes: int,
     """END of a collective that raised on the unhooked path, then the abort hooks, with the
     arguments the hooked path gives them: abort hooks do not take a collective off this path."""
     try:
-        status = TIMEOUT if _is_timeout(error) else ERROR
+        status = _status(error)
         (_ring or ring()).write(END, code, status, group.sid, op_id, seq, nbytes, sig, wire_peer, 0)
         if abort_hooks.entries:
             call = PreHookArgs(OPS[code], op_id, group.handle, group.name, seq, tensors, output_tensors, False,
