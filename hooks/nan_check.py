@@ -16,7 +16,7 @@ import torch
 
 from . import cuda, recorder
 from ._nonfinite import KIND_BFLOAT16, KIND_FLOAT16, KIND_FLOAT32, KIND_FLOAT64, all_finite
-from .ops import PostHookArgs, PreHookArgs
+from .ops import OpName, PostHookArgs, PreHookArgs
 from .registry import register_input_check, register_post_hook
 from .ring import NAN_HAS_INF as FLAG_INF, NAN_HAS_NAN as FLAG_NAN, NAN_OUTPUT as FLAG_OUTPUT
 
@@ -64,6 +64,8 @@ class NanCheckHook:
             self._handles.pop().remove()
 
     def _pre(self, args: PreHookArgs) -> None:
+        if args.name is OpName.broadcast and args.root is not None and args.root != args.group_rank:
+            return  # on a rank other than the root, a broadcast's tensor is the buffer it receives into
         self._check(args, args.tensors, 0)
 
     def _post(self, args: PostHookArgs) -> None:

@@ -48,17 +48,19 @@ class PreHookArgs:
     """What a pre-hook receives, before the collective is issued.
 
     ``tensors`` are the inputs and ``output_tensors`` the outputs (the same tensors for in-place
-    ops); ``root`` and ``peer`` are ranks within ``pg_name``'s group, or None.
+    ops); ``root`` and ``peer`` are ranks within ``pg_name``'s group, or None; ``rank`` is this
+    process's global rank and ``group_rank`` its rank within the group.
     """
 
     __slots__ = ("name", "op_id", "pg", "pg_name", "seq", "tensors", "output_tensors", "async_op",
-                 "root", "peer", "rank")
+                 "root", "peer", "rank", "group_rank")
 
     def __init__(self, name: OpName, op_id: int, pg: Any, pg_name: str, seq: int, tensors: tuple,
-                 output_tensors: tuple, async_op: bool, root: int | None, peer: int | None, rank: int):
+                 output_tensors: tuple, async_op: bool, root: int | None, peer: int | None, rank: int,
+                 group_rank: int):
         self.name, self.op_id, self.pg, self.pg_name, self.seq = name, op_id, pg, pg_name, seq
         self.tensors, self.output_tensors, self.async_op = tensors, output_tensors, async_op
-        self.root, self.peer, self.rank = root, peer, rank
+        self.root, self.peer, self.rank, self.group_rank = root, peer, rank, group_rank
 
     def __repr__(self) -> str:
         return f"PreHookArgs({self.name.value}, op_id={self.op_id}, pg={self.pg_name!r}, seq={self.seq})"

@@ -102,7 +102,7 @@ class Group:
     equal to the ``collective_seq_id`` of c10d's own flight recorder.
     """
 
-    __slots__ = ("handle", "name", "desc", "ranks", "rank", "backend", "sid", "seq_source",
+    __slots__ = ("handle", "name", "desc", "ranks", "rank", "own_rank", "backend", "sid", "seq_source",
                  "p2p_in_source", "collective_seq", "p2p_seq", "_group_rank")
 
     def __init__(self, handle: Any, name: str, desc: str, ranks: list[int], rank: int, backend: str,
@@ -111,6 +111,8 @@ class Group:
         self.backend, self.seq_source = backend, seq_source
         self.p2p_in_source = self.collective_seq = self.p2p_seq = 0
         self._group_rank = {g: i for i, g in enumerate(ranks)}
+        self.own_rank = self._group_rank.get(rank, rank)
+        """This process's rank within the group."""
         self.sid = ring().intern(json.dumps({"name": name, "desc": desc, "ranks": ranks, "rank": rank,
                                              "backend": backend}))
 
@@ -214,6 +216,7 @@ def begin(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async
     ``bucket`` describes a DDP gradient bucket (``ddp.DdpBucket``); START's aux is its index + 1."""
     call = InFlight.__new__(InFlight)
     call.name, call.op_id, call.pg, call.pg_name, call.rank = op, next(_op_ids), group.handle, group.name, group.rank
+    call.group_rank = group.own_rank
     call.tensors, call.output_tensors, call.async_op, call.root, call.peer = tensors, output_tensors, async_op, root, peer
     call.group, call.sid, call.code, call.flags = group, group.sid, CODE[op], FLAG_ASYNC if async_op else 0
     call.work, call.bucket, call.gpu = None, bucket, None
@@ -323,7 +326,7 @@ def _failed_unhooked(code: int, group: Group, op_id: int, seq: int, nbytes: int,
         (_ring or ring()).write(END, code, status, group.sid, op_id, seq, nbytes, sig, wire_peer, 0)
         if abort_hooks.entries:
             call = PreHookArgs(OPS[code], op_id, group.handle, group.name, seq, tensors, output_tensors, False,
-                               None if wire_peer < 0 else wire_peer, None, group.rank)
+                               None if wire_peer < 0 else wire_peer, None, group.rank, group.own_rank)
             abort_hooks.call(AbortHookArgs(call, error, STATUS[status]))
     except Exception as failed:  # the collective's own error is what reaches the caller
         internal_error("END", failed)

@@ -54,6 +54,32 @@ def test_report_mode_on_inputs_counts_what_each_collective_held(run_ranks):
         assert found == [(FLAG_NAN, 2), (FLAG_INF, 1), (FLAG_NAN, 1)]
 
 
+def broadcast_into_a_nan_buffer(rank, world_size, mode):
+    ch.instrument()
+    reader = ch.RingReader(ch.ring())
+    with ch.NanCheckHook(mode=mode):
+        # the receiving ranks' buffers hold NaN (as torch.empty may): not an input of theirs
+        t = torch.ones(4) if rank == 0 else torch.full((4,), float("nan"))
+        dist.broadcast(t, src=0)
+        u = torch.full((4,), float("nan")) if rank == 1 else torch.zeros(4)
+        try:
+            if mode == "report" or rank == 1:  # raised before it is issued: no other rank joins
+                dist.broadcast(u, src=1)  # this root's input holds NaN
+        except RuntimeError as error:
+            return t.tolist(), [str(error)]
+    return t.tolist(), [(r.flags, r.nbytes) for r in reader.read() if r.kind == ch.NAN]
+
+
+@pytest.mark.parametrize("mode", ["report", "raise"])
+def test_a_broadcast_is_checked_on_its_root_only(run_ranks, mode):
+    (received0, found0), (received1, found1) = run_ranks(broadcast_into_a_nan_buffer, 2, mode=mode)
+    assert received0 == received1 == [1.0] * 4  # the first broadcast completed on both ranks
+    if mode == "report":
+        assert found0 == [] and found1 == [(FLAG_NAN, 4)]
+    else:
+        assert found0 == [] and "input tensor 0 holds 4 NaN" in found1[0]
+
+
 @dataclasses.dataclass
 class SeenSeqs:
     """A user's pre-hook; a dataclass instance is unhashable (eq=True), as any callable may be."""
