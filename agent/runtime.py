@@ -129,6 +129,9 @@ class Agent:
             self.job_dumps.request()
         owner = self._snapshot_lock.acquire(blocking=False)
         if not owner and blocking:
+            if reason == "exception":  # beside another snapshot (a failed collective's abort): scraped all the same
+                self.sidecar.drain()
+                self._wait_for_scrape(deadline)
             return None
         try:
             try:
@@ -144,12 +147,16 @@ class Agent:
             if locked:  # under the GIL that cannot tear a scrape's copy, and one thread counts "signal"
                 stats.lock.release()
             self.spans.flush(max(0.0, deadline - time.monotonic()))
-            if reason in ("exception", "signal") and self.collector is not None:
-                self.collector.wait_for_scrape(max(0.0, deadline - time.monotonic()))
+            if reason in ("exception", "signal"):
+                self._wait_for_scrape(deadline)
             return path
         finally:
             if owner:
                 self._snapshot_lock.release()
+
+    def _wait_for_scrape(self, deadline: float) -> None:
+        if self.collector is not None:
+            self.collector.wait_for_scrape(max(0.0, deadline - time.monotonic()))
 
     def stop(self) -> None:
         """Stop recording; drain the ring, flush spans and metrics, all within the snapshot timeout

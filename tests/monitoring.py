@@ -36,8 +36,9 @@ def promtool(*args: str, cwd=None, input: str | None = None) -> subprocess.Compl
     return subprocess.run([installed("promtool"), *args], capture_output=True, text=True, cwd=cwd, input=input)
 
 
-def wait_for(condition, what: str, timeout_s: float = 90):
-    """Poll ``condition`` until it returns something true (a server still starting counts as false)."""
+def wait_for(condition, what: str, timeout_s: float = 90, explain=None):
+    """Poll ``condition`` until it returns something true (a server still starting counts as false);
+    on timeout the failure carries what ``explain()`` returns (the evidence that was there)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -46,7 +47,9 @@ def wait_for(condition, what: str, timeout_s: float = 90):
             found = None
         if found:
             return found
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        if time.monotonic() >= deadline:
+            evidence = f"; {explain()}" if explain else ""
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}{evidence}")
         time.sleep(0.25)
 
 
@@ -105,6 +108,7 @@ class TrainingJob:
         """``pod``: with ``commlens run --sidecar`` (one metrics target); ``ring_dir``: the ranks write
         their rings there for a ``PodSidecar`` the test runs (and serve no metrics themselves)."""
         self.world, self.base, self.out = world, free_ports(world), tmp_path / "job"
+        self.log = tmp_path / "job.log"
         self.out.mkdir(exist_ok=True)
         self.fault_time = self.out / "fault_time"
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -119,7 +123,7 @@ class TrainingJob:
         self.process = subprocess.Popen(
             command, env={**os.environ, "TORCHCOMM_FR_DUMP_TEMP_FILE": str(self.out / "rank_"),
                           "FAULT_TIME_FILE": str(self.fault_time)},
-            stdout=open(tmp_path / "job.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
         self.targets = [f"127.0.0.1:{self.base + rank}" for rank in range(1 if pod else world)]
 
     def fault_at(self) -> float | None:

@@ -36,6 +36,16 @@ def _culprits(report: str) -> set[int]:
     return {int(rank) for ranks in found for rank in ranks.split(",")}
 
 
+def _evidence(prometheus, training) -> str:
+    """What Prometheus holds of the rules' evidence, and the end of the job's log."""
+    series = {}
+    for expression in ("up", "ALERTS", "last_over_time(commlens_collective_hung_seq[15m])",
+                       "last_over_time(commlens_collective_failed_seq[15m])",
+                       'last_over_time(commlens_collective_last_seq{state="enqueued"}[15m])'):
+        series[expression] = [(s["metric"], s["value"][1]) for s in prometheus.query(expression)]
+    return f"Prometheus: {series}; the job's log ends: {training.log.read_text()[-3000:]}"
+
+
 def _diagnose(*args) -> str:
     done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "diagnose", *args], capture_output=True,
                           text=True, timeout=60)
@@ -56,7 +66,8 @@ EXPORTERS = pytest.mark.parametrize("pod", [False, True], ids=["per-rank", "pod-
 ])
 def test_the_alert_and_diagnose_name_the_faulty_rank_and_only_it(tmp_path, fault, alert, verdict, op, pod):
     with _stack(tmp_path, fault, pod=pod) as (webhook, training, prometheus):
-        fired = wait_for(lambda: webhook.firing(alert), f"{alert} at the webhook", timeout_s=90)
+        fired = wait_for(lambda: webhook.firing(alert), f"{alert} at the webhook", timeout_s=90,
+                         explain=lambda: _evidence(prometheus, training))
         named = {a["labels"]["rank"] for a in webhook.alerts
                  if a["labels"]["alertname"] in CULPRIT_ALERTS and a["status"] == "firing"}
         live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
