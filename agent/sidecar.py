@@ -8,6 +8,9 @@ is built, as most are sampled out at high rates. A hang also calls
 ``on_hang`` once per drain that finds one (the agent writes a flight-recorder snapshot there), and
 a writer's SNAPSHOT record calls ``on_snapshot`` with its reason.
 
+A collective that starts and ends (ok) within one drain arrives folded into one record
+(``RingReader.read_paired``) and never enters the in-flight table: most do, at 50 ms a drain.
+
 Each drain stores the reader's cursor in the ring's header before it handles what it read, so a
 sidecar started on a ring that another sidecar read (``resume=True``) goes on from there: it counts
 nothing twice, and rebuilds the collectives still in flight from the records before the cursor.
@@ -29,7 +32,8 @@ from typing import Callable, NamedTuple
 
 from commlens.hooks.ops import OPS
 from commlens.hooks.ring import (END, FLAG_ASYNC, FLAG_LAST_BUCKET, GPU_START, NAN, NAN_HAS_INF, NAN_HAS_NAN, NAN_OUTPUT,
-                                 NOT_ISSUED, PHASES, REASONS, SNAPSHOT, START, STATUS, Record, Ring, RingReader)
+                                 NOT_ISSUED, PAIRED, PHASES, REASONS, SNAPSHOT, START, STATUS, Paired, Record, Ring,
+                                 RingReader)
 
 from .stats import ALL, Stats, bus_factor, size_class
 
@@ -174,18 +178,20 @@ class Sidecar:
         if blocking:
             for poll in self.pollers:
                 poll()
-        records = self.reader.read() if blocking else None
+        records = self.reader.read_paired() if blocking else None
         if not self.stats.lock.acquire(blocking):
             return 0  # nothing read yet: nothing lost
         snapshots = []
         try:
             if records is None:
-                records = self.reader.read()
+                records = self.reader.read_paired()
             self.ring.cursor = self.reader.cursor  # before handling them: a restarted sidecar counts none twice
-            started, ended = self._started, self._ended
+            paired, started, ended = self._paired, self._started, self._ended
             for record in records:
                 kind = record[1]
-                if kind == START:
+                if kind == PAIRED:
+                    paired(record)
+                elif kind == START:
                     started(record)
                 elif kind == END:
                     ended(record)
@@ -244,21 +250,36 @@ class Sidecar:
             self._forget(op_id)
             return
         shape = self._shapes.get((end.op, end.pg, end.nbytes, end.sig)) or self._shape(end)
-        status = STATUS[end.flags] if end.flags < len(STATUS) else "error"
-        seconds = (end.t_ns - start.t_ns) / 1e9 if start is not None else None
-        nan = self._nan.pop(op_id, 0) if self._nan else 0  # the checks first: these are rare
-        hung = op_id in self._hung if self._hung else False
+        hung = op_id in self._hung if self._hung else False  # the checks first: these are rare
         if hung:
             self._hung.discard(op_id)
+        self._completed(shape, end, STATUS[end.flags] if end.flags < len(STATUS) else "error",
+                        None if start is None else start.t_ns, end.t_ns, hung, lambda: (start or end, end))
+
+    def _paired(self, pair: Paired) -> None:
+        """A START and its ok END read together: never in flight between two drains."""
+        shape = self._shapes.get((pair.op, pair.pg, pair.nbytes, pair.sig)) or self._shape(pair)
+        if not shape.is_p2p:
+            self.stats.enqueued(shape, pair.seq)
+        self._completed(shape, pair, "ok", pair.start_ns, pair.end_ns, False, pair.records)
+
+    def _completed(self, shape: Shape, ended: Record | Paired, status: str, start_ns: int | None, end_ns: int,
+                   hung: bool, records: Callable[[], tuple[Record, Record]]) -> None:
+        """Count a collective that ended; send it on when it is an anomaly or sampled (``records``:
+        its START, or the END when that was lost, and its END)."""
+        op_id = ended.op_id
+        seconds = (end_ns - start_ns) / 1e9 if start_ns is not None else None
+        nan = self._nan.pop(op_id, 0) if self._nan else 0
         gpu_start = self._gpu_start.pop(op_id, None) if self._gpu_start else None
-        if gpu_start is not None and start is not None:
-            gpu_start = min(max(gpu_start, start.t_ns), end.t_ns)  # within the clocks' alignment error
-            self.stats.on_gpu(shape, (gpu_start - start.t_ns) / 1e9, (end.t_ns - gpu_start) / 1e9)
-        self.stats.finished(shape, None if shape.is_p2p else end.seq, status, seconds)
+        if gpu_start is not None and start_ns is not None:
+            gpu_start = min(max(gpu_start, start_ns), end_ns)  # within the clocks' alignment error
+            self.stats.on_gpu(shape, (gpu_start - start_ns) / 1e9, (end_ns - gpu_start) / 1e9)
+        self.stats.finished(shape, None if shape.is_p2p else ended.seq, status, seconds)
         slow = seconds is not None and self._is_slow(shape, seconds)
-        if not (nan or hung or slow or status != "ok" or self.sample(shape.pg, end.seq, shape.is_p2p)):
+        if not (nan or hung or slow or status != "ok" or self.sample(shape.pg, ended.seq, shape.is_p2p)):
             return
-        self.on_collective(self._collective(shape, start or end, end, status, nan, hung, slow, gpu_start=gpu_start))
+        start, end = records()
+        self.on_collective(self._collective(shape, start, end, status, nan, hung, slow, gpu_start=gpu_start))
 
     def _nan_found(self, record: Record) -> None:
         shape = self._shape(record)

@@ -9,11 +9,13 @@
  * sequence, the payload and the tail sequence with release ordering, and returns the record's
  * timestamp: CLOCK_MONOTONIC in ns, the clock of time.monotonic_ns(), unless t_ns is given.
  * ``where`` is the module attribution: (module string id << 8) | phase.
- * It never waits, takes no lock and allocates nothing but the returned int.
+ * It never waits, takes no lock and allocates nothing but the returned int. pair_run (below) folds
+ * the records a reader copied.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -239,12 +241,117 @@ static PyObject *published(PyObject *module, PyObject *args) {
     return PyLong_FromUnsignedLong(length);
 }
 
+/* pair_run(data, record_type, paired_type, start, end, paired) -> list: the records of ``data`` (whole
+ * records as read_whole copied them) as ``record_type`` tuples, in order, except that a ``start``
+ * record whose ``end`` record with status ok (flags 0) follows in ``data`` is folded with it into one
+ * ``paired_type`` tuple at the end's place: (start t_ns, ``paired`` kind, op, START's
+ * flags, phase, pg, op_id, seq, end t_ns, nbytes, sig, peer, START's aux, module, END's aux). Most
+ * collectives start and end within one drain: this spares the reader two tuples and the in-flight
+ * table for each. Both types are tuple subclasses of 15 fields (ring.Record, ring.Paired). */
+static PyObject *u64(uint64_t v) { return PyLong_FromUnsignedLongLong(v); }
+
+static PyObject *fields(PyTypeObject *type, uint64_t a, uint8_t kind, const record_t *r, uint8_t flags,
+                        uint64_t t_ns, uint32_t aux, uint64_t last) {
+    PyObject *t = type->tp_alloc(type, 15);
+    if (t == NULL)
+        return NULL;
+    PyObject *items[15] = {u64(a), PyLong_FromLong(kind), PyLong_FromLong(r->op), PyLong_FromLong(flags),
+                           PyLong_FromLong(r->phase), PyLong_FromUnsignedLong(r->pg), u64(r->op_id), u64(r->seq),
+                           u64(t_ns), u64(r->nbytes), PyLong_FromUnsignedLong(r->sig), PyLong_FromLong(r->peer),
+                           PyLong_FromUnsignedLong(aux), PyLong_FromUnsignedLong(r->module), u64(last)};
+    for (int i = 0; i < 15; i++) {
+        if (items[i] == NULL) {
+            for (int j = i; j < 15; j++)
+                Py_XDECREF(items[j]);
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, i, items[i]);
+    }
+    return t;
+}
+
+static PyObject *pair_run(PyObject *module, PyObject *args) {
+    Py_buffer view;
+    PyTypeObject *record_type, *paired_type;
+    int start_kind, end_kind, paired_kind;
+    if (!PyArg_ParseTuple(args, "y*O!O!iii", &view, &PyType_Type, &record_type, &PyType_Type, &paired_type,
+                          &start_kind, &end_kind, &paired_kind))
+        return NULL;
+    if (!PyType_IsSubtype(record_type, &PyTuple_Type) || !PyType_IsSubtype(paired_type, &PyTuple_Type) ||
+        view.len % RECORD_SIZE) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "pair_run takes whole records and two tuple types");
+        return NULL;
+    }
+    Py_ssize_t n = view.len / RECORD_SIZE, cap = 16;
+    while (cap < 2 * n)
+        cap <<= 1;
+    const record_t *records = (const record_t *)view.buf;
+    uint64_t *keys = malloc(cap * sizeof(uint64_t));
+    Py_ssize_t *ends = calloc(cap, sizeof(Py_ssize_t)); /* op_id -> index + 1 of its ok END; 0: none */
+    Py_ssize_t *partner = calloc(n ? n : 1, sizeof(Py_ssize_t)); /* END index -> index + 1 of its START */
+    PyObject *out = NULL;
+    if (keys == NULL || ends == NULL || partner == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const record_t *r = &records[i];
+        if (r->kind != end_kind || r->flags != 0)
+            continue;
+        uint64_t slot = (r->op_id * 0x9E3779B97F4A7C15ull) & (cap - 1);
+        while (ends[slot] && keys[slot] != r->op_id)
+            slot = (slot + 1) & (cap - 1);
+        if (!ends[slot]) {
+            keys[slot] = r->op_id;
+            ends[slot] = i + 1;
+        }
+    }
+    out = PyList_New(0);
+    if (out == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const record_t *r = &records[i];
+        PyObject *item;
+        if (r->kind == start_kind) {
+            uint64_t slot = (r->op_id * 0x9E3779B97F4A7C15ull) & (cap - 1);
+            while (ends[slot] && keys[slot] != r->op_id)
+                slot = (slot + 1) & (cap - 1);
+            if (ends[slot] > i + 1 && !partner[ends[slot] - 1]) {
+                partner[ends[slot] - 1] = i + 1;
+                continue;
+            }
+        }
+        if (partner[i]) {
+            const record_t *s = &records[partner[i] - 1];
+            item = fields(paired_type, s->t_ns, (uint8_t)paired_kind, s, s->flags, r->t_ns, s->aux, r->aux);
+        } else {
+            item = fields(record_type, r->head, r->kind, r, r->flags, r->t_ns, r->aux, r->tail);
+        }
+        if (item == NULL || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            Py_CLEAR(out);
+            goto done;
+        }
+        Py_DECREF(item);
+    }
+done:
+    free(keys);
+    free(ends);
+    free(partner);
+    PyBuffer_Release(&view);
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
     {"claim", claim, METH_VARARGS, "claim(buffer, offset, n) -> the uint64 at offset before n was added"},
     {"publish", publish, METH_VARARGS, "publish(buffer, offset, length): a release store of a uint32"},
     {"published", published, METH_VARARGS, "published(buffer, offset) -> an acquire load of a uint32"},
     {"read_whole", read_whole, METH_VARARGS,
      "read_whole(buffer, slots, claim_offset, records_offset, cursor, limit) -> (bytes, head)"},
+    {"pair_run", pair_run, METH_VARARGS,
+     "pair_run(data, record_type, paired_type, start, end, paired) -> records, a START folded with its ok END"},
     {NULL, NULL, 0, NULL},
 };
 

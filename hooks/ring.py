@@ -47,11 +47,13 @@ import os
 import struct
 import time
 import weakref
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 START, END, NAN, GPU_START, SNAPSHOT = 1, 2, 3, 4, 5
 """Record kinds: a collective was issued, finished, had a non-finite tensor, started on the GPU; the
 writer asks its reader for a flight-recorder snapshot (``flags``: the reason's index in ``REASONS``)."""
+PAIRED = 6
+"""The kind of a ``Paired``: a START and its END (status ok) that a reader read together; never written."""
 REASONS = ("abort", "hang", "signal", "exception", "peer", "exit")
 """Why a snapshot was written: a collective's abort, a hang, SIGTERM, an unhandled exception,
 another rank's hang or abort, the writer's process ended without closing its ring (killed, crashed)."""
@@ -70,7 +72,7 @@ hook issued no collective (``noop_hook``); it is no collective, and readers of t
 PHASES = ("", "other", "forward", "backward", "optimizer")
 """A record's ``phase``: where in the training step the op was issued (module attribution)."""
 
-from ._producer import Producer, claim, publish, published, read_whole
+from ._producer import Producer, claim, pair_run, publish, published, read_whole
 
 _HEADER = struct.Struct("<8sIIIII")  # magic, version, slots, record size, string bytes, alignment
 _HEADER_SIZE = 128
@@ -347,6 +349,34 @@ def _forget_writers_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_writers_in_child)
 
 
+class Paired(NamedTuple):
+    """A START and its END with status ok, folded by ``RingReader.read_paired``: the START's fields,
+    with both times and the END's ``aux``."""
+
+    start_ns: int
+    kind: int
+    """PAIRED."""
+    op: int
+    flags: int
+    phase: int
+    pg: int
+    op_id: int
+    seq: int
+    end_ns: int
+    nbytes: int
+    sig: int
+    peer: int
+    aux: int
+    module: int
+    end_aux: int
+
+    def records(self) -> tuple[Record, Record]:
+        """The START and END records it folds (their ring positions are not kept: 0)."""
+        start = Record(0, START, self.op, self.flags, self.phase, self.pg, self.op_id, self.seq, self.start_ns,
+                       self.nbytes, self.sig, self.peer, self.aux, self.module, 0)
+        return start, start._replace(kind=END, flags=OK, phase=0, t_ns=self.end_ns, aux=self.end_aux, module=0)
+
+
 class RingReader:
     """A cursor over a ring: ``read()`` returns new records in order and counts what was overwritten.
 
@@ -361,9 +391,18 @@ class RingReader:
         self._stalled = 0
 
     def read(self, limit: int = 1 << 20) -> list[Record]:
+        return self._read(limit, _records)
+
+    def read_paired(self, limit: int = 1 << 20) -> list[Record | Paired]:
+        """``read()``, with each START whose END (status ok) comes in the same read folded into one
+        ``Paired`` at the END's place (a reader's common case, without two records and a lookup);
+        ``limit`` bounds what is returned."""
+        return self._read(limit, _paired)
+
+    def _read(self, limit: int, decode: Callable[[bytes], list]) -> list:
         ring, out = self.ring, []
         while len(out) < limit:
-            run = self._read_run(limit - len(out))
+            run = self._read_run(limit - len(out), decode)
             if run:
                 out.extend(run)
                 continue
@@ -385,7 +424,7 @@ class RingReader:
                 break
         return out
 
-    def _read_run(self, limit: int) -> list[Record]:
+    def _read_run(self, limit: int, decode: Callable[[bytes], list]) -> list:
         """Whole published records from the cursor on, copied out by ``read_whole`` (which says what
         makes a copy whole across processes and CPUs), up to the first that is not (yet) whole. Empty
         when the slow path must decide."""
@@ -393,9 +432,8 @@ class RingReader:
         data, _ = read_whole(ring._view, ring.slots, _CLAIM_OFFSET, _HEADER_SIZE, self.cursor, limit)
         if not data:
             return []
-        make = tuple.__new__  # a Record without NamedTuple's __new__
-        run = [make(Record, fields) for fields in RECORD.iter_unpack(data)]
-        self.cursor += len(run)
+        run = decode(data)
+        self.cursor += len(data) // RECORD.size
         self._stalled = 0
         return run
 
@@ -404,3 +442,12 @@ class RingReader:
             return False
         self._stalled += 1
         return self._stalled > self.patience
+
+
+def _records(data: bytes) -> list[Record]:
+    make = tuple.__new__  # a Record without NamedTuple's __new__
+    return [make(Record, fields) for fields in RECORD.iter_unpack(data)]
+
+
+def _paired(data: bytes) -> list[Record | Paired]:
+    return pair_run(data, Record, Paired, START, END, PAIRED)

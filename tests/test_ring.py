@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from commlens.hooks import END, START, Ring, RingReader
+from commlens.hooks.ring import PAIRED
 
 
 def write(ring, op_id, kind=START):
@@ -34,6 +35,25 @@ def test_reader_gets_records_in_order_and_then_nothing():
     for r in records:
         check(r)
     assert reader.read() == [] and reader.dropped == 0
+
+
+def test_a_read_paired_folds_each_start_with_its_ok_end_and_keeps_every_other_record_in_order():
+    ring = Ring(slots=64)
+    for op_id, kind, status in [(1, START, 0), (2, START, 0), (3, START, 0), (1, END, 0), (4, END, 0),
+                                (3, END, 1), (5, START, 0), (2, END, 0)]:
+        ring.write(kind, 2, status if kind == END else 1, 9, op_id, op_id * 10, 4096, 7, -1, op_id + 100,
+                   (33 << 8) | 3 if kind == START else 0, op_id * 1000 + kind)
+    records = RingReader(ring).read()
+    paired = RingReader(ring).read_paired()
+    # 1 and 2 end ok after their START: folded at their END's place; 3 failed, 4 lost its START,
+    # 5 is still in flight: records as read() gives them
+    assert [(r.kind, r.op_id) for r in paired] == [(START, 3), (PAIRED, 1), (END, 4), (END, 3), (START, 5),
+                                                   (PAIRED, 2)]
+    assert paired[0] == records[2] and paired[2:5] == [records[4], records[5], records[6]]
+    for pair in (paired[1], paired[5]):
+        start, end = (r for r in records if r.op_id == pair.op_id)
+        assert (pair.start_ns, pair.end_ns, pair.end_aux) == (start.t_ns, end.t_ns, end.aux)
+        assert pair.records() == (start._replace(head=0, tail=0), end._replace(head=0, tail=0))
 
 
 def test_overwritten_records_are_counted_exactly():
