@@ -39,6 +39,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 
 SCOPE = InstrumentationScope(name="commlens", version="0.1.0")
 _LOW64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+"""2^64 / the golden ratio, odd: multiplying by it spreads consecutive integers evenly (Fibonacci hashing)."""
 
 
 def trace_id(job: str, pg: str, seq: int, is_p2p: bool = False) -> bytes:
@@ -103,9 +105,10 @@ class SpanExporter:
     serializer or ``json.dumps``, ~1 ms for 64 spans, below the interpreter's 5 ms switch interval,
     so the training thread waits no longer for the GIL than beside any Python thread.
 
-    Sampling keeps a collective when its trace id (the same on every rank) falls below a bound: a
-    fixed ratio, or — with ``budget_per_s`` — a ratio recomputed each second as the budget over the
-    rate of collectives offered, so that ranks seeing the same collectives keep the same ones, and
+    Sampling keeps a collective when its sampling key (a hash of its group and seq, the same on
+    every rank) falls below a bound: a fixed ratio, or — with ``budget_per_s`` — a ratio recomputed
+    each second as the budget over the rate of collectives offered, so that ranks seeing the same
+    collectives keep the same ones, and
     at most ``budget_per_s`` spans a second are kept whatever the job's rate. NaN, Inf, hung, failed
     and slow collectives are always kept, over the budget too."""
 
@@ -117,6 +120,7 @@ class SpanExporter:
         self.job, self.bound = job, int(sampler_ratio * (1 << 64))
         self.budget_per_s = budget_per_s
         self._window_start, self._offered, self._kept = time.monotonic(), 0, 0
+        self._bases: dict[tuple[str, bool], int] = {}
         self.sample_none, self.queue_size, self.batch_size, self.interval_s = sample_none, queue_size, batch_size, interval_s
         self.counts: collections.Counter[str] = collections.Counter()
         self._queue: collections.deque = collections.deque()
@@ -141,7 +145,7 @@ class SpanExporter:
         elif self.budget_per_s is not None:
             kept = self._within_budget(pg, seq, is_p2p)
         else:
-            kept = self.bound > _LOW64 or int.from_bytes(trace_id(self.job, pg, seq, is_p2p)[8:], "big") < self.bound
+            kept = self.bound > _LOW64 or self._sampling_key(pg, seq, is_p2p) < self.bound
         if not kept:
             self.counts["sampled_out"] += 1
         return kept
@@ -155,10 +159,19 @@ class SpanExporter:
         self._offered += 1
         if self._kept >= self.budget_per_s:  # the rate jumped within the window: the budget holds
             return False
-        if self.bound > _LOW64 or int.from_bytes(trace_id(self.job, pg, seq, is_p2p)[8:], "big") < self.bound:
+        if self.bound > _LOW64 or self._sampling_key(pg, seq, is_p2p) < self.bound:
             self._kept += 1
             return True
         return False
+
+    def _sampling_key(self, pg: str, seq: int, is_p2p: bool) -> int:
+        """A 64-bit hash of the collective, the same on every rank: the group's own (from its trace
+        id's inputs, worked out once) mixed with ``seq`` by Fibonacci hashing, ~0.2 µs where a
+        blake2b of the trace id takes 0.9; consecutive seqs spread evenly over the 64 bits."""
+        base = self._bases.get((pg, is_p2p))
+        if base is None:
+            base = self._bases[(pg, is_p2p)] = int.from_bytes(trace_id(self.job, pg, 0, is_p2p)[8:], "big")
+        return ((base ^ seq) * _GOLDEN) & _LOW64
 
     def offer(self, c: Any) -> None:
         """Queue one collective's span if it is kept. Never blocks."""

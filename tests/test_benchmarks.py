@@ -29,3 +29,11 @@ def test_the_agent_cost_benchmark_measures_every_configuration_on_every_workload
     cpu = {row[0]: [float(v) for v in row[1:]] for row in (line.split() for line in cpu_table.splitlines()[2:])}
     assert set(cpu) == set(CONFIGS) and cpu["none"] == [0.0, 0.0, 0.0, 0.0], cpu
     assert all(abs(row[0] + row[1] + row[2] - row[3]) < 0.15 for row in cpu.values()), cpu
+
+
+def test_the_drain_benchmark_times_both_drain_sizes_with_and_without_the_span_budget():
+    done = subprocess.run([sys.executable, str(BENCH.parent / "drain.py"), "--collectives", "3000"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {int(row[0]): [float(v) for v in row[1:]] for row in (line.split() for line in done.stdout.splitlines()[1:])}
+    assert set(rows) == {30, 300} and all(0 < us < 1000 for values in rows.values() for us in values), rows

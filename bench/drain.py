@@ -1,0 +1,67 @@
+"""The sidecar's drain, alone: CPU µs per collective to read, join and count what the hooks wrote.
+
+A ring is filled with the records of synchronous all_reduces (START, END), ``--per-drain`` at a
+time, as the hooks write them between two drains (50 ms: about 30 collectives of 4 KiB on gloo,
+300 of a few bytes); each drain is timed on the CPU clock of this thread. Spans: sampled out, or
+the default span budget (100 a second) decides for each collective, timed after its first second
+(from then on a ratio: at this rate, a hash per collective), and those it keeps are dropped. The
+in-process agent and the pod sidecar run this same loop.
+
+    python bench/drain.py [--collectives 200000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from commlens.agent.config import Config
+from commlens.agent.outputs import span_exporter
+from commlens.agent.sidecar import Sidecar
+from commlens.hooks.ops import OpName
+from commlens.hooks.recorder import CODE
+from commlens.hooks.ring import END, START, Ring
+
+
+def drain_us(collectives: int, per_drain: int, budget: bool) -> float:
+    """CPU µs per collective of ``Sidecar.drain`` over ``collectives`` all_reduces of 4 KiB."""
+    ring = Ring(slots=1 << 16)
+    group = ring.intern(json.dumps({"name": "0", "desc": "default", "ranks": [0, 1], "rank": 0, "backend": "gloo"}))
+    sig = ring.intern(json.dumps([[[1024]], ["torch.float32"], [[1024]], ["torch.float32"]]))
+    code = CODE[OpName.all_reduce]
+    kept = []
+    sample = (lambda pg, seq, is_p2p: False)
+    if budget:
+        spans = span_exporter(Config.from_env({"COMMLENS_TRACE_FILE": "/dev/null"}))
+        sample = spans.sampled
+    sidecar = Sidecar(ring, 0, 60, on_collective=kept.append, sample=sample)
+    spent, op_id, drains = 0, 0, collectives // per_drain
+    warm_until = time.monotonic() + (1.2 if budget else 0)  # past the budget's first window: a ratio from then on
+    while drains:
+        now = time.monotonic_ns()
+        for _ in range(per_drain):
+            op_id += 1
+            ring.write(START, code, 0, group, op_id, op_id, 4096, sig, -1, 0, 0, now)
+            ring.write(END, code, 0, group, op_id, op_id, 4096, sig, -1, 0, 0, now + 1_500_000)
+        started = time.thread_time_ns()
+        sidecar.drain()
+        if now / 1e9 >= warm_until:
+            spent += time.thread_time_ns() - started
+            drains -= 1
+        kept.clear()
+    return spent / 1e3 / (collectives // per_drain * per_drain)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--collectives", type=int, default=200_000)
+    args = parser.parse_args()
+    print(f"{'per drain':>10} {'spans sampled out':>18} {'default span budget':>20}   (CPU µs per collective)")
+    for per_drain in (30, 300):
+        print(f"{per_drain:>10} {drain_us(args.collectives, per_drain, False):>18.2f} "
+              f"{drain_us(args.collectives, per_drain, True):>20.2f}")
+
+
+if __name__ == "__main__":
+    main()
