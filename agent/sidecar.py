@@ -3,13 +3,15 @@
 It reads only the ring (its records and string table), so the same loop runs on a thread beside
 training or in another process attached to a shared-memory ring (``Ring.attach``, agent/pod.py).
 What it finds goes to ``Stats`` (metrics) and to ``on_collective`` (spans): every anomaly (failed,
-hung, slow, NaN/Inf), and the ordinary collectives that ``sample`` keeps, asked before a collective
-is built, as most are sampled out at high rates. A hang also calls
+hung, slow, NaN/Inf), and the ordinary collectives that ``sample`` keeps, asked for a drain's
+collectives of one shape at once before any is built, as most are sampled out at high rates. A hang
+also calls
 ``on_hang`` once per drain that finds one (the agent writes a flight-recorder snapshot there), and
 a writer's SNAPSHOT record calls ``on_snapshot`` with its reason.
 
-A collective that starts and ends (ok) within one drain arrives folded into one record
-(``RingReader.read_paired``) and never enters the in-flight table: most do, at 50 ms a drain.
+Collectives that start and end (ok) within one drain, as most do at 50 ms a drain, arrive folded
+by shape (``RingReader.read_folded``: in C, no Python object per record), never enter the in-flight
+table, and are counted a shape at a time; only those kept (sampled, slow) are built one by one.
 
 Each drain stores the reader's cursor in the ring's header before it handles what it read, so a
 sidecar started on a ring that another sidecar read (``resume=True``) goes on from there: it counts
@@ -28,12 +30,11 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 from commlens.hooks.ops import OPS
 from commlens.hooks.ring import (END, FLAG_ASYNC, FLAG_LAST_BUCKET, GPU_START, NAN, NAN_HAS_INF, NAN_HAS_NAN, NAN_OUTPUT,
-                                 NOT_ISSUED, PAIRED, PHASES, REASONS, SNAPSHOT, START, STATUS, Paired, Record, Ring,
-                                 RingReader)
+                                 NOT_ISSUED, PHASES, REASONS, SNAPSHOT, START, STATUS, Folded, Record, Ring, RingReader)
 
 from .stats import ALL, Stats, bus_factor, size_class
 
@@ -112,12 +113,17 @@ class Shape(NamedTuple):
     """(op, pg, size class) whatever the detail level: what a slow outlier is judged against."""
 
 
+def _keep_all(pg: str, seqs: Sequence[int], is_p2p: bool) -> list[int]:
+    """The default sampler: every collective of ``seqs`` is kept (by index)."""
+    return list(range(len(seqs)))
+
+
 class Sidecar:
     def __init__(self, ring: Ring, rank: int, hang_threshold_s: float, slow_factor: float = 5.0,
                  on_collective: Callable[[Collective], None] = lambda c: None,
                  on_hang: Callable[[Collective], None] = lambda c: None,
                  on_snapshot: Callable[[str], None] = lambda reason: None, stats: Stats | None = None,
-                 resume: bool = False, sample: Callable[[str, int, bool], bool] = lambda pg, seq, is_p2p: True,
+                 resume: bool = False, sample: Callable[[str, Sequence[int], bool], list[int]] = _keep_all,
                  detail: str = "full"):
         self.ring, self.rank, self.detail = ring, rank, detail
         self.reader = RingReader(ring, ring.cursor if resume else 0)
@@ -178,20 +184,18 @@ class Sidecar:
         if blocking:
             for poll in self.pollers:
                 poll()
-        records = self.reader.read_paired() if blocking else None
+        records, folded = self._read() if blocking else (None, None)
         if not self.stats.lock.acquire(blocking):
             return 0  # nothing read yet: nothing lost
         snapshots = []
         try:
             if records is None:
-                records = self.reader.read_paired()
+                records, folded = self._read()
             self.ring.cursor = self.reader.cursor  # before handling them: a restarted sidecar counts none twice
-            paired, started, ended = self._paired, self._started, self._ended
+            started, ended = self._started, self._ended
             for record in records:
                 kind = record[1]
-                if kind == PAIRED:
-                    paired(record)
-                elif kind == START:
+                if kind == START:
                     started(record)
                 elif kind == END:
                     ended(record)
@@ -201,6 +205,8 @@ class Sidecar:
                     self._gpu_start[record.op_id] = record.t_ns
                 elif record.kind == SNAPSHOT and record.flags < len(REASONS):
                     snapshots.append(REASONS[record.flags])
+            for group in folded:
+                self._folded(group)
             hung = self._watch(time.monotonic_ns())
         finally:
             self.stats.lock.release()
@@ -210,7 +216,14 @@ class Sidecar:
             self.on_hang(hung[0])
         for reason in dict.fromkeys(snapshots):
             self.on_snapshot(reason)
-        return len(records)
+        return len(records) + sum(2 * len(group.seqs()) for group in folded)
+
+    def _read(self) -> tuple[list[Record], list[Folded]]:
+        """The new records, with the collectives that started and ended ok among them folded; none
+        while a NAN or GPU_START record read before waits for its collective's END."""
+        if self._nan or self._gpu_start:
+            return self.reader.read(), []
+        return self.reader.read_folded()
 
     def _resume(self) -> None:
         """The collectives in flight at the cursor, from the records before it still in the ring;
@@ -250,36 +263,34 @@ class Sidecar:
             self._forget(op_id)
             return
         shape = self._shapes.get((end.op, end.pg, end.nbytes, end.sig)) or self._shape(end)
-        hung = op_id in self._hung if self._hung else False  # the checks first: these are rare
+        status = STATUS[end.flags] if end.flags < len(STATUS) else "error"
+        seconds = (end.t_ns - start.t_ns) / 1e9 if start is not None else None
+        nan = self._nan.pop(op_id, 0) if self._nan else 0  # the checks first: these are rare
+        hung = op_id in self._hung if self._hung else False
         if hung:
             self._hung.discard(op_id)
-        self._completed(shape, end, STATUS[end.flags] if end.flags < len(STATUS) else "error",
-                        None if start is None else start.t_ns, end.t_ns, hung, lambda: (start or end, end))
-
-    def _paired(self, pair: Paired) -> None:
-        """A START and its ok END read together: never in flight between two drains."""
-        shape = self._shapes.get((pair.op, pair.pg, pair.nbytes, pair.sig)) or self._shape(pair)
-        if not shape.is_p2p:
-            self.stats.enqueued(shape, pair.seq)
-        self._completed(shape, pair, "ok", pair.start_ns, pair.end_ns, False, pair.records)
-
-    def _completed(self, shape: Shape, ended: Record | Paired, status: str, start_ns: int | None, end_ns: int,
-                   hung: bool, records: Callable[[], tuple[Record, Record]]) -> None:
-        """Count a collective that ended; send it on when it is an anomaly or sampled (``records``:
-        its START, or the END when that was lost, and its END)."""
-        op_id = ended.op_id
-        seconds = (end_ns - start_ns) / 1e9 if start_ns is not None else None
-        nan = self._nan.pop(op_id, 0) if self._nan else 0
         gpu_start = self._gpu_start.pop(op_id, None) if self._gpu_start else None
-        if gpu_start is not None and start_ns is not None:
-            gpu_start = min(max(gpu_start, start_ns), end_ns)  # within the clocks' alignment error
-            self.stats.on_gpu(shape, (gpu_start - start_ns) / 1e9, (end_ns - gpu_start) / 1e9)
-        self.stats.finished(shape, None if shape.is_p2p else ended.seq, status, seconds)
-        slow = seconds is not None and self._is_slow(shape, seconds)
-        if not (nan or hung or slow or status != "ok" or self.sample(shape.pg, ended.seq, shape.is_p2p)):
+        if gpu_start is not None and start is not None:
+            gpu_start = min(max(gpu_start, start.t_ns), end.t_ns)  # within the clocks' alignment error
+            self.stats.on_gpu(shape, (gpu_start - start.t_ns) / 1e9, (end.t_ns - gpu_start) / 1e9)
+        self.stats.finished(shape, None if shape.is_p2p else end.seq, status, seconds)
+        slow = seconds is not None and bool(self._slow(shape, (seconds,)))
+        if not (nan or hung or slow or status != "ok" or self.sample(shape.pg, (end.seq,), shape.is_p2p)):
             return
-        start, end = records()
-        self.on_collective(self._collective(shape, start, end, status, nan, hung, slow, gpu_start=gpu_start))
+        self.on_collective(self._collective(shape, start or end, end, status, nan, hung, slow, gpu_start=gpu_start))
+
+    def _folded(self, group: Folded) -> None:
+        """Collectives of one shape that started and ended ok within this drain: counted at once; the
+        slow ones and those sampled are built from their records."""
+        shape = self._shapes.get((group.op, group.pg, group.nbytes, group.sig)) or self._shape(group)
+        seqs, seconds = group.seqs(), group.seconds()
+        self.stats.completed_ok(shape, seqs, seconds)
+        slow = self._slow(shape, seconds)
+        ordinary = range(len(seqs)) if not slow else [k for k in range(len(seqs)) if k not in slow]
+        kept = self.sample(shape.pg, seqs if not slow else [seqs[k] for k in ordinary], shape.is_p2p)
+        for k in sorted(slow.union(ordinary[i] for i in kept)) if kept or slow else ():
+            start, end = group.records(k)
+            self.on_collective(self._collective(shape, start, end, "ok", 0, False, k in slow))
 
     def _nan_found(self, record: Record) -> None:
         shape = self._shape(record)
@@ -301,10 +312,18 @@ class Sidecar:
             hung.append(self._collective(shape, start, None, "in_flight", self._nan.get(op_id, 0), True, False, now_ns))
         return hung
 
-    def _is_slow(self, shape: Shape, seconds: float) -> bool:
-        typical, seen = self._typical.get(shape.typical_key, (seconds, 0))
-        self._typical[shape.typical_key] = (typical + _EWMA * (seconds - typical), seen + 1)
-        return seen >= _SLOW_AFTER and seconds > self.slow_factor * typical
+    def _slow(self, shape: Shape, seconds: Sequence[float]) -> set[int]:
+        """Which of ``seconds`` (collectives of ``shape``, in order) are slow outliers: over
+        ``slow_factor`` times the running mean of their op, group and size class so far."""
+        typical, seen = self._typical.get(shape.typical_key, (seconds[0], 0))
+        slow, factor = set(), self.slow_factor
+        for k, value in enumerate(seconds):
+            if seen >= _SLOW_AFTER and value > factor * typical:
+                slow.add(k)
+            typical += _EWMA * (value - typical)
+            seen += 1
+        self._typical[shape.typical_key] = (typical, seen)
+        return slow
 
     def _shape(self, record: Record) -> Shape:
         key = (record.op, record.pg, record.nbytes, record.sig)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import collections
 import threading
+from typing import Sequence
 
 DURATION_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
                     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -69,6 +70,17 @@ class Histogram:
         self.total += value
         self.count += 1
 
+    def observe_all(self, values: Sequence[float], seqs: Sequence[int] | None) -> None:
+        """``observe`` each of ``values`` (of the collectives ``seqs``), in order."""
+        counts, exemplars, find = self.counts, self.exemplars, bisect.bisect_left
+        for k, value in enumerate(values):
+            index = find(DURATION_BUCKETS, value)
+            counts[index] += 1
+            if seqs is not None:
+                exemplars[index] = (seqs[k], value)
+        self.total += sum(values)
+        self.count += len(values)
+
 
 class Stats:
     def __init__(self) -> None:
@@ -110,6 +122,22 @@ class Stats:
         """A collective of ``shape`` waited ``queue_s`` from issue to its start on the GPU, then ran ``exec_s``."""
         self.gpu_queue[shape.counter_key] += max(queue_s, 0.0)
         self.gpu_exec[shape.counter_key] += max(exec_s, 0.0)
+
+    def completed_ok(self, shape, seqs: Sequence[int], seconds: Sequence[float]) -> None:
+        """Collectives of ``shape`` issued and completed ok between two drains (``seqs`` in the order
+        they ended, ``seconds`` their durations): ``enqueued`` and ``finished`` of each, at once."""
+        key, count = shape.counter_key, len(seqs)
+        self.completed[shape.ok_key] += count
+        self.bytes[key] += shape.nbytes * count
+        self.bus_bytes[key] += shape.bus_bytes * count
+        self.durations[shape.duration_key].observe_all(seconds, None if shape.is_p2p else seqs)
+        bus_bytes = shape.bus_bytes
+        self.recent[shape.op].extend((s, bus_bytes / s if s > 0 else 0.0) for s in seconds[-RESERVOIR:])
+        if not shape.is_p2p:
+            last, top = self.last_seq, max(seqs)
+            for which in (shape.enqueued_key, shape.completed_key):
+                if top > last.get(which, -1):
+                    last[which] = top
 
     def finished(self, shape, seq: int | None, status: str, seconds: float | None) -> None:
         """One collective of ``shape`` (the sidecar's ``Shape``) completed with ``status``."""

@@ -31,7 +31,7 @@ def drain_us(collectives: int, per_drain: int, budget: bool) -> float:
     sig = ring.intern(json.dumps([[[1024]], ["torch.float32"], [[1024]], ["torch.float32"]]))
     code = CODE[OpName.all_reduce]
     kept = []
-    sample = (lambda pg, seq, is_p2p: False)
+    sample = (lambda pg, seqs, is_p2p: [])
     if budget:
         spans = span_exporter(Config.from_env({"COMMLENS_TRACE_FILE": "/dev/null"}))
         sample = spans.sampled

@@ -30,7 +30,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
@@ -135,43 +135,46 @@ class SpanExporter:
         """Whether the span of collective ``c`` is kept: an anomaly always, an ordinary one when ``sampled``."""
         if c.nan or c.inf or c.hang or c.slow or c.status != "ok":
             return True
-        return self.sampled(c.pg, c.seq, c.is_p2p)
+        return bool(self.sampled(c.pg, (c.seq,), c.is_p2p))
 
-    def sampled(self, pg: str, seq: int, is_p2p: bool) -> bool:
-        """Whether an ordinary collective (completed, in time, finite) is kept; counted when it is not.
-        The sidecar asks this before it builds the collective (``Sidecar(sample=...)``)."""
+    def sampled(self, pg: str, seqs: Sequence[int], is_p2p: bool) -> list[int]:
+        """Which of the ordinary collectives (completed, in time, finite) ``seqs`` of group ``pg`` are
+        kept, by index; the others are counted. The sidecar asks this before it builds any of them
+        (``Sidecar(sample=...)``), for all of one drain's collectives of a shape at once."""
         if self.sample_none:
-            kept = False
-        elif self.budget_per_s is not None:
-            kept = self._within_budget(pg, seq, is_p2p)
+            kept: list[int] = []
         else:
-            kept = self.bound > _LOW64 or self._sampling_key(pg, seq, is_p2p) < self.bound
-        if not kept:
-            self.counts["sampled_out"] += 1
+            bound = self.bound if self.budget_per_s is None else self._budget_bound(len(seqs))
+            if bound > _LOW64:
+                kept = list(range(len(seqs)))
+            else:
+                base = self._base(pg, is_p2p)
+                kept = [k for k, seq in enumerate(seqs) if ((base ^ seq) * _GOLDEN) & _LOW64 < bound]
+            if self.budget_per_s is not None:  # the rate jumped within the window: the budget holds
+                kept = kept[:max(0, math.ceil(self.budget_per_s - self._kept))]
+                self._kept += len(kept)
+        if len(kept) < len(seqs):
+            self.counts["sampled_out"] += len(seqs) - len(kept)
         return kept
 
-    def _within_budget(self, pg: str, seq: int, is_p2p: bool) -> bool:
+    def _budget_bound(self, offered: int) -> int:
+        """The bound for ``offered`` more collectives: each second it follows the last second's rate."""
         now = time.monotonic()
-        if now - self._window_start >= 1.0:  # a new window: the bound follows the last window's rate
+        if now - self._window_start >= 1.0:
             rate = self._offered / (now - self._window_start)
             self.bound = (1 << 64) if rate <= self.budget_per_s else int(self.budget_per_s / rate * (1 << 64))
             self._window_start, self._offered, self._kept = now, 0, 0
-        self._offered += 1
-        if self._kept >= self.budget_per_s:  # the rate jumped within the window: the budget holds
-            return False
-        if self.bound > _LOW64 or self._sampling_key(pg, seq, is_p2p) < self.bound:
-            self._kept += 1
-            return True
-        return False
+        self._offered += offered
+        return self.bound
 
-    def _sampling_key(self, pg: str, seq: int, is_p2p: bool) -> int:
-        """A 64-bit hash of the collective, the same on every rank: the group's own (from its trace
-        id's inputs, worked out once) mixed with ``seq`` by Fibonacci hashing, ~0.2 µs where a
-        blake2b of the trace id takes 0.9; consecutive seqs spread evenly over the 64 bits."""
+    def _base(self, pg: str, is_p2p: bool) -> int:
+        """The group's sampling key, worked out once from its trace id's inputs; a collective's key
+        is ``((base ^ seq) * _GOLDEN) mod 2^64``: the same on every rank, ~0.1 µs where a blake2b
+        of the trace id takes 0.9, and consecutive seqs spread evenly over the 64 bits."""
         base = self._bases.get((pg, is_p2p))
         if base is None:
             base = self._bases[(pg, is_p2p)] = int.from_bytes(trace_id(self.job, pg, 0, is_p2p)[8:], "big")
-        return ((base ^ seq) * _GOLDEN) & _LOW64
+        return base
 
     def offer(self, c: Any) -> None:
         """Queue one collective's span if it is kept. Never blocks."""

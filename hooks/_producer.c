@@ -9,8 +9,8 @@
  * sequence, the payload and the tail sequence with release ordering, and returns the record's
  * timestamp: CLOCK_MONOTONIC in ns, the clock of time.monotonic_ns(), unless t_ns is given.
  * ``where`` is the module attribution: (module string id << 8) | phase.
- * It never waits, takes no lock and allocates nothing but the returned int. pair_run (below) folds
- * the records a reader copied.
+ * It never waits, takes no lock and allocates nothing but the returned int. fold_run (below) groups
+ * the collectives a reader copied whole.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -241,24 +241,53 @@ static PyObject *published(PyObject *module, PyObject *args) {
     return PyLong_FromUnsignedLong(length);
 }
 
-/* pair_run(data, record_type, paired_type, start, end, paired) -> list: the records of ``data`` (whole
- * records as read_whole copied them) as ``record_type`` tuples, in order, except that a ``start``
- * record whose ``end`` record with status ok (flags 0) follows in ``data`` is folded with it into one
- * ``paired_type`` tuple at the end's place: (start t_ns, ``paired`` kind, op, START's
- * flags, phase, pg, op_id, seq, end t_ns, nbytes, sig, peer, START's aux, module, END's aux). Most
- * collectives start and end within one drain: this spares the reader two tuples and the in-flight
- * table for each. Both types are tuple subclasses of 15 fields (ring.Record, ring.Paired). */
-static PyObject *u64(uint64_t v) { return PyLong_FromUnsignedLongLong(v); }
+/* fold_run(data, record_type, start, end) -> (records, groups): the records of ``data`` (whole records
+ * as read_whole copied them), where each ``start`` record whose ``end`` record with status ok (flags 0)
+ * follows in ``data``, with no other record of its op_id there (a NAN, a GPU_START), is folded away
+ * into one group per (op, pg, nbytes, sig), in order of first appearance: (op, pg, nbytes, sig, seqs,
+ * seconds, pairs) where seqs are uint64, seconds float64 (end - start) and pairs the START and END
+ * records themselves, 2 x 72 bytes a collective. ``records``: every other record, in order, as
+ * ``record_type`` tuples. Most collectives start and end within one drain: their counting then costs
+ * the reader no Python object each (agent/sidecar.py). */
+typedef struct {
+    uint64_t *keys;
+    Py_ssize_t *values; /* index + 1; 0: empty */
+    Py_ssize_t mask;
+} table_t;
 
-static PyObject *fields(PyTypeObject *type, uint64_t a, uint8_t kind, const record_t *r, uint8_t flags,
-                        uint64_t t_ns, uint32_t aux, uint64_t last) {
+static int table_init(table_t *t, Py_ssize_t n) {
+    Py_ssize_t cap = 16;
+    while (cap < 2 * n)
+        cap <<= 1;
+    t->keys = malloc(cap * sizeof(uint64_t));
+    t->values = calloc(cap, sizeof(Py_ssize_t));
+    t->mask = cap - 1;
+    return t->keys != NULL && t->values != NULL;
+}
+
+static Py_ssize_t *table_slot(table_t *t, uint64_t key) {
+    Py_ssize_t slot = (Py_ssize_t)((key * 0x9E3779B97F4A7C15ull) >> 20) & t->mask;
+    while (t->values[slot] && t->keys[slot] != key)
+        slot = (slot + 1) & t->mask;
+    t->keys[slot] = key;
+    return &t->values[slot];
+}
+
+static void table_free(table_t *t) {
+    free(t->keys);
+    free(t->values);
+}
+
+static PyObject *record_tuple(PyTypeObject *type, const record_t *r) {
     PyObject *t = type->tp_alloc(type, 15);
     if (t == NULL)
         return NULL;
-    PyObject *items[15] = {u64(a), PyLong_FromLong(kind), PyLong_FromLong(r->op), PyLong_FromLong(flags),
-                           PyLong_FromLong(r->phase), PyLong_FromUnsignedLong(r->pg), u64(r->op_id), u64(r->seq),
-                           u64(t_ns), u64(r->nbytes), PyLong_FromUnsignedLong(r->sig), PyLong_FromLong(r->peer),
-                           PyLong_FromUnsignedLong(aux), PyLong_FromUnsignedLong(r->module), u64(last)};
+    PyObject *items[15] = {PyLong_FromUnsignedLongLong(r->head), PyLong_FromLong(r->kind), PyLong_FromLong(r->op),
+                           PyLong_FromLong(r->flags), PyLong_FromLong(r->phase), PyLong_FromUnsignedLong(r->pg),
+                           PyLong_FromUnsignedLongLong(r->op_id), PyLong_FromUnsignedLongLong(r->seq),
+                           PyLong_FromUnsignedLongLong(r->t_ns), PyLong_FromUnsignedLongLong(r->nbytes),
+                           PyLong_FromUnsignedLong(r->sig), PyLong_FromLong(r->peer), PyLong_FromUnsignedLong(r->aux),
+                           PyLong_FromUnsignedLong(r->module), PyLong_FromUnsignedLongLong(r->tail)};
     for (int i = 0; i < 15; i++) {
         if (items[i] == NULL) {
             for (int j = i; j < 15; j++)
@@ -271,75 +300,138 @@ static PyObject *fields(PyTypeObject *type, uint64_t a, uint8_t kind, const reco
     return t;
 }
 
-static PyObject *pair_run(PyObject *module, PyObject *args) {
+typedef struct {
+    const record_t *first; /* its key: op, pg, nbytes, sig */
+    Py_ssize_t count;
+    uint64_t *seqs;
+    double *seconds;
+    record_t *pairs;
+} group_t;
+
+static PyObject *group_tuple(const group_t *g) {
+    return Py_BuildValue("(iIKIy#y#y#)", (int)g->first->op, (unsigned)g->first->pg,
+                         (unsigned long long)g->first->nbytes, (unsigned)g->first->sig, (const char *)g->seqs,
+                         g->count * (Py_ssize_t)sizeof(uint64_t), (const char *)g->seconds,
+                         g->count * (Py_ssize_t)sizeof(double), (const char *)g->pairs,
+                         2 * g->count * (Py_ssize_t)RECORD_SIZE);
+}
+
+static PyObject *fold_run(PyObject *module, PyObject *args) {
     Py_buffer view;
-    PyTypeObject *record_type, *paired_type;
-    int start_kind, end_kind, paired_kind;
-    if (!PyArg_ParseTuple(args, "y*O!O!iii", &view, &PyType_Type, &record_type, &PyType_Type, &paired_type,
-                          &start_kind, &end_kind, &paired_kind))
+    PyTypeObject *record_type;
+    int start_kind, end_kind;
+    if (!PyArg_ParseTuple(args, "y*O!ii", &view, &PyType_Type, &record_type, &start_kind, &end_kind))
         return NULL;
-    if (!PyType_IsSubtype(record_type, &PyTuple_Type) || !PyType_IsSubtype(paired_type, &PyTuple_Type) ||
-        view.len % RECORD_SIZE) {
+    if (!PyType_IsSubtype(record_type, &PyTuple_Type) || view.len % RECORD_SIZE) {
         PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "pair_run takes whole records and two tuple types");
+        PyErr_SetString(PyExc_ValueError, "fold_run takes whole records and a tuple type");
         return NULL;
     }
-    Py_ssize_t n = view.len / RECORD_SIZE, cap = 16;
-    while (cap < 2 * n)
-        cap <<= 1;
+    Py_ssize_t n = view.len / RECORD_SIZE, groups = 0;
     const record_t *records = (const record_t *)view.buf;
-    uint64_t *keys = malloc(cap * sizeof(uint64_t));
-    Py_ssize_t *ends = calloc(cap, sizeof(Py_ssize_t)); /* op_id -> index + 1 of its ok END; 0: none */
+    table_t ends = {0}, others = {0}, shapes = {0};
     Py_ssize_t *partner = calloc(n ? n : 1, sizeof(Py_ssize_t)); /* END index -> index + 1 of its START */
-    PyObject *out = NULL;
-    if (keys == NULL || ends == NULL || partner == NULL) {
+    group_t *group = calloc(n ? n : 1, sizeof(group_t));
+    uint64_t *seqs = malloc((n ? n : 1) * sizeof(uint64_t));
+    double *seconds = malloc((n ? n : 1) * sizeof(double));
+    record_t *pairs = malloc((n ? n : 1) * 2 * sizeof(record_t));
+    Py_ssize_t *member = malloc((n ? n : 1) * sizeof(Py_ssize_t)); /* END index -> its group */
+    char *folded_start = calloc(n ? n : 1, 1);
+    PyObject *out = NULL, *rest = NULL, *folded = NULL;
+    if (!table_init(&ends, n) || !table_init(&others, n) || !table_init(&shapes, n) || partner == NULL ||
+        group == NULL || seqs == NULL || seconds == NULL || pairs == NULL || member == NULL || folded_start == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) { /* each op_id's ok END, and the op_ids that have other records */
         const record_t *r = &records[i];
-        if (r->kind != end_kind || r->flags != 0)
-            continue;
-        uint64_t slot = (r->op_id * 0x9E3779B97F4A7C15ull) & (cap - 1);
-        while (ends[slot] && keys[slot] != r->op_id)
-            slot = (slot + 1) & (cap - 1);
-        if (!ends[slot]) {
-            keys[slot] = r->op_id;
-            ends[slot] = i + 1;
+        if (r->kind == end_kind && r->flags == 0) {
+            Py_ssize_t *found = table_slot(&ends, r->op_id);
+            if (!*found)
+                *found = i + 1;
+        } else if (r->kind != start_kind && r->kind != end_kind) {
+            *table_slot(&others, r->op_id) = 1;
         }
     }
-    out = PyList_New(0);
-    if (out == NULL)
+    for (Py_ssize_t i = 0; i < n; i++) { /* pair each START with its END, and count each pair's group */
+        const record_t *r = &records[i];
+        if (r->kind != start_kind)
+            continue;
+        Py_ssize_t j = *table_slot(&ends, r->op_id) - 1;
+        if (j <= i || partner[j] || *table_slot(&others, r->op_id))
+            continue;
+        partner[j] = i + 1;
+        folded_start[i] = 1;
+        uint64_t key = ((uint64_t)r->op << 56) ^ ((uint64_t)r->pg << 32) ^ r->sig ^ (r->nbytes * 0xC2B2AE3D27D4EB4Full);
+        Py_ssize_t *g = table_slot(&shapes, key);
+        while (*g) { /* a key shared by two shapes: probe on past the other */
+            const record_t *f = group[*g - 1].first;
+            if (f->op == r->op && f->pg == r->pg && f->nbytes == r->nbytes && f->sig == r->sig)
+                break;
+            g = table_slot(&shapes, ++key);
+        }
+        if (!*g) {
+            group[groups].first = r;
+            *g = ++groups;
+        }
+        member[j] = *g - 1;
+        group[*g - 1].count++;
+    }
+    Py_ssize_t offset = 0;
+    for (Py_ssize_t k = 0; k < groups; k++) { /* each group's slice of the arrays */
+        group[k].seqs = seqs + offset;
+        group[k].seconds = seconds + offset;
+        group[k].pairs = pairs + 2 * offset;
+        offset += group[k].count;
+        group[k].count = 0;
+    }
+    rest = PyList_New(0);
+    if (rest == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
         const record_t *r = &records[i];
-        PyObject *item;
-        if (r->kind == start_kind) {
-            uint64_t slot = (r->op_id * 0x9E3779B97F4A7C15ull) & (cap - 1);
-            while (ends[slot] && keys[slot] != r->op_id)
-                slot = (slot + 1) & (cap - 1);
-            if (ends[slot] > i + 1 && !partner[ends[slot] - 1]) {
-                partner[ends[slot] - 1] = i + 1;
-                continue;
-            }
-        }
         if (partner[i]) {
             const record_t *s = &records[partner[i] - 1];
-            item = fields(paired_type, s->t_ns, (uint8_t)paired_kind, s, s->flags, r->t_ns, s->aux, r->aux);
-        } else {
-            item = fields(record_type, r->head, r->kind, r, r->flags, r->t_ns, r->aux, r->tail);
+            group_t *g = &group[member[i]];
+            g->seqs[g->count] = s->seq;
+            g->seconds[g->count] = (double)(int64_t)(r->t_ns - s->t_ns) / 1e9;
+            g->pairs[2 * g->count] = *s;
+            g->pairs[2 * g->count + 1] = *r;
+            g->count++;
+            continue;
         }
-        if (item == NULL || PyList_Append(out, item) < 0) {
+        if (folded_start[i])
+            continue;
+        PyObject *item = record_tuple(record_type, r);
+        if (item == NULL || PyList_Append(rest, item) < 0) {
             Py_XDECREF(item);
-            Py_CLEAR(out);
             goto done;
         }
         Py_DECREF(item);
     }
+    folded = PyList_New(groups);
+    if (folded == NULL)
+        goto done;
+    for (Py_ssize_t k = 0; k < groups; k++) {
+        PyObject *item = group_tuple(&group[k]);
+        if (item == NULL)
+            goto done;
+        PyList_SET_ITEM(folded, k, item);
+    }
+    out = PyTuple_Pack(2, rest, folded);
 done:
-    free(keys);
-    free(ends);
+    Py_XDECREF(rest);
+    Py_XDECREF(folded);
+    table_free(&ends);
+    table_free(&others);
+    table_free(&shapes);
     free(partner);
+    free(group);
+    free(seqs);
+    free(seconds);
+    free(pairs);
+    free(member);
+    free(folded_start);
     PyBuffer_Release(&view);
     return out;
 }
@@ -350,8 +442,8 @@ static PyMethodDef module_methods[] = {
     {"published", published, METH_VARARGS, "published(buffer, offset) -> an acquire load of a uint32"},
     {"read_whole", read_whole, METH_VARARGS,
      "read_whole(buffer, slots, claim_offset, records_offset, cursor, limit) -> (bytes, head)"},
-    {"pair_run", pair_run, METH_VARARGS,
-     "pair_run(data, record_type, paired_type, start, end, paired) -> records, a START folded with its ok END"},
+    {"fold_run", fold_run, METH_VARARGS,
+     "fold_run(data, record_type, start, end) -> (records, groups of STARTs folded with their ok ENDs)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -52,8 +52,6 @@ from typing import Callable, NamedTuple
 START, END, NAN, GPU_START, SNAPSHOT = 1, 2, 3, 4, 5
 """Record kinds: a collective was issued, finished, had a non-finite tensor, started on the GPU; the
 writer asks its reader for a flight-recorder snapshot (``flags``: the reason's index in ``REASONS``)."""
-PAIRED = 6
-"""The kind of a ``Paired``: a START and its END (status ok) that a reader read together; never written."""
 REASONS = ("abort", "hang", "signal", "exception", "peer", "exit")
 """Why a snapshot was written: a collective's abort, a hang, SIGTERM, an unhandled exception,
 another rank's hang or abort, the writer's process ended without closing its ring (killed, crashed)."""
@@ -72,7 +70,7 @@ hook issued no collective (``noop_hook``); it is no collective, and readers of t
 PHASES = ("", "other", "forward", "backward", "optimizer")
 """A record's ``phase``: where in the training step the op was issued (module attribution)."""
 
-from ._producer import Producer, claim, pair_run, publish, published, read_whole
+from ._producer import Producer, claim, fold_run, publish, published, read_whole
 
 _HEADER = struct.Struct("<8sIIIII")  # magic, version, slots, record size, string bytes, alignment
 _HEADER_SIZE = 128
@@ -349,32 +347,30 @@ def _forget_writers_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_writers_in_child)
 
 
-class Paired(NamedTuple):
-    """A START and its END with status ok, folded by ``RingReader.read_paired``: the START's fields,
-    with both times and the END's ``aux``."""
+class Folded(NamedTuple):
+    """Collectives of one (op, pg, nbytes, sig) that started and ended ok within one read, folded by
+    ``RingReader.read_folded``: their seqs (uint64) and durations in seconds (float64), in order,
+    and their START and END records (``records(k)``)."""
 
-    start_ns: int
-    kind: int
-    """PAIRED."""
     op: int
-    flags: int
-    phase: int
     pg: int
-    op_id: int
-    seq: int
-    end_ns: int
     nbytes: int
     sig: int
-    peer: int
-    aux: int
-    module: int
-    end_aux: int
+    seq_bytes: bytes
+    seconds_bytes: bytes
+    pair_bytes: bytes
 
-    def records(self) -> tuple[Record, Record]:
-        """The START and END records it folds (their ring positions are not kept: 0)."""
-        start = Record(0, START, self.op, self.flags, self.phase, self.pg, self.op_id, self.seq, self.start_ns,
-                       self.nbytes, self.sig, self.peer, self.aux, self.module, 0)
-        return start, start._replace(kind=END, flags=OK, phase=0, t_ns=self.end_ns, aux=self.end_aux, module=0)
+    def seqs(self) -> memoryview:
+        return memoryview(self.seq_bytes).cast("Q")
+
+    def seconds(self) -> memoryview:
+        return memoryview(self.seconds_bytes).cast("d")
+
+    def records(self, k: int) -> tuple[Record, Record]:
+        """The START and END records of the ``k``-th collective."""
+        at = 2 * k * RECORD.size
+        return (Record._make(RECORD.unpack_from(self.pair_bytes, at)),
+                Record._make(RECORD.unpack_from(self.pair_bytes, at + RECORD.size)))
 
 
 class RingReader:
@@ -393,23 +389,26 @@ class RingReader:
     def read(self, limit: int = 1 << 20) -> list[Record]:
         return self._read(limit, _records)
 
-    def read_paired(self, limit: int = 1 << 20) -> list[Record | Paired]:
-        """``read()``, with each START whose END (status ok) comes in the same read folded into one
-        ``Paired`` at the END's place (a reader's common case, without two records and a lookup);
-        ``limit`` bounds what is returned."""
-        return self._read(limit, _paired)
+    def read_folded(self, limit: int = 1 << 20) -> tuple[list[Record], list[Folded]]:
+        """``read()``, with each START whose END (status ok) comes in the same read, and no other
+        record of its op, folded into one ``Folded`` per (op, pg, nbytes, sig): a reader's common
+        case, counted a group at a time. ``limit`` bounds the records read."""
+        groups: list[Folded] = []
+        return self._read(limit, lambda data: _folded(data, groups)), groups
 
     def _read(self, limit: int, decode: Callable[[bytes], list]) -> list:
-        ring, out = self.ring, []
-        while len(out) < limit:
-            run = self._read_run(limit - len(out), decode)
-            if run:
-                out.extend(run)
+        ring, out, left = self.ring, [], limit
+        while left > 0:
+            data = self._read_run(left)
+            if data:
+                out.extend(decode(data))
+                left -= len(data) // RECORD.size
                 continue
             index = self.cursor
             head, record = ring.read_slot(index)
             if record is not None:
                 out.append(record)
+                left -= 1
                 self.cursor = index + 1
                 self._stalled = 0
             elif head > index + 1:
@@ -424,18 +423,16 @@ class RingReader:
                 break
         return out
 
-    def _read_run(self, limit: int, decode: Callable[[bytes], list]) -> list:
-        """Whole published records from the cursor on, copied out by ``read_whole`` (which says what
-        makes a copy whole across processes and CPUs), up to the first that is not (yet) whole. Empty
-        when the slow path must decide."""
+    def _read_run(self, limit: int) -> bytes:
+        """Whole published records from the cursor on (at most ``limit``), copied out by
+        ``read_whole`` (which says what makes a copy whole across processes and CPUs), up to the first
+        that is not (yet) whole. Empty when the slow path must decide."""
         ring = self.ring
         data, _ = read_whole(ring._view, ring.slots, _CLAIM_OFFSET, _HEADER_SIZE, self.cursor, limit)
-        if not data:
-            return []
-        run = decode(data)
-        self.cursor += len(data) // RECORD.size
-        self._stalled = 0
-        return run
+        if data:
+            self.cursor += len(data) // RECORD.size
+            self._stalled = 0
+        return data
 
     def _stuck_behind_published(self, index: int) -> bool:
         if self.ring.read_slot(index + 1)[1] is None:
@@ -449,5 +446,8 @@ def _records(data: bytes) -> list[Record]:
     return [make(Record, fields) for fields in RECORD.iter_unpack(data)]
 
 
-def _paired(data: bytes) -> list[Record | Paired]:
-    return pair_run(data, Record, Paired, START, END, PAIRED)
+def _folded(data: bytes, groups: list[Folded]) -> list[Record]:
+    records, folded = fold_run(data, Record, START, END)
+    make = tuple.__new__
+    groups.extend(make(Folded, group) for group in folded)
+    return records

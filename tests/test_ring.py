@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from commlens.hooks import END, START, Ring, RingReader
-from commlens.hooks.ring import PAIRED
+from commlens.hooks.ring import NAN
 
 
 def write(ring, op_id, kind=START):
@@ -37,23 +37,27 @@ def test_reader_gets_records_in_order_and_then_nothing():
     assert reader.read() == [] and reader.dropped == 0
 
 
-def test_a_read_paired_folds_each_start_with_its_ok_end_and_keeps_every_other_record_in_order():
+def test_a_folded_read_groups_the_collectives_that_ended_ok_by_shape_and_keeps_every_other_record_in_order():
     ring = Ring(slots=64)
-    for op_id, kind, status in [(1, START, 0), (2, START, 0), (3, START, 0), (1, END, 0), (4, END, 0),
-                                (3, END, 1), (5, START, 0), (2, END, 0)]:
-        ring.write(kind, 2, status if kind == END else 1, 9, op_id, op_id * 10, 4096, 7, -1, op_id + 100,
-                   (33 << 8) | 3 if kind == START else 0, op_id * 1000 + kind)
+    # (op_id, kind, op, status, nbytes, t_ns): 1, 2 and 6 start and end ok (2 and 6 in another shape
+    # than 1, 6 in yet another); 3 fails, 4 lost its START, 5 is still in flight, 7 held a NaN
+    for op_id, kind, op, status, nbytes, t_ns in [
+            (1, START, 2, 0, 64, 100), (2, START, 2, 0, 128, 200), (3, START, 2, 0, 64, 300), (7, NAN, 2, 2, 64, 310),
+            (7, START, 2, 0, 64, 320), (1, END, 2, 0, 64, 1100), (4, END, 2, 0, 64, 1200), (3, END, 2, 1, 64, 1300),
+            (5, START, 2, 0, 64, 1400), (6, START, 3, 0, 64, 1450), (2, END, 2, 0, 128, 1500),
+            (7, END, 2, 0, 64, 1600), (6, END, 3, 0, 64, 1700), (8, START, 2, 0, 64, 1800), (8, END, 2, 0, 64, 2300)]:
+        ring.write(kind, op, status if kind == END else 1, 9, op_id, op_id * 10, nbytes, 7, -1, op_id + 100,
+                   (33 << 8) | 3 if kind == START else 0, t_ns)
     records = RingReader(ring).read()
-    paired = RingReader(ring).read_paired()
-    # 1 and 2 end ok after their START: folded at their END's place; 3 failed, 4 lost its START,
-    # 5 is still in flight: records as read() gives them
-    assert [(r.kind, r.op_id) for r in paired] == [(START, 3), (PAIRED, 1), (END, 4), (END, 3), (START, 5),
-                                                   (PAIRED, 2)]
-    assert paired[0] == records[2] and paired[2:5] == [records[4], records[5], records[6]]
-    for pair in (paired[1], paired[5]):
-        start, end = (r for r in records if r.op_id == pair.op_id)
-        assert (pair.start_ns, pair.end_ns, pair.end_aux) == (start.t_ns, end.t_ns, end.aux)
-        assert pair.records() == (start._replace(head=0, tail=0), end._replace(head=0, tail=0))
+    rest, groups = RingReader(ring).read_folded()
+    assert [(r.kind, r.op_id) for r in rest] == [(START, 3), (NAN, 7), (START, 7), (END, 4), (END, 3), (START, 5),
+                                                 (END, 7)]
+    assert rest == [r for r in records if r.op_id in (3, 4, 5, 7)]
+    assert [(g.op, g.nbytes, list(g.seqs()), list(g.seconds())) for g in groups] == [
+        (2, 64, [10, 80], [1e-6, 5e-7]), (2, 128, [20], [1.3e-6]), (3, 64, [60], [2.5e-7])]
+    for group in groups:
+        for k, seq in enumerate(group.seqs()):
+            assert group.records(k) == tuple(r for r in records if r.seq == seq)
 
 
 def test_overwritten_records_are_counted_exactly():
