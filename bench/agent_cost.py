@@ -4,10 +4,11 @@ Every trial is a fresh 2-rank gloo job on CPU that runs one workload under one c
 are interleaved (every configuration of a workload, then the next workload, repeat after repeat), and
 each configuration's time is divided by the no-commlens trial of the same workload and repeat. The
 table gives the paired ratios' min - median - max. The CPU that commlens itself uses per collective
-comes from a one-rank job per configuration that runs ``--cpu-collectives`` all_reduces of 4 KiB
-(100,000, and a tenth more to warm up: the kernel's CPU clock ticks every 10 ms, too coarse for the
-few collectives of a timed trial), divided by the collectives it counted: its threads in the training process (by native thread id), the training thread's extra CPU
-over no commlens, and the pod sidecar's process apart. The NaN/Inf check's cost is timed within
+comes from one-rank jobs that run ``--cpu-collectives`` all_reduces of 4 KiB (100,000, and a tenth
+more to warm up: the kernel's CPU clock ticks every 10 ms, too coarse for the few collectives of a
+timed trial), ``--cpu-repeats`` per configuration, interleaved, divided by the collectives each
+counted: its threads in the training process (by native thread id), the training thread's extra CPU
+over the no-commlens job of the same repeat, and the pod sidecar's process apart; medians. The NaN/Inf check's cost is timed within
 each default trial of an all_reduce (slices with and without it, alternated), beside one ``torch.sum``
 over the same payload, its goal's yardstick (issue 19: at most 1.2x that).
 
@@ -208,6 +209,7 @@ def main() -> int:
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--cpu-collectives", type=int, default=100_000,
                         help="all_reduces of 4 KiB a one-rank job runs per configuration for the CPU figures")
+    parser.add_argument("--cpu-repeats", type=int, default=3, help="one-rank jobs per configuration for the CPU figures")
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
     results: dict[tuple[str, str], list[dict]] = {}
@@ -218,7 +220,10 @@ def main() -> int:
                 results.setdefault((workload, config), []).append(trial(workload, config, iterations))
             print(f"repeat {repeat + 1}/{repeats}: {workload} done", file=sys.stderr, flush=True)
     collectives = 2000 if args.quick else args.cpu_collectives
-    cpu = {config: trial("all_reduce 4 KiB", config, collectives, world_size=1) for config in CONFIGS}
+    cpu: dict[str, list[dict]] = {config: [] for config in CONFIGS}
+    for _ in range(1 if args.quick else args.cpu_repeats):  # interleaved: each paired with its repeat's "none"
+        for config in CONFIGS:
+            cpu[config].append(trial("all_reduce 4 KiB", config, collectives, world_size=1))
     print(f"{'workload':<20}{'config':<14}{'ratio min - median - max':>26}")
     for workload in args.workloads:
         baseline = results[(workload, "none")]
@@ -232,13 +237,14 @@ def main() -> int:
             print(f"{workload:<20}NaN check: +{check * 1e6:.1f} µs per collective "
                   f"({min(checks) * 1e6:.1f} - {max(checks) * 1e6:.1f}); one torch.sum over the payload: "
                   f"{one_sum * 1e6:.1f} µs; ratio {check / one_sum:.2f} (goal <= 1.2)")
-    print(f"\nCPU per collective, µs: one rank, {collectives:,} all_reduces of 4 KiB per configuration")
+    print(f"\nCPU per collective, µs: one rank, {collectives:,} all_reduces of 4 KiB per configuration, "
+          f"medians of {len(cpu['none'])} interleaved jobs (total: their sum)")
     print(f"{'config':<14}{'commlens threads':>18}{'+training thread':>18}{'pod sidecar':>13}{'total':>8}")
-    for config, run in cpu.items():
-        per = run["collectives"]
-        threads = run["commlens_cpu_s"] / per * 1e6
-        extra = (run["training_cpu_s"] - cpu["none"]["training_cpu_s"]) / per * 1e6
-        sidecar = run.get("sidecar_cpu_s", 0.0) / per * 1e6
+    for config, runs in cpu.items():
+        threads = statistics.median(run["commlens_cpu_s"] / run["collectives"] * 1e6 for run in runs)
+        extra = statistics.median((run["training_cpu_s"] - base["training_cpu_s"]) / run["collectives"] * 1e6
+                                  for run, base in zip(runs, cpu["none"]))
+        sidecar = statistics.median(run.get("sidecar_cpu_s", 0.0) / run["collectives"] * 1e6 for run in runs)
         print(f"{config:<14}{threads:>18.1f}{extra:>18.1f}{sidecar:>13.1f}{threads + extra + sidecar:>8.1f}")
     return 0
 
