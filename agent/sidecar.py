@@ -294,7 +294,8 @@ class Sidecar:
 
     def _nan_found(self, record: Record) -> None:
         shape = self._shape(record)
-        self._nan[record.op_id] = self._nan.get(record.op_id, 0) | record.flags
+        if not record.flags & NAN_OUTPUT:  # an output's comes after its END (a post-hook's): nothing waits for it
+            self._nan[record.op_id] = self._nan.get(record.op_id, 0) | record.flags
         kinds = tuple(kind for bit, kind in ((NAN_HAS_NAN, "nan"), (NAN_HAS_INF, "inf")) if record.flags & bit)
         self.stats.nonfinite(shape, record.seq, kinds, not record.flags & NAN_OUTPUT)
         self.stats.events.append(("nan", shape.op, shape.pg, record.seq, None))
