@@ -5,8 +5,9 @@
 2. Span build and encode: commlens' spans (OTLP protobuf built from the records, serialized) against
    the OpenTelemetry SDK's own path (tracer spans, BatchSpanProcessor, the OTLP encoder), in spans
    per second. Goal: commlens >= 2x the SDK.
-3. The trace file (the embedded default sink): spans built and written as OTLP JSON lines, with
-   commlens' own JSON mapping against protobuf's ``json_format.MessageToDict``, in spans per second.
+3. The trace file (the embedded default sink): spans built and written as OTLP JSON lines, built as
+   JSON directly against protobuf messages put through ``json_format.MessageToDict``, in spans per
+   second.
 
     python bench/export_throughput.py
 """
@@ -93,7 +94,9 @@ def file_span_rates() -> tuple[float, float]:
     from commlens.exporters import otlp
 
     class ProtobufJsonLines(otlp.JsonLinesTransport):
-        """The same file sink, each line from protobuf's own JSON mapping: the baseline."""
+        """The same file sink, each line from protobuf's own JSON mapping of the protobuf request: the baseline."""
+
+        form = "protobuf"
 
         def send(self, request, within_s: float) -> None:
             data = MessageToDict(request, use_integers_for_enums=True)

@@ -82,18 +82,18 @@ def test_the_trace_files_json_is_protobufs_own_json_mapping_of_the_spans():
 
     from google.protobuf.json_format import MessageToDict
 
-    from commlens.exporters.otlp import otlp_json
-
     every_field = _collective(7)._replace(status="error", nan=True, inf=True, hang=True, slow=True,
                                       busbw=float("inf"), bucket=2, last_bucket=True, wire_bytes=2048,
                                       module="model.0", phase="backward", gpu_start_ns=1, in_flight=True)
     exporter = SpanExporter(_Kept(), {"service.name": "trainer", "commlens.rank": 0, "x": 0.5}, job="j")
-    request = exporter.request([exporter.builder.build(c) for c in (_collective(0), every_field)])
+    spans = [exporter.builder.fields(c) for c in (_collective(0), every_field)]
+    written = exporter.json_request(spans)
+    expected = MessageToDict(exporter.request(spans), use_integers_for_enums=True)
     exporter.shutdown(1)
-    expected = MessageToDict(request, use_integers_for_enums=True)
     for span in expected["resourceSpans"][0]["scopeSpans"][0]["spans"]:
         span["traceId"], span["spanId"] = (base64.b64decode(span[k]).hex() for k in ("traceId", "spanId"))
-    assert otlp_json(request) == expected
+    assert written == expected
+    assert written["resourceSpans"][0]["scopeSpans"][0]["spans"][1]["status"]["code"] == 2  # an error
 
 
 class _Kept:
