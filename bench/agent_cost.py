@@ -8,7 +8,9 @@ comes from one-rank jobs that run ``--cpu-collectives`` all_reduces of 4 KiB (10
 more to warm up: the kernel's CPU clock ticks every 10 ms, too coarse for the few collectives of a
 timed trial), ``--cpu-repeats`` per configuration, interleaved, divided by the collectives each
 counted: its threads in the training process (by native thread id), the training thread's extra CPU
-over the no-commlens job of the same repeat, and the pod sidecar's process apart; medians. The NaN/Inf check's cost is timed within
+over the no-commlens job of the same repeat, and the pod sidecar's process apart; medians. Beside
+them a yardstick without commlens: each all_reduce preceded by 1.2 µs of plain Python, the hooks' own
+cost, to show what that much work on the training thread costs it there. The NaN/Inf check's cost is timed within
 each default trial of an all_reduce (slices with and without it, alternated), beside one ``torch.sum``
 over the same payload, its goal's yardstick (issue 19: at most 1.2x that).
 
@@ -47,6 +49,11 @@ CONFIGS = {
     "every-span": {"OTEL_TRACES_SAMPLER": "always_on"},
     "pod-sidecar": {"COMMLENS_RING_DIR": ""},  # filled in per trial
 }
+YARDSTICK_US = 1.2
+"""The CPU jobs' yardstick (no commlens): each all_reduce preceded by this much plain Python, what the
+hooks cost on their own (``bench/hook_overhead.py``). What it adds to the training thread is what any
+such work before a collective costs there, gloo's hand-off to its own thread included."""
+YARDSTICK = f"python-{YARDSTICK_US}us"
 WORKLOADS = {"all_reduce 4 KiB": (1 << 10, 2000), "all_reduce 1 MiB": (1 << 18, 400),
              "all_reduce 64 MiB": (1 << 24, 12), "DDP step": (None, 60), "FSDP2 step": (None, 40)}
 """Name: (float32 elements of the payload, or None for a training step; iterations timed)."""
@@ -57,11 +64,30 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(3)])
 
 
-def _step(name: str):
-    """One iteration of workload ``name``, as a function."""
+def _busy(us: float):
+    """A function that spends about ``us`` µs of CPU in plain Python (calibrated here)."""
+    loops, n = 1000, 20_000
+    started = time.thread_time()
+    for _ in range(n // 10):
+        for _ in range(loops):
+            pass
+    per_loop_us = (time.thread_time() - started) / (n // 10 * loops) * 1e6
+    spins = range(max(1, round(us / per_loop_us)))
+
+    def busy() -> None:
+        for _ in spins:
+            pass
+    return busy
+
+
+def _step(name: str, busy_us: float = 0.0):
+    """One iteration of workload ``name``, as a function; an all_reduce preceded by ``busy_us`` of Python."""
     elements, _ = WORKLOADS[name]
     if elements is not None:  # zeros: a summed payload of ones would double each time, and be Inf
         tensor = torch.zeros(elements)  # after 128 collectives: every one a NaN/Inf event from then on
+        if busy_us:
+            busy = _busy(busy_us)
+            return lambda: (busy(), dist.all_reduce(tensor))
         return lambda: dist.all_reduce(tensor)
     model = _model()
     if name.startswith("DDP"):
@@ -126,7 +152,7 @@ def _thread_cpu_s(native_id: int) -> float:
 
 
 def _trial(rank: int, world_size: int, port: int, workload: str, iterations: int, settings: dict | None,
-           out: dict) -> None:
+           out: dict, busy_us: float = 0.0) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
@@ -140,7 +166,7 @@ def _trial(rank: int, world_size: int, port: int, workload: str, iterations: int
     main_thread, group = threading.main_thread().native_id, dist.distributed_c10d._get_default_group()
     before = {t.native_id: _thread_cpu_s(t.native_id) for t in threading.enumerate()}
     first_seq = group._get_sequence_number_for_group()
-    step = _step(workload)
+    step = _step(workload, busy_us)
     seconds = _workload(step, iterations)
     collectives = group._get_sequence_number_for_group() - first_seq  # warm-up included, as in the CPU figures
     threads = {t.native_id: t.name for t in threading.enumerate()}
@@ -169,8 +195,9 @@ def _trial(rank: int, world_size: int, port: int, workload: str, iterations: int
 
 
 def trial(workload: str, config: str, iterations: int, world_size: int = 2) -> dict:
-    """One fresh gloo job of ``workload`` under ``config``; rank 0's figures."""
-    settings = None if CONFIGS[config] is None else {
+    """One fresh gloo job of ``workload`` under ``config`` (or the ``YARDSTICK``); rank 0's figures."""
+    busy_us = YARDSTICK_US if config == YARDSTICK else 0.0
+    settings = None if busy_us or CONFIGS[config] is None else {
         "COMMLENS_METRICS_PORT": str(free_ports(world_size)), "COMMLENS_METRICS_ADDR": "127.0.0.1",
         **CONFIGS[config]}
     sidecar, folder = None, tempfile.mkdtemp(prefix="commlens-agent-cost-")
@@ -186,7 +213,7 @@ def trial(workload: str, config: str, iterations: int, world_size: int = 2) -> d
     try:
         with mp.Manager() as manager:
             out = manager.dict()
-            mp.start_processes(_trial, args=(world_size, free_port(), workload, iterations, settings, out),
+            mp.start_processes(_trial, args=(world_size, free_port(), workload, iterations, settings, out, busy_us),
                                nprocs=world_size, start_method="spawn")
             result = dict(out["result"])
     finally:
@@ -220,9 +247,9 @@ def main() -> int:
                 results.setdefault((workload, config), []).append(trial(workload, config, iterations))
             print(f"repeat {repeat + 1}/{repeats}: {workload} done", file=sys.stderr, flush=True)
     collectives = 2000 if args.quick else args.cpu_collectives
-    cpu: dict[str, list[dict]] = {config: [] for config in CONFIGS}
+    cpu: dict[str, list[dict]] = {config: [] for config in [*CONFIGS, YARDSTICK]}
     for _ in range(1 if args.quick else args.cpu_repeats):  # interleaved: each paired with its repeat's "none"
-        for config in CONFIGS:
+        for config in cpu:
             cpu[config].append(trial("all_reduce 4 KiB", config, collectives, world_size=1))
     print(f"{'workload':<20}{'config':<14}{'ratio min - median - max':>26}")
     for workload in args.workloads:
@@ -239,13 +266,13 @@ def main() -> int:
                   f"{one_sum * 1e6:.1f} µs; ratio {check / one_sum:.2f} (goal <= 1.2)")
     print(f"\nCPU per collective, µs: one rank, {collectives:,} all_reduces of 4 KiB per configuration, "
           f"medians of {len(cpu['none'])} interleaved jobs (total: their sum)")
-    print(f"{'config':<14}{'commlens threads':>18}{'+training thread':>18}{'pod sidecar':>13}{'total':>8}")
+    print(f"{'config':<16}{'commlens threads':>18}{'+training thread':>18}{'pod sidecar':>13}{'total':>8}")
     for config, runs in cpu.items():
         threads = statistics.median(run["commlens_cpu_s"] / run["collectives"] * 1e6 for run in runs)
         extra = statistics.median((run["training_cpu_s"] - base["training_cpu_s"]) / run["collectives"] * 1e6
                                   for run, base in zip(runs, cpu["none"]))
         sidecar = statistics.median(run.get("sidecar_cpu_s", 0.0) / run["collectives"] * 1e6 for run in runs)
-        print(f"{config:<14}{threads:>18.1f}{extra:>18.1f}{sidecar:>13.1f}{threads + extra + sidecar:>8.1f}")
+        print(f"{config:<16}{threads:>18.1f}{extra:>18.1f}{sidecar:>13.1f}{threads + extra + sidecar:>8.1f}")
     return 0
 
 
