@@ -219,8 +219,8 @@ class Sidecar:
         return len(records) + sum(2 * len(group.seqs()) for group in folded)
 
     def _read(self) -> tuple[list[Record], list[Folded]]:
-        """The new records, with the collectives that started and ended ok among them folded; none
-        while a NAN or GPU_START record read before waits for its collective's END."""
+        """The new records, with the collectives that started and ended ok among them folded (on a
+        GPU too); none while a NAN or GPU_START record read before waits for its collective's END."""
         if self._nan or self._gpu_start:
             return self.reader.read(), []
         return self.reader.read_folded()
@@ -285,12 +285,18 @@ class Sidecar:
         shape = self._shapes.get((group.op, group.pg, group.nbytes, group.sig)) or self._shape(group)
         seqs, seconds = group.seqs(), group.seconds()
         self.stats.completed_ok(shape, seqs, seconds)
+        if group.gpu_bytes:
+            queued, executing = group.gpu_seconds()
+            self.stats.on_gpu(shape, sum(queued), sum(executing))
         slow = self._slow(shape, seconds)
         ordinary = range(len(seqs)) if not slow else [k for k in range(len(seqs)) if k not in slow]
         kept = self.sample(shape.pg, seqs if not slow else [seqs[k] for k in ordinary], shape.is_p2p)
         for k in sorted(slow.union(ordinary[i] for i in kept)) if kept or slow else ():
-            start, end = group.records(k)
-            self.on_collective(self._collective(shape, start, end, "ok", 0, False, k in slow))
+            records = group.records(k)
+            start, end, gpu_start = records[0], records[-1], None
+            if len(records) == 3:  # the GPU's start, within the clocks' alignment error
+                gpu_start = min(max(records[1].t_ns, start.t_ns), end.t_ns)
+            self.on_collective(self._collective(shape, start, end, "ok", 0, False, k in slow, gpu_start=gpu_start))
 
     def _nan_found(self, record: Record) -> None:
         shape = self._shape(record)

@@ -1,7 +1,7 @@
 """The sidecar's drain, alone: CPU µs per collective to read, join and count what the hooks wrote.
 
-A ring is filled with the records of synchronous all_reduces (START, END), ``--per-drain`` at a
-time, as the hooks write them between two drains (50 ms: about 30 collectives of 4 KiB on gloo,
+A ring is filled with the records of synchronous all_reduces (START, END; on a GPU: START, GPU_START,
+END), 30 or 300 at a time, as the hooks write them between two drains (50 ms: about 30 collectives of 4 KiB on gloo,
 300 of a few bytes); each drain is timed on the CPU clock of this thread. Spans: sampled out, or
 the default span budget (100 a second) decides for each collective, timed after its first second
 (from then on a ratio: at this rate, a hash per collective), and those it keeps are dropped. The
@@ -21,11 +21,12 @@ from commlens.agent.outputs import span_exporter
 from commlens.agent.sidecar import Sidecar
 from commlens.hooks.ops import OpName
 from commlens.hooks.recorder import CODE
-from commlens.hooks.ring import END, START, Ring
+from commlens.hooks.ring import END, GPU_START, START, Ring
 
 
-def drain_us(collectives: int, per_drain: int, budget: bool) -> float:
-    """CPU µs per collective of ``Sidecar.drain`` over ``collectives`` all_reduces of 4 KiB."""
+def drain_us(collectives: int, per_drain: int, budget: bool, gpu: bool = False) -> float:
+    """CPU µs per collective of ``Sidecar.drain`` over ``collectives`` all_reduces of 4 KiB (``gpu``:
+    each timed on a GPU, its GPU_START 0.2 ms after issue)."""
     ring = Ring(slots=1 << 16)
     group = ring.intern(json.dumps({"name": "0", "desc": "default", "ranks": [0, 1], "rank": 0, "backend": "gloo"}))
     sig = ring.intern(json.dumps([[[1024]], ["torch.float32"], [[1024]], ["torch.float32"]]))
@@ -43,6 +44,8 @@ def drain_us(collectives: int, per_drain: int, budget: bool) -> float:
         for _ in range(per_drain):
             op_id += 1
             ring.write(START, code, 0, group, op_id, op_id, 4096, sig, -1, 0, 0, now)
+            if gpu:
+                ring.write(GPU_START, code, 0, group, op_id, op_id, 4096, sig, -1, 0, 0, now + 200_000)
             ring.write(END, code, 0, group, op_id, op_id, 4096, sig, -1, 0, 0, now + 1_500_000)
         started = time.thread_time_ns()
         sidecar.drain()
@@ -57,10 +60,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--collectives", type=int, default=200_000)
     args = parser.parse_args()
-    print(f"{'per drain':>10} {'spans sampled out':>18} {'default span budget':>20}   (CPU µs per collective)")
-    for per_drain in (30, 300):
-        print(f"{per_drain:>10} {drain_us(args.collectives, per_drain, False):>18.2f} "
-              f"{drain_us(args.collectives, per_drain, True):>20.2f}")
+    print(f"{'per drain':>10} {'timed on':>9} {'spans sampled out':>18} {'default span budget':>20}   "
+          "(CPU µs per collective)")
+    for gpu in (False, True):
+        for per_drain in (30, 300):
+            print(f"{per_drain:>10} {'GPU' if gpu else 'CPU':>9} {drain_us(args.collectives, per_drain, False, gpu):>18.2f} "
+                  f"{drain_us(args.collectives, per_drain, True, gpu):>20.2f}")
 
 
 if __name__ == "__main__":

@@ -350,7 +350,8 @@ os.register_at_fork(after_in_child=_forget_writers_in_child)
 class Folded(NamedTuple):
     """Collectives of one (op, pg, nbytes, sig) that started and ended ok within one read, folded by
     ``RingReader.read_folded``: their seqs (uint64) and durations in seconds (float64), in order,
-    and their START and END records (``records(k)``)."""
+    their own records (``records(k)``) and, for collectives timed on a GPU (START, GPU_START, END),
+    their time queued and executing there (``gpu_seconds()``)."""
 
     op: int
     pg: int
@@ -358,7 +359,9 @@ class Folded(NamedTuple):
     sig: int
     seq_bytes: bytes
     seconds_bytes: bytes
-    pair_bytes: bytes
+    record_bytes: bytes
+    gpu_bytes: bytes
+    """float64 (queue, execution) pairs; empty when the group was not timed on a GPU."""
 
     def seqs(self) -> memoryview:
         return memoryview(self.seq_bytes).cast("Q")
@@ -366,11 +369,16 @@ class Folded(NamedTuple):
     def seconds(self) -> memoryview:
         return memoryview(self.seconds_bytes).cast("d")
 
-    def records(self, k: int) -> tuple[Record, Record]:
-        """The START and END records of the ``k``-th collective."""
-        at = 2 * k * RECORD.size
-        return (Record._make(RECORD.unpack_from(self.pair_bytes, at)),
-                Record._make(RECORD.unpack_from(self.pair_bytes, at + RECORD.size)))
+    def gpu_seconds(self) -> tuple[memoryview, memoryview]:
+        """(queued, executing) seconds of each collective on the GPU; empty when not on a GPU."""
+        pairs = memoryview(self.gpu_bytes).cast("d")
+        return pairs[0::2], pairs[1::2]
+
+    def records(self, k: int) -> tuple[Record, ...]:
+        """The ``k``-th collective's records: START and END, or START, GPU_START and END."""
+        width = 3 if self.gpu_bytes else 2
+        at = width * k * RECORD.size
+        return tuple(Record._make(RECORD.unpack_from(self.record_bytes, at + i * RECORD.size)) for i in range(width))
 
 
 class RingReader:
@@ -391,8 +399,8 @@ class RingReader:
 
     def read_folded(self, limit: int = 1 << 20) -> tuple[list[Record], list[Folded]]:
         """``read()``, with each START whose END (status ok) comes in the same read, and no other
-        record of its op, folded into one ``Folded`` per (op, pg, nbytes, sig): a reader's common
-        case, counted a group at a time. ``limit`` bounds the records read."""
+        record of its op but its GPU_START, folded into one ``Folded`` per (op, pg, nbytes, sig, on a
+        GPU or not): a reader's common case, counted a group at a time. ``limit`` bounds the records read."""
         groups: list[Folded] = []
         return self._read(limit, lambda data: _folded(data, groups)), groups
 
@@ -447,7 +455,7 @@ def _records(data: bytes) -> list[Record]:
 
 
 def _folded(data: bytes, groups: list[Folded]) -> list[Record]:
-    records, folded = fold_run(data, Record, START, END)
+    records, folded = fold_run(data, Record, START, END, GPU_START)
     make = tuple.__new__
     groups.extend(make(Folded, group) for group in folded)
     return records

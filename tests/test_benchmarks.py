@@ -10,7 +10,7 @@ BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench" / "agent_cost.p
 
 def test_the_agent_cost_benchmark_measures_every_configuration_on_every_workload():
     sys.path.insert(0, str(BENCH.parent))
-    from agent_cost import CONFIGS, WORKLOADS
+    from agent_cost import CONFIGS, WORKLOADS, YARDSTICK
 
     done = subprocess.run([sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -27,13 +27,16 @@ def test_the_agent_cost_benchmark_measures_every_configuration_on_every_workload
     assert len(nan_lines) == sum(1 for elements, _ in WORKLOADS.values() if elements is not None)
     # CPU per collective: commlens threads, the training thread's extra, the pod sidecar, their total
     cpu = {row[0]: [float(v) for v in row[1:]] for row in (line.split() for line in cpu_table.splitlines()[2:])}
-    assert set(cpu) == set(CONFIGS) and cpu["none"] == [0.0, 0.0, 0.0, 0.0], cpu
+    assert set(cpu) == {*CONFIGS, YARDSTICK} and cpu["none"] == [0.0, 0.0, 0.0, 0.0], cpu
+    assert cpu[YARDSTICK][0] == cpu[YARDSTICK][2] == 0.0, cpu  # no commlens in it
     assert all(abs(row[0] + row[1] + row[2] - row[3]) < 0.15 for row in cpu.values()), cpu
 
 
-def test_the_drain_benchmark_times_both_drain_sizes_with_and_without_the_span_budget():
+def test_the_drain_benchmark_times_both_drain_sizes_on_cpu_and_gpu_with_and_without_the_span_budget():
     done = subprocess.run([sys.executable, str(BENCH.parent / "drain.py"), "--collectives", "3000"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = {int(row[0]): [float(v) for v in row[1:]] for row in (line.split() for line in done.stdout.splitlines()[1:])}
-    assert set(rows) == {30, 300} and all(0 < us < 1000 for values in rows.values() for us in values), rows
+    rows = {(int(row[0]), row[1]): [float(v) for v in row[2:]]
+            for row in (line.split() for line in done.stdout.splitlines()[1:])}
+    assert set(rows) == {(30, "CPU"), (300, "CPU"), (30, "GPU"), (300, "GPU")}, rows
+    assert all(0 < us < 1000 for values in rows.values() for us in values), rows

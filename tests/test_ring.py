@@ -5,11 +5,12 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 from commlens.hooks import END, START, Ring, RingReader
-from commlens.hooks.ring import NAN
+from commlens.hooks.ring import GPU_START, NAN
 
 
 def write(ring, op_id, kind=START):
@@ -40,24 +41,63 @@ def test_reader_gets_records_in_order_and_then_nothing():
 def test_a_folded_read_groups_the_collectives_that_ended_ok_by_shape_and_keeps_every_other_record_in_order():
     ring = Ring(slots=64)
     # (op_id, kind, op, status, nbytes, t_ns): 1, 2 and 6 start and end ok (2 and 6 in another shape
-    # than 1, 6 in yet another); 3 fails, 4 lost its START, 5 is still in flight, 7 held a NaN
+    # than 1, 6 in yet another); 3 fails, 4 lost its START, 5 is still in flight, 7 held a NaN; 9 ran
+    # on a GPU (a group of its own), 10 failed there, 11 started before this read
     for op_id, kind, op, status, nbytes, t_ns in [
             (1, START, 2, 0, 64, 100), (2, START, 2, 0, 128, 200), (3, START, 2, 0, 64, 300), (7, NAN, 2, 2, 64, 310),
             (7, START, 2, 0, 64, 320), (1, END, 2, 0, 64, 1100), (4, END, 2, 0, 64, 1200), (3, END, 2, 1, 64, 1300),
             (5, START, 2, 0, 64, 1400), (6, START, 3, 0, 64, 1450), (2, END, 2, 0, 128, 1500),
-            (7, END, 2, 0, 64, 1600), (6, END, 3, 0, 64, 1700), (8, START, 2, 0, 64, 1800), (8, END, 2, 0, 64, 2300)]:
+            (7, END, 2, 0, 64, 1600), (6, END, 3, 0, 64, 1700), (8, START, 2, 0, 64, 1800), (8, END, 2, 0, 64, 2300),
+            (9, START, 2, 0, 64, 2400), (10, START, 2, 0, 64, 2410), (11, GPU_START, 2, 0, 64, 2420),
+            (11, END, 2, 0, 64, 2430), (9, GPU_START, 2, 0, 64, 2650), (9, END, 2, 0, 64, 2900),
+            (10, GPU_START, 2, 0, 64, 2910), (10, END, 2, 1, 64, 2920)]:
         ring.write(kind, op, status if kind == END else 1, 9, op_id, op_id * 10, nbytes, 7, -1, op_id + 100,
                    (33 << 8) | 3 if kind == START else 0, t_ns)
     records = RingReader(ring).read()
     rest, groups = RingReader(ring).read_folded()
-    assert [(r.kind, r.op_id) for r in rest] == [(START, 3), (NAN, 7), (START, 7), (END, 4), (END, 3), (START, 5),
-                                                 (END, 7)]
-    assert rest == [r for r in records if r.op_id in (3, 4, 5, 7)]
-    assert [(g.op, g.nbytes, list(g.seqs()), list(g.seconds())) for g in groups] == [
-        (2, 64, [10, 80], [1e-6, 5e-7]), (2, 128, [20], [1.3e-6]), (3, 64, [60], [2.5e-7])]
+    assert [(r.kind, r.op_id) for r in rest] == [
+        (START, 3), (NAN, 7), (START, 7), (END, 4), (END, 3), (START, 5), (END, 7), (START, 10), (GPU_START, 11),
+        (END, 11), (GPU_START, 10), (END, 10)]
+    assert rest == [r for r in records if r.op_id in (3, 4, 5, 7, 10, 11)]
+    assert [(g.op, g.nbytes, list(g.seqs()), list(g.seconds()), [list(v) for v in g.gpu_seconds()])
+            for g in groups] == [
+        (2, 64, [10, 80], [1e-6, 5e-7], [[], []]), (2, 128, [20], [1.3e-6], [[], []]),
+        (3, 64, [60], [2.5e-7], [[], []]), (2, 64, [90], [5e-7], [[2.5e-7], [2.5e-7]])]
     for group in groups:
         for k, seq in enumerate(group.seqs()):
             assert group.records(k) == tuple(r for r in records if r.seq == seq)
+
+
+def test_the_sidecar_counts_a_gpus_collectives_alike_whether_they_end_within_one_drain_or_across_two():
+    from commlens.agent.sidecar import Sidecar
+
+    def drained(across: bool) -> tuple:
+        ring, seen = Ring(slots=256), []
+        sidecar = Sidecar(ring, rank=0, hang_threshold_s=60, on_collective=seen.append)
+        pg = ring.intern(json.dumps({"name": "0", "desc": "default", "ranks": [0, 1], "rank": 0, "backend": "nccl"}))
+        sig = ring.intern(json.dumps([[[16]], ["Float"], [[16]], ["Float"]]))
+        now = time.monotonic_ns()  # the hang watchdog's clock
+        for op_id in range(1, 41):  # the GPU starts each 1-40 µs after issue, runs it 50 µs; one clock skew
+            t = now + op_id * 1_000_000
+            ring.write(START, 2, 0, pg, op_id, op_id, 64, sig, -1, 0, 0, t)
+            if across:
+                sidecar.drain()
+            gpu = t - 500 if op_id == 7 else t + op_id * 1000  # 7: the GPU's clock a little behind
+            ring.write(GPU_START, 2, 0, pg, op_id, op_id, 64, sig, -1, 0, 0, gpu)
+            ring.write(END, 2, 0, pg, op_id, op_id, 64, sig, -1, 0, 0, gpu + 50_000)
+        sidecar.drain()
+        stats = sidecar.stats
+        return (dict(stats.completed), stats.gpu_queue, stats.gpu_exec, seen,
+                stats.durations[next(iter(stats.durations))].count)
+
+    within, across = drained(False), drained(True)
+    assert within[0] == across[0] and within[4] == across[4] == 40
+    for folded, one_by_one in zip(within[1:3], across[1:3]):
+        assert folded.keys() == one_by_one.keys() and all(
+            folded[key] == pytest.approx(one_by_one[key], rel=1e-12) for key in folded)
+    assert sum(within[1].values()) == pytest.approx(sum(k * 1e-6 for k in range(1, 41) if k != 7))
+    spans = [[(c.seq, c.gpu_start_ns - c.start_ns, c.end_ns - c.start_ns) for c in seen] for seen in (within[3], across[3])]
+    assert spans[0] == spans[1] and len(spans[0]) == 40 and spans[0][6] == (7, 0, 49_500)  # 7: clamped to its issue
 
 
 def test_overwritten_records_are_counted_exactly():
