@@ -22,10 +22,11 @@ from commlens.exporters.otlp_metrics import MetricsPusher
 from .config import Config, ConfigError
 
 
-def span_exporter(config: Config) -> SpanExporter:
+def span_exporter(config: Config, beside_training: bool = False) -> SpanExporter:
+    """``beside_training``: the exporter runs in the training process (``SpanExporter``)."""
     return SpanExporter(transport(config), resource(config), config.job, config.world_size, config.sampler_ratio,
                         config.sampler.endswith("always_off"), config.span_queue, interval_s=config.drain_interval_s,
-                        budget_per_s=config.span_budget_per_s)
+                        budget_per_s=config.span_budget_per_s, beside_training=beside_training)
 
 
 def transport(config: Config) -> Any:

@@ -75,10 +75,11 @@ class Agent:
 
     def _start_exporting(self, ring) -> None:
         config = self.config
-        self.spans = span_exporter(config)
+        self.spans = span_exporter(config, beside_training=True)
         self.sidecar = Sidecar(ring, config.rank, config.hang_threshold_s, config.slow_factor,
                                on_collective=self.spans.queue, sample=self.spans.sampled,
-                               on_hang=lambda _: self.snapshot("hang"), detail=config.metrics_detail)
+                               on_hang=lambda _: self.snapshot("hang"), detail=config.metrics_detail,
+                               beside_training=True)
         self.sidecar.pollers.append(cuda.poll)
         self.collector = collector = MetricsCollector(self.sidecar.stats, self.sidecar.inflight_by_group,
                                                       lambda: self.sidecar.reader.dropped, lambda: dict(self.spans.counts),

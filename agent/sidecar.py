@@ -38,6 +38,12 @@ from commlens.hooks.ring import (END, FLAG_ASYNC, FLAG_LAST_BUCKET, GPU_START, N
 
 from .stats import ALL, Stats, bus_factor, size_class
 
+_BUILT_BETWEEN_HAND_OVERS = 32
+"""Collectives a drain builds (~3 µs each: every span kept) between two hand-overs of the GIL."""
+HAND_OVER_S = 20e-6
+"""A sleep long enough for a thread waiting for the GIL to wake and take it (``time.sleep(0)``
+would take it straight back)."""
+
 _EWMA = 0.1
 _SLOW_AFTER = 20
 """Completions of one (op, group, size class) seen before a slow outlier can be called."""
@@ -124,8 +130,10 @@ class Sidecar:
                  on_hang: Callable[[Collective], None] = lambda c: None,
                  on_snapshot: Callable[[str], None] = lambda reason: None, stats: Stats | None = None,
                  resume: bool = False, sample: Callable[[str, Sequence[int], bool], list[int]] = _keep_all,
-                 detail: str = "full"):
+                 detail: str = "full", beside_training: bool = False):
         self.ring, self.rank, self.detail = ring, rank, detail
+        self._hand_over_s = HAND_OVER_S if beside_training else 0.0
+        """``beside_training``: in the training process, where a long stretch holding the GIL delays training."""
         self.reader = RingReader(ring, ring.cursor if resume else 0)
         self.stats = stats or Stats()
         self.on_snapshot = on_snapshot
@@ -216,12 +224,13 @@ class Sidecar:
             self.on_hang(hung[0])
         for reason in dict.fromkeys(snapshots):
             self.on_snapshot(reason)
-        return len(records) + sum(2 * len(group.seqs()) for group in folded)
+        return len(records) + sum(group.record_count() for group in folded)
 
     def _read(self) -> tuple[list[Record], list[Folded]]:
         """The new records, with the collectives that started and ended ok among them folded (on a
-        GPU too); none while a NAN or GPU_START record read before waits for its collective's END."""
-        if self._nan or self._gpu_start:
+        GPU too); none while a NAN record read before waits for its collective's END (its START
+        and END could both be in this read)."""
+        if self._nan:
             return self.reader.read(), []
         return self.reader.read_folded()
 
@@ -291,7 +300,9 @@ class Sidecar:
         slow = self._slow(shape, seconds)
         ordinary = range(len(seqs)) if not slow else [k for k in range(len(seqs)) if k not in slow]
         kept = self.sample(shape.pg, seqs if not slow else [seqs[k] for k in ordinary], shape.is_p2p)
-        for k in sorted(slow.union(ordinary[i] for i in kept)) if kept or slow else ():
+        for n, k in enumerate(sorted(slow.union(ordinary[i] for i in kept)) if kept or slow else ()):
+            if self._hand_over_s and n % _BUILT_BETWEEN_HAND_OVERS == _BUILT_BETWEEN_HAND_OVERS - 1:
+                time.sleep(self._hand_over_s)  # lets a thread waiting for the GIL (training) have it
             records = group.records(k)
             start, end, gpu_start = records[0], records[-1], None
             if len(records) == 3:  # the GPU's start, within the clocks' alignment error

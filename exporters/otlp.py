@@ -134,12 +134,20 @@ class SpanBuilder:
         return span
 
 
+_CHUNK = 8
+"""Spans built (and, for the trace file, a batch: encoded and written) between two hand-overs of the GIL."""
+_HAND_OVER_S = 20e-6
+"""A sleep long enough for a thread waiting for the GIL to wake and take it."""
+
+
 class SpanExporter:
     """A bounded queue of collectives and a thread that builds and sends them in batches.
 
-    A batch is small (64 spans) because its encoding is one C call that holds the GIL: protobuf's
-    serializer or ``json.dumps``, ~1 ms for 64 spans, below the interpreter's 5 ms switch interval,
-    so the training thread waits no longer for the GIL than beside any Python thread.
+    ``beside_training`` (the in-process agent): nothing here holds the GIL for more than ~0.1 ms at
+    a stretch, so the training thread never waits longer for it: spans are built 8 at a time, with
+    a short sleep between (``_hand_over``), and a batch's encoding is one C call that holds the GIL
+    (protobuf's serializer, ~1 µs a span, batches of 64; ``json.dumps``, ~10 µs a span, so the trace
+    file is then written 8 spans a line).
 
     Sampling keeps a collective when its sampling key (a hash of its group and seq, the same on
     every rank) falls below a bound: a fixed ratio, or — with ``budget_per_s`` — a ratio recomputed
@@ -149,7 +157,8 @@ class SpanExporter:
 
     def __init__(self, transport: Any, resource: Mapping[str, Any], job: str, world_size: int = 1,
                  sampler_ratio: float = 1.0, sample_none: bool = False, queue_size: int = 8192,
-                 batch_size: int = 64, interval_s: float = 0.2, budget_per_s: float | None = None):
+                 batch_size: int = 64, interval_s: float = 0.2, budget_per_s: float | None = None,
+                 beside_training: bool = False):
         self.transport, self.builder = transport, SpanBuilder(job, world_size)
         self.resource = Resource(attributes=attributes(resource))
         self._resource_json, self._json = json_attributes(resource), getattr(transport, "form", "protobuf") == "json"
@@ -158,6 +167,9 @@ class SpanExporter:
         self._window_start, self._offered, self._kept = time.monotonic(), 0, 0
         self._bases: dict[tuple[str, bool], int] = {}
         self.sample_none, self.queue_size, self.batch_size, self.interval_s = sample_none, queue_size, batch_size, interval_s
+        self._hand_over_s = _HAND_OVER_S if beside_training else 0.0
+        """``beside_training``: in the training process, where a long stretch holding the GIL delays training."""
+        self._request_size = min(batch_size, _CHUNK) if self._json and beside_training else batch_size
         self.counts: collections.Counter[str] = collections.Counter()
         self._queue: collections.deque = collections.deque()
         self._wake, self._idle, self._stop = threading.Event(), threading.Event(), threading.Event()
@@ -260,7 +272,7 @@ class SpanExporter:
                 with self._counting:
                     if self._abandoned or not self._queue:
                         break
-                    batch = [self._queue.popleft() for _ in range(min(self.batch_size, len(self._queue)))]
+                    batch = [self._queue.popleft() for _ in range(min(self._request_size, len(self._queue)))]
                     self._sending = len(batch)
                 self._send(batch)
             self._idle.set()
@@ -269,7 +281,10 @@ class SpanExporter:
 
     def _send(self, batch: list) -> None:
         try:
-            spans = [self.builder.fields(c) for c in batch]
+            spans = []
+            for at in range(0, len(batch), _CHUNK):
+                self._hand_over()
+                spans += [self.builder.fields(c) for c in batch[at:at + _CHUNK]]
             request = self.json_request(spans) if self._json else self.request(spans)
             self.transport.send(request, max(0.01, self._deadline - time.monotonic()))
         except Exception:  # a dead or slow collector: the batch is lost, and counted
@@ -280,6 +295,13 @@ class SpanExporter:
             if not self._abandoned:
                 self.counts[result] += len(batch)
             self._sending = 0
+
+    def _hand_over(self) -> None:
+        """Beside training, let go of the GIL long enough for a thread waiting on it to take it:
+        between chunks of spans, so that this thread never holds it for more than ~0.1 ms at a
+        stretch (``time.sleep(0)`` would take it straight back before the waiting thread woke)."""
+        if self._hand_over_s:
+            time.sleep(self._hand_over_s)
 
     def request(self, spans: list[SpanFields]) -> ExportTraceServiceRequest:
         """The export request of ``spans`` as protobuf, for the gRPC and HTTP transports."""

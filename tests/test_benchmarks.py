@@ -40,3 +40,16 @@ def test_the_drain_benchmark_times_both_drain_sizes_on_cpu_and_gpu_with_and_with
             for row in (line.split() for line in done.stdout.splitlines()[1:])}
     assert set(rows) == {(30, "CPU"), (300, "CPU"), (30, "GPU"), (300, "GPU")}, rows
     assert all(0 < us < 1000 for values in rows.values() for us in values), rows
+
+
+def test_the_gil_benchmark_measures_the_training_threads_wait_under_every_configuration():
+    sys.path.insert(0, str(BENCH.parent))
+    from gil_hold import CONFIGS
+
+    done = subprocess.run([sys.executable, str(BENCH.parent / "gil_hold.py"), "--seconds", "0.5"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row[0]: [float(v) for v in row[1:]] for row in (line.split() for line in done.stdout.splitlines()[1:])}
+    assert list(rows) == list(CONFIGS), rows
+    for rate, *percentiles in rows.values():  # collectives a second; p50 <= p99 <= p99.9 <= max
+        assert rate > 0 and percentiles == sorted(percentiles), rows

@@ -96,6 +96,22 @@ def test_the_trace_files_json_is_protobufs_own_json_mapping_of_the_spans():
     assert written["resourceSpans"][0]["scopeSpans"][0]["spans"][1]["status"]["code"] == 2  # an error
 
 
+def test_beside_training_the_trace_file_gets_every_span_in_lines_of_eight(tmp_path):
+    import json
+
+    from commlens.exporters.otlp import JsonLinesTransport
+
+    path = tmp_path / "traces.jsonl"
+    exporter = SpanExporter(JsonLinesTransport(str(path)), {}, job="j", beside_training=True)
+    for i in range(20):
+        exporter.offer(_collective(i))
+    exporter.shutdown(10)
+    lines = [json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"] for line in path.read_text().splitlines()]
+    assert max(len(spans) for spans in lines) == 8 and exporter.counts["exported"] == 20  # json.dumps: 8 at most
+    assert sorted(int(a["value"]["intValue"]) for spans in lines for span in spans for a in span["attributes"]
+                  if a["key"] == "commlens.seq") == list(range(20))
+
+
 class _Kept:
     def send(self, request, within_s):
         pass
