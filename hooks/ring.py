@@ -374,6 +374,10 @@ class Folded(NamedTuple):
         pairs = memoryview(self.gpu_bytes).cast("d")
         return pairs[0::2], pairs[1::2]
 
+    def record_count(self) -> int:
+        """How many records the group folded away."""
+        return len(self.record_bytes) // RECORD.size
+
     def records(self, k: int) -> tuple[Record, ...]:
         """The ``k``-th collective's records: START and END, or START, GPU_START and END."""
         width = 3 if self.gpu_bytes else 2

@@ -66,6 +66,7 @@ def test_a_folded_read_groups_the_collectives_that_ended_ok_by_shape_and_keeps_e
     for group in groups:
         for k, seq in enumerate(group.seqs()):
             assert group.records(k) == tuple(r for r in records if r.seq == seq)
+    assert len(rest) + sum(group.record_count() for group in groups) == len(records)
 
 
 def test_the_sidecar_counts_a_gpus_collectives_alike_whether_they_end_within_one_drain_or_across_two():
