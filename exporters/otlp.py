@@ -5,10 +5,11 @@ transport sends: OTLP protobuf messages (``opentelemetry-proto``) over gRPC (grp
 or — the embedded default when no collector is configured — OTLP JSON appended to a file, one export
 request per line, built as protobuf's JSON mapping would write the same spans. The trace id derives
 from (job, process group, sequence number), so the same collective on every rank shares one trace;
-sampling is keyed on the same inputs, and anomalies (NaN, hang, error, slow) are always kept. Every outcome is counted in ``counts``: ``exported``, ``failed`` (the collector did not
-take the batch, or it was still queued when the time given to ``shutdown`` ran out), ``dropped`` (the
-queue was full), ``sampled_out``. A transport's ``send(request, within_s)`` returns or raises within its own
-timeout and ``within_s``, whichever is less.
+sampling is keyed on the same inputs, and anomalies (NaN, hang, error, slow) are always kept. Every
+outcome is counted in ``counts``: ``exported``, ``failed`` (the collector did not take the batch, or
+it was still queued when the time given to ``shutdown`` ran out), ``dropped`` (the queue was full),
+``sampled_out``. A transport's ``send(request, within_s)`` returns or raises within its own timeout
+and ``within_s``, whichever is less.
 
 Example::
 
