@@ -119,6 +119,12 @@ class Shape(NamedTuple):
     """(op, pg, size class) whatever the detail level: what a slow outlier is judged against."""
 
 
+def _within(gpu_start_ns: int, start: Record, end: Record) -> int:
+    """A GPU start time within its collective's START and END: the clocks' alignment error taken out
+    (``fold_run`` clamps the same way)."""
+    return min(max(gpu_start_ns, start.t_ns), end.t_ns)
+
+
 def _keep_all(pg: str, seqs: Sequence[int], is_p2p: bool) -> list[int]:
     """The default sampler: every collective of ``seqs`` is kept (by index)."""
     return list(range(len(seqs)))
@@ -280,7 +286,7 @@ class Sidecar:
             self._hung.discard(op_id)
         gpu_start = self._gpu_start.pop(op_id, None) if self._gpu_start else None
         if gpu_start is not None and start is not None:
-            gpu_start = min(max(gpu_start, start.t_ns), end.t_ns)  # within the clocks' alignment error
+            gpu_start = _within(gpu_start, start, end)
             self.stats.on_gpu(shape, (gpu_start - start.t_ns) / 1e9, (end.t_ns - gpu_start) / 1e9)
         self.stats.finished(shape, None if shape.is_p2p else end.seq, status, seconds)
         slow = seconds is not None and bool(self._slow(shape, (seconds,)))
@@ -304,9 +310,8 @@ class Sidecar:
             if self._hand_over_s and n % _BUILT_BETWEEN_HAND_OVERS == _BUILT_BETWEEN_HAND_OVERS - 1:
                 time.sleep(self._hand_over_s)  # lets a thread waiting for the GIL (training) have it
             records = group.records(k)
-            start, end, gpu_start = records[0], records[-1], None
-            if len(records) == 3:  # the GPU's start, within the clocks' alignment error
-                gpu_start = min(max(records[1].t_ns, start.t_ns), end.t_ns)
+            start, end = records[0], records[-1]
+            gpu_start = _within(records[1].t_ns, start, end) if len(records) == 3 else None
             self.on_collective(self._collective(shape, start, end, "ok", 0, False, k in slow, gpu_start=gpu_start))
 
     def _nan_found(self, record: Record) -> None:

@@ -380,9 +380,8 @@ class Folded(NamedTuple):
 
     def records(self, k: int) -> tuple[Record, ...]:
         """The ``k``-th collective's records: START and END, or START, GPU_START and END."""
-        width = 3 if self.gpu_bytes else 2
-        at = width * k * RECORD.size
-        return tuple(Record._make(RECORD.unpack_from(self.record_bytes, at + i * RECORD.size)) for i in range(width))
+        size = (3 if self.gpu_bytes else 2) * RECORD.size
+        return tuple(map(Record._make, RECORD.iter_unpack(memoryview(self.record_bytes)[k * size:(k + 1) * size])))
 
 
 class RingReader:
