@@ -65,18 +65,18 @@ def _model() -> torch.nn.Module:
 
 
 def _busy(us: float):
-    """A function that spends about ``us`` µs of CPU in plain Python (calibrated here)."""
-    loops, n = 1000, 20_000
-    started = time.thread_time()
-    for _ in range(n // 10):
-        for _ in range(loops):
-            pass
-    per_loop_us = (time.thread_time() - started) / (n // 10 * loops) * 1e6
-    spins = range(max(1, round(us / per_loop_us)))
+    """A function that spends about ``us`` µs of CPU in plain Python, calibrated on itself."""
+    spins = range(100)
 
     def busy() -> None:
         for _ in spins:
             pass
+
+    calls, started = 20_000, time.thread_time()
+    for _ in range(calls):
+        busy()
+    per_call_us = (time.thread_time() - started) / calls * 1e6
+    spins = range(max(1, round(100 * us / per_call_us)))
     return busy
 
 
