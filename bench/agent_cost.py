@@ -14,7 +14,9 @@ cost, to show what that much work on the training thread costs it there. The NaN
 each default trial of an all_reduce (slices with and without it, alternated), beside one ``torch.sum``
 over the same payload, its goal's yardstick (issue 19: at most 1.2x that).
 
-Configurations: ``none``; ``default`` (``commlens.agent.start()``: NaN/Inf check, span budget, spans to
+Configurations: ``none``; ``none-again`` (a second job without commlens, paired like the others:
+its ratio, and its CPU over ``none``, are this machine's noise, the resolution of every other row);
+``default`` (``commlens.agent.start()``: NaN/Inf check, span budget, spans to
 the trace file); ``no-nan-check`` (the default with ``COMMLENS_NAN_CHECK=off``); ``every-span``
 (``OTEL_TRACES_SAMPLER=always_on``); ``pod-sidecar`` (the ranks write rings only; ``commlens sidecar``,
 a process of its own, drains them). Workloads: all_reduce of 4 KiB, 1 MiB and 64 MiB, a DDP step
@@ -44,6 +46,7 @@ from commlens.agent.demo import free_port, free_ports
 
 CONFIGS = {
     "none": None,
+    "none-again": None,  # a second job without commlens: its ratio is the pairing's own noise
     "default": {},
     "no-nan-check": {"COMMLENS_NAN_CHECK": "off"},
     "every-span": {"OTEL_TRACES_SAMPLER": "always_on"},
