@@ -62,16 +62,9 @@ class Histogram:
         self.total = 0.0
         self.count = 0
 
-    def observe(self, value: float, seq: int | None = None) -> None:
-        index = bisect.bisect_left(DURATION_BUCKETS, value)
-        self.counts[index] += 1
-        if seq is not None:
-            self.exemplars[index] = (seq, value)
-        self.total += value
-        self.count += 1
-
-    def observe_all(self, values: Sequence[float], seqs: Sequence[int] | None) -> None:
-        """``observe`` each of ``values`` (of the collectives ``seqs``), in order."""
+    def observe(self, values: Sequence[float], seqs: Sequence[int] | None) -> None:
+        """Count each of ``values`` in its bucket, in order; ``seqs``: the collectives they are of, the
+        latest in a bucket its exemplar."""
         counts, exemplars, find = self.counts, self.exemplars, bisect.bisect_left
         for k, value in enumerate(values):
             index = find(DURATION_BUCKETS, value)
@@ -126,13 +119,8 @@ class Stats:
     def completed_ok(self, shape, seqs: Sequence[int], seconds: Sequence[float]) -> None:
         """Collectives of ``shape`` issued and completed ok between two drains (``seqs`` in the order
         they ended, ``seconds`` their durations): ``enqueued`` and ``finished`` of each, at once."""
-        key, count = shape.counter_key, len(seqs)
-        self.completed[shape.ok_key] += count
-        self.bytes[key] += shape.nbytes * count
-        self.bus_bytes[key] += shape.bus_bytes * count
-        self.durations[shape.duration_key].observe_all(seconds, None if shape.is_p2p else seqs)
-        bus_bytes = shape.bus_bytes
-        self.recent[shape.op].extend((s, bus_bytes / s if s > 0 else 0.0) for s in seconds[-RESERVOIR:])
+        self._count(shape, shape.ok_key, len(seqs))
+        self._durations(shape, seconds, None if shape.is_p2p else seqs)
         if not shape.is_p2p:
             last, top = self.last_seq, max(seqs)
             for which in (shape.enqueued_key, shape.completed_key):
@@ -141,14 +129,23 @@ class Stats:
 
     def finished(self, shape, seq: int | None, status: str, seconds: float | None) -> None:
         """One collective of ``shape`` (the sidecar's ``Shape``) completed with ``status``."""
-        key = shape.counter_key
-        self.completed[shape.ok_key if status == "ok" else (*key, status)] += 1
-        self.bytes[key] += shape.nbytes
-        self.bus_bytes[key] += shape.bus_bytes
+        self._count(shape, shape.ok_key if status == "ok" else (*shape.counter_key, status), 1)
         if seconds is not None:
-            self.durations[shape.duration_key].observe(seconds, seq)
-            self.recent[shape.op].append((seconds, shape.bus_bytes / seconds if seconds > 0 else 0.0))
+            self._durations(shape, (seconds,), None if seq is None else (seq,))
         if seq is not None and seq > self.last_seq.get(shape.completed_key, -1):
             self.last_seq[shape.completed_key] = seq
         if seq is not None and status != "ok" and seq < self.failed.get(shape.pg, (seq + 1,))[0]:
             self.failed[shape.pg] = (seq, shape.op)
+
+    def _count(self, shape, completed_key: tuple[str, ...], count: int) -> None:
+        """``count`` collectives of ``shape`` completed, counted under ``completed_key``, and their bytes."""
+        key = shape.counter_key
+        self.completed[completed_key] += count
+        self.bytes[key] += shape.nbytes * count
+        self.bus_bytes[key] += shape.bus_bytes * count
+
+    def _durations(self, shape, seconds: Sequence[float], seqs: Sequence[int] | None) -> None:
+        """Durations of collectives of ``shape`` (``seqs``: their exemplars) into the histogram and the reservoir."""
+        self.durations[shape.duration_key].observe(seconds, seqs)
+        bus_bytes = shape.bus_bytes
+        self.recent[shape.op].extend((s, bus_bytes / s if s > 0 else 0.0) for s in seconds[-RESERVOIR:])
