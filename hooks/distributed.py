@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch.distributed.distributed_c10d as c10d
 
-from . import ddp, functional, groups, nan_check, native, recorder, registry
+from . import ddp, functional, groups, native, recorder, registry
 from .ops import OpName
 from .patch import Patches, PatchError
 
@@ -156,10 +156,11 @@ def _instrumented(op: OpName, original: Callable, describe: Callable, kind: str 
             return original(*args, **kwargs)
         if group_target is None and target is not None:
             group_target = info.group_rank(target)
-        if unhooked_ok and not async_op and not registry.hooked and (
-                not registry.checking_inputs or nan_check.inputs_finite(tensors)):
-            return recorder.run_unhooked(code, info, tensors, outputs, -1 if group_target is None else group_target,
-                                         original, args, kwargs)
+        if unhooked_ok and not async_op and not registry.hooked:
+            result = recorder.run_unhooked(code, info, tensors, outputs, -1 if group_target is None else group_target,
+                                           original, args, kwargs, registry.checking_inputs)
+            if result is not recorder.UNPROVEN:
+                return result
         flight = recorder.start(op, info, tensors, outputs, async_op,
                                 group_target if rooted else None, None if rooted else group_target)
         if flight is None:

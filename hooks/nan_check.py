@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from . import cuda, recorder
-from ._nonfinite import KIND_BFLOAT16, KIND_FLOAT16, KIND_FLOAT32, KIND_FLOAT64, all_finite
+from . import cuda, finite, recorder
 from .ops import OpName, PostHookArgs, PreHookArgs
 from .registry import register_input_check, register_post_hook
 from .ring import NAN_HAS_INF as FLAG_INF, NAN_HAS_NAN as FLAG_NAN, NAN_OUTPUT as FLAG_OUTPUT
@@ -107,57 +106,18 @@ class NanCheckHook:
 
 
 _WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.complex32: torch.complex64}
-_SCANNED = {torch.float32: (KIND_FLOAT32, 1), torch.float64: (KIND_FLOAT64, 1), torch.float16: (KIND_FLOAT16, 1),
-            torch.bfloat16: (KIND_BFLOAT16, 1), torch.complex64: (KIND_FLOAT32, 2), torch.complex128: (KIND_FLOAT64, 2)}
-"""dtype -> (the kind of float ``all_finite`` scans, floats per element)."""
-
-
-_SCAN_UP_TO = 1 << 18
-"""Floats scanned in C, holding the GIL (~13 µs at most: 1 MiB of float32); a larger tensor is summed
-by torch, on as many threads as torch uses, at the same speed on one thread (bench/nan_check.py)."""
-
-
-def _scannable(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """(address, floats, kind) for ``all_finite`` when ``t`` is a contiguous CPU tensor with data, of
-    a ``_SCANNED`` dtype, of at most ``_SCAN_UP_TO`` floats; None otherwise (a fake or wrapper
-    tensor, whose data cannot be read, included)."""
-    scanned = _SCANNED.get(t.dtype)
-    if scanned is None or not t.is_cpu or t.layout is not torch.strided:
-        return None
-    floats = t.numel() * scanned[1]
-    if floats > _SCAN_UP_TO or not t.is_contiguous():
-        return None
-    try:
-        address = t.data_ptr()
-    except RuntimeError:
-        return None
-    return (address, floats, scanned[0]) if address or not floats else None
 
 
 def tensor_finite(t: torch.Tensor) -> bool:
     """One pass over ``t``; True proves every element finite, False sends it to the exact
-    per-element count. A ``_scannable`` tensor is scanned in C (``_nonfinite.c``: 0.7 µs for 4 KiB,
-    where a ``torch.sum`` takes 1.5, most of it torch's dispatch); any other is summed on its
-    device, where one NaN or Inf makes the sum non-finite."""
-    scan = _scannable(t)
-    if scan is not None:
-        return all_finite(*scan)
+    per-element count. A tensor the C scan can read is scanned (``finite``: 0.7 µs for 4 KiB, where a
+    ``torch.sum`` takes 1.5, most of it torch's dispatch); any other is summed on its device, where
+    one NaN or Inf makes the sum non-finite."""
+    scan = finite.scan_of(t.dtype, t.numel())
+    found = None if scan is None else finite.scanned(t, scan)
+    if found is not None:
+        return found
     return cmath.isfinite(t.sum(dtype=_WIDE.get(t.dtype)).item())
-
-
-def inputs_finite(tensors: tuple) -> bool:
-    """Whether every input of a collective is proven finite by a scan on the CPU: the hot path's
-    test before it skips the check's hook (``register_input_check``). False when any cannot be
-    scanned (on a GPU, too large, strided, sparse, without readable data): the hook then runs and
-    decides."""
-    for t in tensors:
-        scan = _scannable(t)
-        if scan is None:
-            if t.is_floating_point() or t.is_complex():
-                return False
-        elif not all_finite(*scan):
-            return False
-    return True
 
 
 _SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from .ops import CODE, OPS, OpName, AbortHookArgs, PostHookArgs, PreHookArgs
 from .registry import abort_hooks, post_hooks, pre_hooks
-from . import cuda
+from . import cuda, finite
 from .futures import when_done
 from .ring import END, ERROR, FLAG_ASYNC, FLAG_LAST_BUCKET, GPU_START, NAN, OK, START, STATUS, TIMEOUT, Ring
 
@@ -276,18 +276,30 @@ def aborted(group_name: str) -> None:
         abort_hooks.call(AbortHookArgs(None, RuntimeError(f"process group {group_name!r} is being aborted"), "error"))
 
 
+UNPROVEN = object()
+"""What ``run_unhooked`` returns when the NaN check's scan did not prove the inputs finite: nothing
+was recorded or issued, and the caller takes the hooked path, where the check's hook decides."""
+
+
 def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple, wire_peer: int,
-                 call: Callable, args: tuple, kwargs: dict) -> Any:
+                 call: Callable, args: tuple, kwargs: dict, check_inputs: bool = False) -> Any:
     """``call(*args, **kwargs)``, a synchronous collective, recorded as START and END with nothing
-    else: the path taken while no pre- or post-hook is registered. Allocates no per-op object
-    unless it fails (the abort hooks' arguments)."""
+    else: the path taken while no pre- or post-hook is registered (``check_inputs``: the NaN
+    check's only, which the scan of ``finite`` stands in for, or ``UNPROVEN`` is returned). Allocates
+    no per-op object unless it fails (the abort hooks' arguments)."""
     try:
-        # signature() and next_collective_seq(), with their common cases inlined: this runs per op
-        found = None
+        # signature(), the scan and next_collective_seq(), with their common cases inlined: this runs
+        # per op, and reads an in-place tensor's shape and dtype once for its signature and its scan
         if len(tensors) == 1 and output_tensors is tensors:
             t = tensors[0]
-            found = _signatures.get((t.shape, t.dtype))
-        sig, nbytes = found or signature(tensors, output_tensors)
+            key = (t.shape, t.dtype)
+            sig, nbytes, scan = _in_place.get(key) or _describe_in_place(t, key)
+            if check_inputs and (scan is None or finite.scanned(t, scan) is not True):
+                return UNPROVEN
+        else:
+            if check_inputs and not finite.inputs_finite(tensors):
+                return UNPROVEN
+            sig, nbytes = signature(tensors, output_tensors)
         op_id = next(_op_ids)
         source = group.seq_source
         seq = source() + 1 - group.p2p_in_source if source is not None else group.next_collective_seq()
@@ -383,6 +395,8 @@ def _is_timeout(error: BaseException) -> bool:
 
 _DTYPE_NAMES: dict[Any, str] = {}
 _signatures: dict[tuple, tuple[int, int]] = {}
+_in_place: dict[tuple, tuple[int, int, tuple[int, int] | None]] = {}
+"""(shape, dtype) of one tensor reduced in place -> its signature, payload bytes and ``finite.scan_of``."""
 
 
 def dtype_name(dtype: Any) -> str:
@@ -422,6 +436,12 @@ def signature(tensors: tuple, output_tensors: tuple) -> tuple[int, int]:
                            [list(t.shape) for t in outs], [dtype_name(t.dtype) for t in outs]])
         found = _signatures.setdefault(key, (ring().intern(text), max(in_bytes, out_bytes)))
     return found
+
+
+def _describe_in_place(t: Any, key: tuple) -> tuple[int, int, tuple[int, int] | None]:
+    tensors = (t,)
+    sig, nbytes = signature(tensors, tensors)
+    return _in_place.setdefault(key, (sig, nbytes, finite.scan_of(t.dtype, t.numel())))
 
 
 class CompletionPoller:

@@ -4,7 +4,8 @@ float dtype, wherever the NaN or Inf sits, and where a sum of finite values woul
 import pytest
 import torch
 
-from commlens.hooks.nan_check import _SCAN_UP_TO, tensor_finite
+from commlens.hooks.finite import SCAN_UP_TO
+from commlens.hooks.nan_check import tensor_finite
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128]
 
@@ -12,7 +13,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.com
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("special", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 def test_a_single_non_finite_element_is_found_wherever_it_sits(dtype, special):
-    for n in (1, 7, 64, 1000, _SCAN_UP_TO // 2 + 3, _SCAN_UP_TO + 1):  # the last one is summed by torch
+    for n in (1, 7, 64, 1000, SCAN_UP_TO // 2 + 3, SCAN_UP_TO + 1):  # the last one is summed by torch
         for where in {0, n // 2, n - 1}:
             t = torch.randn(n, dtype=dtype)
             t[where] = special
