@@ -8,6 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlens.hooks as ch
 from commlens.hooks import ddp
+from monitoring import wait_for
 
 
 def _model(layers=2, width=16):
@@ -41,12 +42,15 @@ def wrapped_hooks_match_plain_ddp(rank, world_size):
     buckets = []
     handle = ch.register_post_hook(lambda a: buckets.append((a.pre.bucket, a.status)) if a.pre.bucket else None)
     results = {"plain": plain}
-    for name, hook in (("allreduce", default_hooks.allreduce_hook), ("fp16", default_hooks.fp16_compress_hook),
-                       ("default", None)):
+    for phase, (name, hook) in enumerate((("allreduce", default_hooks.allreduce_hook),
+                                          ("fp16", default_hooks.fp16_compress_hook), ("default", None))):
         model = DDP(_model())
         if hook is not None:
             model.register_comm_hook(None, hook)  # wrapped by instrument(), not replaced
         results[name] = _grads(model, rank)
+        # a bucket's post-hook fires when its reduce's future completes, on gloo's thread, possibly
+        # after the step has its gradients: the list holds the models' buckets in order once it came
+        wait_for(lambda: len(buckets) == 2 * (phase + 1), f"the {name} model's bucket post-hooks")
     model = DDP(_model())
     model.register_comm_hook(None, debugging_hooks.noop_hook)
     noop_phase = []
