@@ -395,8 +395,10 @@ def _is_timeout(error: BaseException) -> bool:
 
 _DTYPE_NAMES: dict[Any, str] = {}
 _signatures: dict[tuple, tuple[int, int]] = {}
+"""(shapes and dtypes of the inputs, of the outputs) -> signature and payload bytes."""
 _in_place: dict[tuple, tuple[int, int, tuple[int, int] | None]] = {}
-"""(shape, dtype) of one tensor reduced in place -> its signature, payload bytes and ``finite.scan_of``."""
+"""(shape, dtype) of an op's one tensor, input and output at once -> its signature, payload bytes and
+``finite.scan_of``: one entry per shape for the signature and the NaN check's scan."""
 
 
 def dtype_name(dtype: Any) -> str:
@@ -425,23 +427,25 @@ def signature(tensors: tuple, output_tensors: tuple) -> tuple[int, int]:
     if len(tensors) == 1 and output_tensors is tensors:  # the common in-place case, keyed cheaply
         t = tensors[0]
         key = (t.shape, t.dtype)
-    else:
-        key = (_meta(tensors), _meta(output_tensors))
+        return (_in_place.get(key) or _describe_in_place(t, key))[:2]
+    key = (_meta(tensors), _meta(output_tensors))
     found = _signatures.get(key)
     if found is None:
-        outs = output_tensors
-        in_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        out_bytes = sum(t.numel() * t.element_size() for t in outs)
-        text = json.dumps([[list(t.shape) for t in tensors], [dtype_name(t.dtype) for t in tensors],
-                           [list(t.shape) for t in outs], [dtype_name(t.dtype) for t in outs]])
-        found = _signatures.setdefault(key, (ring().intern(text), max(in_bytes, out_bytes)))
+        found = _signatures.setdefault(key, _new_signature(tensors, output_tensors))
     return found
+
+
+def _new_signature(tensors: tuple, outs: tuple) -> tuple[int, int]:
+    in_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    out_bytes = sum(t.numel() * t.element_size() for t in outs)
+    text = json.dumps([[list(t.shape) for t in tensors], [dtype_name(t.dtype) for t in tensors],
+                       [list(t.shape) for t in outs], [dtype_name(t.dtype) for t in outs]])
+    return ring().intern(text), max(in_bytes, out_bytes)
 
 
 def _describe_in_place(t: Any, key: tuple) -> tuple[int, int, tuple[int, int] | None]:
     tensors = (t,)
-    sig, nbytes = signature(tensors, tensors)
-    return _in_place.setdefault(key, (sig, nbytes, finite.scan_of(t.dtype, t.numel())))
+    return _in_place.setdefault(key, (*_new_signature(tensors, tensors), finite.scan_of(t.dtype, t.numel())))
 
 
 class CompletionPoller:
