@@ -203,28 +203,30 @@ def trial(workload: str, config: str, iterations: int, world_size: int = 2) -> d
     settings = None if busy_us or CONFIGS[config] is None else {
         "COMMLENS_METRICS_PORT": str(free_ports(world_size)), "COMMLENS_METRICS_ADDR": "127.0.0.1",
         **CONFIGS[config]}
-    sidecar, folder = None, tempfile.mkdtemp(prefix="commlens-agent-cost-")
-    if settings is not None:
-        settings["COMMLENS_TRACE_FILE"] = os.path.join(folder, "traces-{rank}.jsonl")
-    if config == "pod-sidecar":
-        settings["COMMLENS_RING_DIR"] = folder
-        sidecar = subprocess.Popen([sys.executable, "-m", "commlens.agent.cli", "sidecar", "--ring-dir", folder,
-                                    "--metrics-port", "0", "--trace-file", os.path.join(folder, "pod.jsonl")],
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert sidecar.stdout.readline().startswith("commlens sidecar:")  # started: from here its CPU counts
-        sidecar_started_s = _cpu_s(f"/proc/{sidecar.pid}/stat")
-    try:
-        with mp.Manager() as manager:
-            out = manager.dict()
-            mp.start_processes(_trial, args=(world_size, free_port(), workload, iterations, settings, out, busy_us),
-                               nprocs=world_size, start_method="spawn")
-            result = dict(out["result"])
-    finally:
-        if sidecar is not None:
-            result["sidecar_cpu_s"] = _cpu_s(f"/proc/{sidecar.pid}/stat") - sidecar_started_s
-            sidecar.terminate()
-            sidecar.wait(30)
-    return result
+    with tempfile.TemporaryDirectory(prefix="commlens-agent-cost-") as folder:
+        sidecar = None
+        if settings is not None:
+            settings["COMMLENS_TRACE_FILE"] = os.path.join(folder, "traces-{rank}.jsonl")
+        if config == "pod-sidecar":
+            settings["COMMLENS_RING_DIR"] = folder
+            sidecar = subprocess.Popen([sys.executable, "-m", "commlens.agent.cli", "sidecar", "--ring-dir", folder,
+                                        "--metrics-port", "0", "--trace-file", os.path.join(folder, "pod.jsonl")],
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            assert sidecar.stdout.readline().startswith("commlens sidecar:")  # started: from here its CPU counts
+            sidecar_started_s = _cpu_s(f"/proc/{sidecar.pid}/stat")
+        try:
+            with mp.Manager() as manager:
+                out = manager.dict()
+                mp.start_processes(_trial, nprocs=world_size, start_method="spawn",
+                                   args=(world_size, free_port(), workload, iterations, settings, out, busy_us))
+                result = dict(out["result"])
+            if sidecar is not None:
+                result["sidecar_cpu_s"] = _cpu_s(f"/proc/{sidecar.pid}/stat") - sidecar_started_s
+        finally:
+            if sidecar is not None:
+                sidecar.terminate()
+                sidecar.wait(30)
+        return result
 
 
 def _spread(values: list[float]) -> str:

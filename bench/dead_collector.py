@@ -65,18 +65,18 @@ def main() -> int:
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(1024)
-    sink = tempfile.mkdtemp(prefix="commlens-bench-")
-    endpoints = {"file sink": os.path.join(sink, "spans-{rank}.jsonl"),
-                 "collector down": f"http://127.0.0.1:{free_port()}",
-                 "collector silent": f"http://127.0.0.1:{silent.getsockname()[1]}"}
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_rank, args=(free_port(), endpoints, out), nprocs=2, start_method="spawn")
-        out = dict(out)
-    off = out["off"]
-    print(f"training step, 2 gloo ranks: {off:.0f} µs without commlens")
-    for mode in endpoints:
-        print(f"  {mode}: {out[mode]:.0f} µs = {out[mode] / off:.3f}x; spans lost and counted: {out['lost ' + mode]}")
+    with tempfile.TemporaryDirectory(prefix="commlens-bench-") as sink:
+        endpoints = {"file sink": os.path.join(sink, "spans-{rank}.jsonl"),
+                     "collector down": f"http://127.0.0.1:{free_port()}",
+                     "collector silent": f"http://127.0.0.1:{silent.getsockname()[1]}"}
+        with mp.Manager() as manager:
+            out = manager.dict()
+            mp.start_processes(_rank, args=(free_port(), endpoints, out), nprocs=2, start_method="spawn")
+            out = dict(out)
+        off = out["off"]
+        print(f"training step, 2 gloo ranks: {off:.0f} µs without commlens")
+        for mode in endpoints:
+            print(f"  {mode}: {out[mode]:.0f} µs = {out[mode] / off:.3f}x; spans lost and counted: {out['lost ' + mode]}")
     return 0
 
 

@@ -58,7 +58,8 @@ def main() -> None:
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     plain_model = torch.nn.parallel.DistributedDataParallel(_model())
-    agent = commlens.agent.start(Config(metrics_port=None, trace_file=os.path.join(tempfile.mkdtemp(), "t.jsonl"),
+    spans = tempfile.TemporaryDirectory(prefix="commlens-gpu-")
+    agent = commlens.agent.start(Config(metrics_port=None, trace_file=os.path.join(spans.name, "t.jsonl"),
                                         sampler="traceidratio", sampler_ratio=args.sample))
     traced_model = torch.nn.parallel.DistributedDataParallel(_model())
     optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=1e-4) for m in (plain_model, traced_model)}
@@ -99,6 +100,7 @@ def main() -> None:
               f"{(statistics.median(traced) - statistics.median(plain)) * 1e6:>11.1f}"
               f"{statistics.median(ratios):>10.4f} ({min(ratios):.4f}-{max(ratios):.4f})")
     commlens.agent.stop()
+    spans.cleanup()
     dist.destroy_process_group()
 
 

@@ -70,30 +70,30 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--collectives", type=int, default=1_000_000)
     args = parser.parse_args()
-    folder = tempfile.mkdtemp(prefix="commlens-memory-")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      COMMLENS_METRICS_PORT="0", COMMLENS_TRACE_FILE=os.path.join(folder, "spans.jsonl"))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    groups, tensors = [dist.new_group([0]) for _ in range(GROUPS)], _tensors()
-    baseline = _run(args.collectives // 10, groups, tensors, lambda done, cpu: None)
-    print(f"without commlens: {baseline:.1f} CPU µs per collective; {_rss_mib():.0f} MiB resident")
+    with tempfile.TemporaryDirectory(prefix="commlens-memory-") as folder:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                          COMMLENS_METRICS_PORT="0", COMMLENS_TRACE_FILE=os.path.join(folder, "spans.jsonl"))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        groups, tensors = [dist.new_group([0]) for _ in range(GROUPS)], _tensors()
+        baseline = _run(args.collectives // 10, groups, tensors, lambda done, cpu: None)
+        print(f"without commlens: {baseline:.1f} CPU µs per collective; {_rss_mib():.0f} MiB resident")
 
-    import commlens.agent
+        import commlens.agent
 
-    agent = commlens.agent.start()
-    print(f"{'collectives':>12}{'RSS MiB':>10}{'series':>8}{'CPU µs/coll':>13}{'commlens µs':>13}")
+        agent = commlens.agent.start()
+        print(f"{'collectives':>12}{'RSS MiB':>10}{'series':>8}{'CPU µs/coll':>13}{'commlens µs':>13}")
 
-    def report(done: int, cpu_us: float) -> None:
-        print(f"{done:>12,}{_rss_mib():>10.0f}{_series(agent.collector):>8}{cpu_us:>13.1f}"
-              f"{cpu_us - baseline:>13.1f}", flush=True)
+        def report(done: int, cpu_us: float) -> None:
+            print(f"{done:>12,}{_rss_mib():>10.0f}{_series(agent.collector):>8}{cpu_us:>13.1f}"
+                  f"{cpu_us - baseline:>13.1f}", flush=True)
 
-    started = time.perf_counter()
-    _run(args.collectives, groups, tensors, report)
-    elapsed = time.perf_counter() - started
-    commlens.agent.stop()
-    print(f"{args.collectives:,} collectives in {elapsed:.0f} s; spans written: {agent.spans.counts['exported']:,}, "
-          f"sampled out: {agent.spans.counts['sampled_out']:,}")
-    dist.destroy_process_group()
+        started = time.perf_counter()
+        _run(args.collectives, groups, tensors, report)
+        elapsed = time.perf_counter() - started
+        commlens.agent.stop()
+        print(f"{args.collectives:,} collectives in {elapsed:.0f} s; spans written: {agent.spans.counts['exported']:,}, "
+              f"sampled out: {agent.spans.counts['sampled_out']:,}")
+        dist.destroy_process_group()
     return 0
 
 

@@ -48,19 +48,19 @@ def _rank(rank: int, port: int, rounds: int, steps: int, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    folder = tempfile.mkdtemp(prefix="commlens-step-cost-")
-    times = {"off": [], "on": [], "spans_per_s": [], "collectives_per_s": []}
-    for _ in range(rounds):
-        times["off"].append(_round(steps))
-        started = time.perf_counter()
-        agent = commlens.agent.start(Config.from_env({
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "COMMLENS_METRICS_PORT": "0",
-            "COMMLENS_TRACE_FILE": os.path.join(folder, "t-{rank}.jsonl")}))
-        times["on"].append(_round(steps))
-        seconds = time.perf_counter() - started
-        commlens.agent.stop()
-        times["spans_per_s"].append(agent.spans.counts["exported"] / seconds)
-        times["collectives_per_s"].append(sum(agent.spans.counts.values()) / seconds)
+    with tempfile.TemporaryDirectory(prefix="commlens-step-cost-") as folder:
+        times = {"off": [], "on": [], "spans_per_s": [], "collectives_per_s": []}
+        for _ in range(rounds):
+            times["off"].append(_round(steps))
+            started = time.perf_counter()
+            agent = commlens.agent.start(Config.from_env({
+                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "COMMLENS_METRICS_PORT": "0",
+                "COMMLENS_TRACE_FILE": os.path.join(folder, "t-{rank}.jsonl")}))
+            times["on"].append(_round(steps))
+            seconds = time.perf_counter() - started
+            commlens.agent.stop()
+            times["spans_per_s"].append(agent.spans.counts["exported"] / seconds)
+            times["collectives_per_s"].append(sum(agent.spans.counts.values()) / seconds)
     out[rank] = times
     dist.destroy_process_group()
 
