@@ -56,7 +56,7 @@ def run(command: list[str], settings: dict[str, str], sidecar: bool = False) -> 
             pod_env = {key: value for key, value in env.items() if key != MARKER}
             pod = subprocess.Popen([sys.executable, "-m", "commlens.agent.cli", "sidecar"], env=pod_env)
         try:
-            return subprocess.call(command, env=env)
+            return _call_forwarding_signals(command, env)
         except FileNotFoundError:
             print(f"commlens run: {command[0]!r} was not found", file=sys.stderr)
             return 127
@@ -71,6 +71,21 @@ def run(command: list[str], settings: dict[str, str], sidecar: bool = False) -> 
     finally:
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)
+
+
+def _call_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
+    """Run ``command`` and wait for it, as a shell runs a foreground command: a SIGTERM sent to us goes
+    on to it (Kubernetes signals only a container's first process), and Ctrl-C's SIGINT, which the
+    terminal sends it too, leaves the ending to it. Returns its exit status, 128 + N if signal N ended it."""
+    child = subprocess.Popen(command, env=env)
+    handlers = {signal.SIGTERM: lambda signum, _: child.send_signal(signum), signal.SIGINT: lambda *_: None}
+    previous = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
+    try:
+        status = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return status if status >= 0 else 128 - status
 
 
 def serve_pod(settings: dict[str, str]) -> int:

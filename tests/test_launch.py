@@ -1,10 +1,13 @@
 """``commlens run -- torchrun …``: an unmodified script gets metrics and traces for all its ranks."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
+
+import pytest
 
 from commlens.agent.demo import free_port, free_ports
 
@@ -80,6 +83,19 @@ def test_run_says_where_spans_go_when_nothing_sends_them_elsewhere_and_refuses_a
                         text=True)
     _, err = refused.communicate(timeout=60)
     assert refused.returncode == 2 and "COMMLENS_RING_PATH='/no/such/folder/ring-{rank}'" in err and not marker.exists()
+
+
+def test_a_sigterm_to_run_alone_ends_the_command_and_run_cleans_up_after_it(tmp_path):
+    """Kubernetes stops a pod by signalling only the container's first process: here ``commlens run``."""
+    waits = "import os, signal; print(os.getpid(), os.environ['COMMLENS_RING_DIR'], flush=True); signal.pause()"
+    job = _commlens("run", "--sidecar", "--metrics-port", "0", "--trace-file", str(tmp_path / "t-{rank}.jsonl"), "--",
+                    sys.executable, "-c", waits, stdout=subprocess.PIPE, text=True)
+    pid, rings = job.stdout.readline().split()
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(60) == 128 + signal.SIGTERM  # the command's own ending, as a shell reports it
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid), 0)  # the command is gone, not left running without its launcher
+    assert not os.path.exists(rings)  # the pod sidecar stopped and its ring folder was removed
 
 
 def test_the_command_says_its_version_and_helps_without_importing_torch():
