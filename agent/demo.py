@@ -86,9 +86,9 @@ def free_port() -> int:
 _handed_out: set[int] = set()  # ports free_ports gave this process: free until bound, so not given twice
 
 
-def free_ports(count: int, besides: range = range(0)) -> int:
-    """A base port such that base .. base + count - 1 are all free on loopback now, none of them in
-    ``besides`` or given out before by this process (chosen, perhaps not bound yet).
+def free_ports(count: int) -> int:
+    """A base port such that base .. base + count - 1 are all free on loopback now, none of them given
+    out before by this process (chosen, perhaps not bound yet).
 
     They are drawn from below the kernel's ephemeral range, so that no outgoing connection (gloo's
     between ranks, the store's) can take one of them before the rank that is to serve on it binds it.
@@ -98,7 +98,7 @@ def free_ports(count: int, besides: range = range(0)) -> int:
         raise RuntimeError(f"no room below the ephemeral port range (starts at {low}) for {count} ports")
     while True:
         ports = range(base := random.randrange(10000, low - count), base + count)
-        if _handed_out.isdisjoint(ports) and not any(p in besides for p in ports) and all(map(_is_free, ports)):
+        if _handed_out.isdisjoint(ports) and all(map(_is_free, ports)):
             _handed_out.update(ports)
             return base
 
@@ -256,7 +256,8 @@ def run(world_size: int, steps: int, out_dir: str, faults: tuple[Fault, ...] = (
 
     config = Config.from_env({**os.environ, **environment})  # a bad setting fails here, before any rank starts
     metrics = config.metrics_port or 0
-    store = free_ports(1, besides=range(metrics, metrics + world_size))  # not a port the ranks are to serve on
+    _handed_out.update(range(metrics, metrics + world_size))  # the store's port is not one the ranks serve on
+    store = free_port()
     serving = mp.get_context("spawn").Event() if keep_serving else None
     ranks = mp.start_processes(_train, args=(world_size, steps, out_dir, store, faults, serving, environment),
                                nprocs=world_size, start_method="spawn", join=False)
