@@ -31,9 +31,8 @@ where: Callable[[], int] | None = None
 _ring_lock = threading.Lock()
 
 
-def new_op_id() -> int:
-    """A fresh op id: larger than every id issued so far, smaller than every later one."""
-    return next(_op_ids)
+new_op_id: Callable[[], int] = _op_ids.__next__
+"""A fresh op id: larger than every id issued so far, smaller than every later one (C, no frame)."""
 
 
 def ring() -> Ring:
@@ -293,7 +292,7 @@ def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple,
         if len(tensors) == 1 and output_tensors is tensors:
             t = tensors[0]
             key = (t.shape, t.dtype)
-            sig, nbytes, scan = _in_place.get(key) or _describe_in_place(t, key)
+            sig, nbytes, scan = in_place.get(key) or describe_in_place(t, key)
             if check_inputs and (scan is None or finite.scanned(t, scan) is not True):
                 return UNPROVEN
         else:
@@ -315,7 +314,7 @@ def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple,
             result = call(*args, **kwargs)
         except BaseException as error:
             cuda.tracker().release(pair)
-            _failed_unhooked(code, group, op_id, seq, nbytes, sig, wire_peer, tensors, output_tensors, error)
+            failed_unhooked(code, group, op_id, seq, nbytes, sig, wire_peer, tensors, output_tensors, error)
             raise
         cuda.tracker().end(pair, None, lambda start_ns, end_ns: cuda.write_completion(
             code, OK, sid, op_id, seq, nbytes, sig, wire_peer, 0, start_ns, end_ns), None)
@@ -323,13 +322,13 @@ def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple,
     try:
         result = call(*args, **kwargs)
     except BaseException as error:
-        _failed_unhooked(code, group, op_id, seq, nbytes, sig, wire_peer, tensors, output_tensors, error)
+        failed_unhooked(code, group, op_id, seq, nbytes, sig, wire_peer, tensors, output_tensors, error)
         raise
     write(END, code, OK, sid, op_id, seq, nbytes, sig, wire_peer, 0)
     return result
 
 
-def _failed_unhooked(code: int, group: Group, op_id: int, seq: int, nbytes: int, sig: int, wire_peer: int,
+def failed_unhooked(code: int, group: Group, op_id: int, seq: int, nbytes: int, sig: int, wire_peer: int,
                      tensors: tuple, output_tensors: tuple, error: BaseException) -> None:
     """END of a collective that raised on the unhooked path, then the abort hooks, with the
     arguments the hooked path gives them: abort hooks do not take a collective off this path."""
@@ -396,7 +395,7 @@ def _is_timeout(error: BaseException) -> bool:
 _DTYPE_NAMES: dict[Any, str] = {}
 _signatures: dict[tuple, tuple[int, int]] = {}
 """(shapes and dtypes of the inputs, of the outputs) -> signature and payload bytes."""
-_in_place: dict[tuple, tuple[int, int, tuple[int, int] | None]] = {}
+in_place: dict[tuple, tuple[int, int, tuple[int, int] | None]] = {}
 """(shape, dtype) of an op's one tensor, input and output at once -> its signature, payload bytes and
 ``finite.scan_of``: one entry per shape for the signature and the NaN check's scan."""
 
@@ -427,7 +426,7 @@ def signature(tensors: tuple, output_tensors: tuple) -> tuple[int, int]:
     if len(tensors) == 1 and output_tensors is tensors:  # the common in-place case, keyed cheaply
         t = tensors[0]
         key = (t.shape, t.dtype)
-        return (_in_place.get(key) or _describe_in_place(t, key))[:2]
+        return (in_place.get(key) or describe_in_place(t, key))[:2]
     key = (_meta(tensors), _meta(output_tensors))
     found = _signatures.get(key)
     if found is None:
@@ -443,9 +442,9 @@ def _new_signature(tensors: tuple, outs: tuple) -> tuple[int, int]:
     return ring().intern(text), max(in_bytes, out_bytes)
 
 
-def _describe_in_place(t: Any, key: tuple) -> tuple[int, int, tuple[int, int] | None]:
+def describe_in_place(t: Any, key: tuple) -> tuple[int, int, tuple[int, int] | None]:
     tensors = (t,)
-    return _in_place.setdefault(key, (*_new_signature(tensors, tensors), finite.scan_of(t.dtype, t.numel())))
+    return in_place.setdefault(key, (*_new_signature(tensors, tensors), finite.scan_of(t.dtype, t.numel())))
 
 
 class CompletionPoller:

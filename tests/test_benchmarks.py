@@ -54,3 +54,16 @@ def test_the_gil_benchmark_measures_the_training_threads_wait_under_every_config
     assert list(rows) == list(CONFIGS), rows
     for rate, *percentiles in rows.values():  # collectives a second; p50 <= p99 <= p99.9 <= max
         assert rate > 0 and percentiles == sorted(percentiles), rows
+
+
+def test_the_hot_path_loop_benchmark_pairs_every_configuration_with_no_commlens_in_one_process():
+    sys.path.insert(0, str(BENCH.parent))
+    from hot_path_loop import CONFIGS
+
+    done = subprocess.run([sys.executable, str(BENCH.parent / "hot_path_loop.py"), "--slices", "2",
+                           "--collectives", "200"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {row[0]: row[1:] for row in (line.split() for line in done.stdout.splitlines()[1:])}
+    assert list(rows) == list(CONFIGS), rows
+    assert float(rows["none"][0]) == float(rows["none"][4]) == 0.0  # each none slice paired with itself
+    assert all(float(row[-1]) > 0 for row in rows.values()), rows  # none's own wall time per collective
