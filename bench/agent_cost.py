@@ -8,7 +8,10 @@ comes from one-rank jobs that run ``--cpu-collectives`` all_reduces of 4 KiB (10
 more to warm up: the kernel's CPU clock ticks every 10 ms, too coarse for the few collectives of a
 timed trial), ``--cpu-repeats`` per configuration, interleaved, divided by the collectives each
 counted: its threads in the training process (by native thread id), the training thread's extra CPU
-over the no-commlens job of the same repeat, and the pod sidecar's process apart; medians. Beside
+over the no-commlens job of the same repeat, and the pod sidecar's process apart; medians. A CPU
+job's process runs on one core: across two, gloo's hand-off to its own thread costs the training
+thread 2-3x as much per collective and varies by +-10 µs from one job to the next
+(``bench/hot_path_loop.py --no-pin``). Beside
 them a yardstick without commlens: each all_reduce preceded by 1.2 µs of plain Python, the hooks' own
 cost, to show what that much work on the training thread costs it there. The NaN/Inf check's cost is timed within
 each default trial of an all_reduce (slices with and without it, alternated), beside one ``torch.sum``
@@ -159,6 +162,8 @@ def _trial(rank: int, world_size: int, port: int, workload: str, iterations: int
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
+    if world_size == 1:  # the CPU jobs: on one core, where gloo's hand-offs cost the same from job to job
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
     agent = None
     if settings is not None:

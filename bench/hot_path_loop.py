@@ -13,6 +13,11 @@ END to the ring with constant fields: what any wrapper in Python costs there); `
 check, as the agent's default registers it). Printed: the training thread's CPU (``time.thread_time``)
 and wall time per collective over ``none``, medians with the quartiles.
 
+The process runs on one core (``--no-pin``: on every core it may use). Across two cores the training
+thread wakes gloo's thread on the other core for every collective, and whatever the training thread
+does between collectives decides whether that thread is still awake: on this 2-core machine a
+collective then costs 2-3x the CPU, and a slice's figure varies by +-10 µs, more than the hooks cost.
+
     python bench/hot_path_loop.py                   # the figures (about 2 minutes)
     python bench/hot_path_loop.py --slices 2 --collectives 200   # every configuration once, briefly
 """
@@ -81,7 +86,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slices", type=int, default=24, help="rounds of every configuration (default 24)")
     parser.add_argument("--collectives", type=int, default=3000, help="all_reduces timed per slice (default 3000)")
+    parser.add_argument("--no-pin", action="store_true", help="run on every core allowed, not on one")
     args = parser.parse_args()
+    if not args.no_pin:  # before gloo starts its threads, which inherit it
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1)
