@@ -254,7 +254,8 @@ def start(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async
     except HookRaised as raised:
         raise raised.error from None
     except Exception as error:
-        internal_error("begin", error)
+        if all_tensors(tensors, output_tensors):  # else the caller's mistake, which torch reports itself
+            internal_error("begin", error)
         return None
 
 
@@ -307,7 +308,8 @@ def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple,
         device = _cuda_device(tensors, output_tensors)
         pair = None if device is None else cuda.tracker().start(device)
     except Exception as error:
-        internal_error("START", error)
+        if all_tensors(tensors, output_tensors):  # else the caller's mistake, which torch reports itself
+            internal_error("START", error)
         return call(*args, **kwargs)
     if pair is not None:  # completes when the GPU has finished it (hooks/cuda.py)
         try:
@@ -344,6 +346,13 @@ def failed_unhooked(code: int, group: Group, op_id: int, seq: int, nbytes: int, 
 
 
 _warned = False
+
+
+def all_tensors(*groups: tuple) -> bool:
+    """Every argument in ``groups`` is a tensor: a failure to record the op is then commlens' own."""
+    import torch
+
+    return all(isinstance(t, torch.Tensor) for group in groups for t in group)
 
 
 def count_error(kind: str) -> None:

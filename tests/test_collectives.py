@@ -1,6 +1,7 @@
 """Every public torch.distributed op, sync and async, on real gloo processes."""
 
 import threading
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -133,6 +134,49 @@ def test_a_raising_hook_is_counted_and_reported_once_and_the_collective_goes_on(
         assert r["calls"] == ["all_reduce"] * 3
         assert list(r["errors"].values()) == [2]
         assert len(r["warnings"]) == 1 and "broken" in r["warnings"][0]
+
+
+def all_reduce_every_way(rank, world_size):
+    """all_reduce as users call it, no hooks registered (its one-frame path), then a bad call."""
+    from commlens.hooks.ring import END, START
+
+    ch.instrument()
+    reader = ch.RingReader(ch.ring(), start=ch.ring().claimed())
+    t = torch.empty(3)
+    calls = [lambda: dist.all_reduce(t), lambda: dist.all_reduce(t, dist.ReduceOp.MAX),
+             lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=None), lambda: dist.all_reduce(tensor=t),
+             lambda: dist.all_reduce(t, async_op=True).wait()]
+    reduced = []
+    for call in calls:
+        t.fill_(rank + 1.0)
+        call()
+        reduced.append(t.tolist())
+    records = []
+    poll_until(lambda: records.extend(reader.read()) or sum(r.kind == END for r in records) == len(calls))
+    errors = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # instrumented, then not: the same error reaches the caller
+            try:
+                dist.all_reduce([t])
+            except Exception as error:
+                errors.append((type(error), str(error)))
+            ch.uninstrument()
+    return {"reduced": reduced, "errors": errors, "dropped": reader.dropped,
+            "warnings": [str(w.message) for w in caught if "commlens" in str(w.message)],
+            "records": [(r.kind, r.seq, r.phase) for r in records + reader.read() if r.kind in (START, END)]}
+
+
+def test_all_reduce_called_every_way_reduces_as_torch_does_and_is_recorded_once_each(run_ranks):
+    from commlens.hooks.ring import END, OK, START
+
+    for r in run_ranks(all_reduce_every_way, 2):
+        assert r["reduced"] == [[3.0] * 3, [2.0] * 3, [1.0] * 3, [3.0] * 3, [3.0] * 3]
+        assert r["errors"][0] == r["errors"][1]  # torch's own error, as without commlens
+        assert r["warnings"] == []  # the caller's mistake, not a failure of commlens
+        assert r["dropped"] == 0
+        first = min(seq for _, seq, _ in r["records"])
+        assert sorted(r["records"]) == sorted((kind, seq, OK) for seq in range(first, first + 5) for kind in (START, END))
 
 
 def concurrent_threads(rank, world_size):
