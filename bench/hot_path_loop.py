@@ -10,7 +10,8 @@ the same core placement: steadier than a fresh job per trial (``bench/agent_cost
 Configurations: ``none``; ``floor`` (a plain Python wrapper around ``all_reduce`` that writes START and
 END to the ring with constant fields: what any wrapper in Python costs there); ``wrappers``
 (``commlens.hooks.instrument()``, no hooks registered); ``nan-check`` (the wrappers and the NaN/Inf
-check, as the agent's default registers it). Printed: the training thread's CPU (``time.thread_time``)
+check, as the agent's default registers it); on torch >= 2.14 also ``no-pg-hooks`` (the wrappers with
+PyTorch's process-group hooks detached: what those hooks cost while the wrappers record). Printed: the training thread's CPU (``time.thread_time``)
 and wall time per collective over ``none``, medians with the quartiles.
 
 The process runs on one core (``--no-pin``: on every core it may use). Across two cores the training
@@ -35,7 +36,7 @@ import torch.distributed.distributed_c10d as c10d
 
 import commlens.hooks as ch
 from commlens.agent.demo import free_port
-from commlens.hooks import recorder
+from commlens.hooks import native, recorder
 from commlens.hooks.nan_check import NanCheckHook
 from commlens.hooks.patch import Patch
 from commlens.hooks.ring import END, START
@@ -64,9 +65,11 @@ class Floor:
 
 
 class Wrappers:
-    def __init__(self, nan_check: bool = False) -> None:
+    def __init__(self, nan_check: bool = False, pg_hooks: bool = True) -> None:
         ch.instrument()
         self._check = NanCheckHook().register_with_comm() if nan_check else None
+        if not pg_hooks:
+            native.detach()
 
     def undo(self) -> None:
         if self._check is not None:
@@ -74,7 +77,8 @@ class Wrappers:
         ch.uninstrument()
 
 
-CONFIGS = {"none": None, "floor": Floor, "wrappers": Wrappers, "nan-check": lambda: Wrappers(nan_check=True)}
+CONFIGS = {"none": None, "floor": Floor, "wrappers": Wrappers, "nan-check": lambda: Wrappers(nan_check=True),
+           **({"no-pg-hooks": lambda: Wrappers(pg_hooks=False)} if native.AVAILABLE else {})}
 
 
 def _quartiles(values: list[float]) -> str:
