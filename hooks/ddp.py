@@ -93,7 +93,7 @@ def wrap(hook: Callable | None = None) -> Callable:
         with _active_lock:
             active += 1
         _scope.bucket = info
-        issuing, recorder.issuing.on = recorder.issuing.on, True  # PyTorch's own hooks step aside
+        issuing = recorder.set_issuing(True)  # PyTorch's own hooks step aside
         seq_source = flight.group.seq_source
         seq_before = seq_source() if seq_source is not None else None
         try:
@@ -103,7 +103,7 @@ def wrap(hook: Callable | None = None) -> Callable:
             raise
         finally:
             _scope.bucket = None
-            recorder.issuing.on = issuing
+            recorder.set_issuing(issuing)
             with _active_lock:
                 active -= 1
         if not isinstance(future, torch._C.Future):  # DDP raises its own error for this

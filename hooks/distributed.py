@@ -31,6 +31,7 @@ import torch.distributed.distributed_c10d as c10d
 from . import ddp, finite, functional, groups, native, recorder, registry
 from .ops import OpName
 from .patch import Patches, PatchError
+from .recorder import set_issuing
 from .ring import END, OK, START
 
 
@@ -137,14 +138,12 @@ def _instrumented(op: OpName, original: Callable, describe: Callable, kind: str 
     unhooked_ok = kind == "collective"
 
     def collective(*args, **kwargs):
-        issuing = recorder.issuing
-        if issuing.on:  # inside another wrapper's collective (a sync send's isend, a DDP bucket's all_reduce)
+        if set_issuing(True):  # inside another wrapper's collective (a sync send's isend, a DDP bucket's all_reduce)
             return recorded(*args, **kwargs)
-        issuing.on = True  # PyTorch's own process-group hooks step aside (native.py)
-        try:
+        try:  # PyTorch's own process-group hooks step aside meanwhile (native.py)
             return recorded(*args, **kwargs)
         finally:
-            issuing.on = False
+            set_issuing(False)
 
     def recorded(*args, **kwargs):
         if kind == "async_p2p" and getattr(_sync_p2p, "active", False):
@@ -210,7 +209,7 @@ def _all_reduce_in_one_frame(original: Callable, general: Callable) -> Callable:
     def all_reduce(tensor, op=default_op, group=None, async_op=False):
         info = known.get(group)
         if info is None or info is groups.NOT_MEMBER or async_op or registry.hooked or ddp.active or (
-                steps_aside and issuing.on):
+                steps_aside and issuing()):
             return general(tensor, op, group, async_op)
         try:  # anything unexpected (not a tensor, a failing ring) is general's to handle and count
             key = None if tensor.is_cuda else (tensor.shape, tensor.dtype)
@@ -229,7 +228,7 @@ def _all_reduce_in_one_frame(original: Callable, general: Callable) -> Callable:
         if key is None:
             return general(tensor, op, group, async_op)
         if steps_aside:
-            issuing.on = True
+            set_issuing(True)
         try:
             result = original(tensor, op, group, async_op)
         except BaseException as error:
@@ -237,7 +236,7 @@ def _all_reduce_in_one_frame(original: Callable, general: Callable) -> Callable:
             raise
         finally:
             if steps_aside:
-                issuing.on = False
+                set_issuing(False)
         write(END, code, OK, sid, op_id, seq, nbytes, sig, -1, 0)
         return result
 

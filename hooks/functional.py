@@ -134,14 +134,14 @@ def _instrumented(op: OpName, original: Callable, describe: Callable) -> Callabl
         flight = recorder.start(op, info, tensors, outputs, True, root, None)
         if flight is None:
             return original(*args, **kwargs)
-        issuing, recorder.issuing.on = recorder.issuing.on, True  # PyTorch's own hooks step aside
+        issuing = recorder.set_issuing(True)  # PyTorch's own hooks step aside
         try:
             result = original(*args, **kwargs)
         except BaseException as error:
             flight.failed(error)
             raise
         finally:
-            recorder.issuing.on = issuing
+            recorder.set_issuing(issuing)
         recorder.settle(functools.partial(_track, flight), result)
         return result
 

@@ -208,3 +208,55 @@ def test_pytorch_own_flight_recorder_and_nan_check_work_beside_commlens_and_noth
         assert [s[2:] for s in result["seen"]][:3] == [(1, "ok"), (2, "ok"), (3, "error")]
         assert sorted(s[3] for s in result["seen"][3:]) == ["error", "ok"], result["seen"]
         assert [seq for name, seq in result["theirs"] if name.startswith("c10d:")][:3] == [1, 2, 3]  # theirs too
+
+
+def hooks_registered_on_first_use(rank, world_size, cache, compiler):
+    """instrument() in a process whose cache is ``cache``, with ``compiler`` as the C++ compiler; a DDP
+    model's construction (broadcasts issued from C++) and eager all_reduces."""
+    import warnings
+
+    os.environ["XDG_CACHE_HOME"], os.environ["CXX"] = cache, compiler
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ch.instrument()
+    seen, handle = _recording()
+    torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))  # reaches commlens only through PyTorch's hooks
+    t = torch.ones(4)
+    for _ in range(3):
+        dist.all_reduce(t)  # recorded by the wrapper: PyTorch's hooks step aside
+    issued = dist.group.WORLD._get_sequence_number_for_group()
+    seen = _settled(seen, issued)
+    handle.remove()
+    ch.uninstrument()
+    return {"seen": seen, "issued": issued, "warnings": [str(w.message) for w in caught],
+            "cached": sorted(os.listdir(os.path.join(cache, "commlens"))) if os.path.isdir(
+                os.path.join(cache, "commlens")) else []}
+
+
+def _each_collective_once(result):
+    assert sorted(seq for _, _, seq, _ in result["seen"]) == list(range(1, result["issued"] + 1)), result["seen"]
+    ops = [op for op, _, _, _ in sorted(result["seen"], key=lambda s: s[2])]
+    assert ops[-3:] == ["all_reduce"] * 3 and "broadcast" in ops[:-3], ops  # DDP checks shapes with an all_gather too
+
+
+@pytest.mark.skipif(not NATIVE, reason="PyTorch's own process-group hooks come with torch 2.14")
+def test_the_hooks_are_built_for_this_torch_on_first_use_and_record_every_collective_once(run_ranks, tmp_path):
+    first, second = run_ranks(hooks_registered_on_first_use, 2, timeout_s=300, cache=str(tmp_path / "cache"),
+                              compiler=os.environ.get("CXX", "c++"))
+    for result in (first, second):
+        assert result["warnings"] == []
+        assert len(result["cached"]) == 1 and result["cached"][0].startswith("commlens_pg_hooks_")
+        _each_collective_once(result)
+    assert first["seen"] == second["seen"]
+
+
+@pytest.mark.skipif(not NATIVE, reason="PyTorch's own process-group hooks come with torch 2.14")
+def test_without_a_compiler_the_hooks_are_registered_from_python_with_a_warning_and_record_the_same(run_ranks,
+                                                                                                   tmp_path):
+    first, second = run_ranks(hooks_registered_on_first_use, 2, timeout_s=120, cache=str(tmp_path / "cache"),
+                              compiler="false")
+    for result in (first, second):
+        assert len(result["warnings"]) == 1 and "C++ forwarder could not be built" in result["warnings"][0]
+        assert "C++ compiler and ninja" in result["warnings"][0]
+        assert result["cached"] == []
+        _each_collective_once(result)
