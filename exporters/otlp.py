@@ -31,7 +31,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
@@ -72,71 +72,98 @@ def json_attributes(mapping: Mapping[str, Any]) -> list[dict]:
              else {"stringValue": str(value)}} for key, value in mapping.items()]
 
 
-class SpanFields(NamedTuple):
-    """One span, before it is encoded as protobuf (``SpanBuilder.proto``) or OTLP JSON (``.json``)."""
-
-    trace_id: bytes
-    span_id: bytes
-    name: str
-    start_ns: int
-    end_ns: int
-    attributes: dict[str, Any]
-    error: str | None
-    """The status message of a span whose status is an error."""
+_KINDS_KEPT = 1024
+"""Kinds of span (``SpanBuilder``) kept encoded (~1.5 KB each); past that many they are encoded anew."""
 
 
 class SpanBuilder:
-    """Collective -> ``SpanFields`` -> an OTLP ``Span`` or its JSON; the attributes every span of
-    this rank shares are encoded once."""
+    """Collective -> an OTLP ``Span`` (protobuf, added to a request's spans) or its OTLP JSON text.
+
+    A span's attributes are mostly its kind's: the rank's, and the collective's op, group, shape,
+    status, flags, module and DDP bucket. Those are encoded once per kind, in both forms; each span
+    adds its ids, times, op id, seq and bus bandwidth (and its GPU times or age): a third to a quarter
+    of the time of encoding it whole (``bench/export_throughput.py``)."""
 
     def __init__(self, job: str, world_size: int):
         self.job = job
-        shared = {"commlens.job": job, "commlens.world_size": world_size}
-        self._shared, self._shared_json = attributes(shared), json_attributes(shared)
+        self._shared = {"commlens.job": job, "commlens.world_size": world_size}
+        self._kinds: dict[tuple, tuple[bytes, str]] = {}
 
-    def fields(self, c: Any) -> SpanFields:
-        found = {
-            "commlens.op": c.op, "commlens.op_id": c.op_id, "commlens.seq": c.seq, "commlens.pg.name": c.pg,
-            "commlens.pg.size": c.pg_size, "commlens.rank": c.rank, "commlens.bytes": c.nbytes,
-            "commlens.dtype": c.dtype, "commlens.async": c.async_op, "commlens.status": c.status,
-            "commlens.p2p": c.is_p2p, "commlens.busbw_bytes_per_s": c.busbw, "commlens.nan": c.nan,
-            "commlens.inf": c.inf, "commlens.hang": c.hang, "commlens.slow": c.slow,
-        }
-        if c.gpu_start_ns >= 0:
-            found["commlens.gpu.queue_s"] = (c.gpu_start_ns - c.start_ns) / 1e9
-            found["commlens.gpu.exec_s"] = (c.end_ns - c.gpu_start_ns) / 1e9
-        if c.phase:
-            found["commlens.module"], found["commlens.phase"] = c.module, c.phase
-        if c.bucket >= 0:
-            found["commlens.ddp.bucket"], found["commlens.ddp.is_last"] = c.bucket, c.last_bucket
-            found["commlens.ddp.wire_bytes"] = c.wire_bytes
-        if c.in_flight:
-            found["commlens.in_flight"], found["commlens.age_s"] = True, (c.end_ns - c.start_ns) / 1e9
-        error = None
-        if c.status not in ("ok", "in_flight") or c.hang or c.nan or c.inf:
-            error = f"{c.op} seq {c.seq}: {'hung' if c.hang else 'NaN' if c.nan else 'Inf' if c.inf else c.status}"
-        return SpanFields(trace_id(self.job, c.pg, c.seq, c.is_p2p), random.getrandbits(64).to_bytes(8, "big"), c.op,
-                          c.start_ns, c.end_ns, found, error)
+    def add_proto(self, spans: Any, c: Any) -> None:
+        """Add ``c``'s span to ``spans``, a request's repeated ``Span`` field (built in place: no copy)."""
+        error = _error(c)
+        span = spans.add(trace_id=trace_id(self.job, c.pg, c.seq, c.is_p2p), span_id=_span_id(),
+                         start_time_unix_nano=c.start_ns, end_time_unix_nano=c.end_ns, attributes=attributes(_own(c)),
+                         status=None if error is None else {"code": Status.STATUS_CODE_ERROR, "message": error})
+        span.MergeFromString(self._kind(c)[0])  # name, kind and the kind's attributes, after the span's own
 
-    def proto(self, f: SpanFields) -> Span:
-        status = None if f.error is None else {"code": Status.STATUS_CODE_ERROR, "message": f.error}
-        return Span(trace_id=f.trace_id, span_id=f.span_id, name=f.name, kind=Span.SPAN_KIND_INTERNAL,
-                    start_time_unix_nano=f.start_ns, end_time_unix_nano=f.end_ns,
-                    attributes=self._shared + attributes(f.attributes), status=status)
+    def json(self, c: Any) -> str:
+        """The span's OTLP JSON text, as protobuf's JSON mapping writes the span ``add_proto`` adds (ids
+        in hex, enums as numbers), built without it."""
+        error = _error(c)
+        status = "" if error is None else f',"status":{{"message":{json.dumps(error)},"code":{Status.STATUS_CODE_ERROR}}}'
+        return (f'{{"traceId":"{trace_id(self.job, c.pg, c.seq, c.is_p2p).hex()}","spanId":"{_span_id().hex()}",'
+                f'"startTimeUnixNano":"{c.start_ns}","endTimeUnixNano":"{c.end_ns}",'
+                f'"attributes":[{_numbers_json(_own(c))},{self._kind(c)[1]}{status}}}')
 
-    def json(self, f: SpanFields) -> dict:
-        """The span in OTLP JSON, as protobuf's JSON mapping writes ``proto(f)`` (ids in hex, enums as
-        numbers), built without it: ~7x faster than ``proto`` and ``json_format.MessageToDict``."""
-        span = {"traceId": f.trace_id.hex(), "spanId": f.span_id.hex(), "name": f.name, "kind": Span.SPAN_KIND_INTERNAL,
-                "startTimeUnixNano": str(f.start_ns), "endTimeUnixNano": str(f.end_ns),
-                "attributes": self._shared_json + json_attributes(f.attributes)}
-        if f.error is not None:
-            span["status"] = {"message": f.error, "code": Status.STATUS_CODE_ERROR}
-        return span
+    def _kind(self, c: Any) -> tuple[bytes, str]:
+        """The kind of ``c``'s span, encoded: (a ``Span`` holding its name, kind and the kind's
+        attributes, serialized; the JSON text of the same, from the name to the attributes' end)."""
+        key = (c.op, c.pg, c.pg_size, c.rank, c.nbytes, c.dtype, c.async_op, c.status, c.is_p2p, c.nan, c.inf,
+               c.hang, c.slow, c.in_flight, c.bucket, c.last_bucket, c.wire_bytes, c.module, c.phase)
+        found = self._kinds.get(key)
+        if found is None:
+            if len(self._kinds) >= _KINDS_KEPT:
+                self._kinds.clear()
+            shared = {**self._shared, "commlens.op": c.op, "commlens.pg.name": c.pg, "commlens.pg.size": c.pg_size,
+                      "commlens.rank": c.rank, "commlens.bytes": c.nbytes, "commlens.dtype": c.dtype,
+                      "commlens.async": c.async_op, "commlens.status": c.status, "commlens.p2p": c.is_p2p,
+                      "commlens.nan": c.nan, "commlens.inf": c.inf, "commlens.hang": c.hang, "commlens.slow": c.slow}
+            if c.phase:
+                shared["commlens.module"], shared["commlens.phase"] = c.module, c.phase
+            if c.bucket >= 0:
+                shared["commlens.ddp.bucket"], shared["commlens.ddp.is_last"] = c.bucket, c.last_bucket
+                shared["commlens.ddp.wire_bytes"] = c.wire_bytes
+            if c.in_flight:
+                shared["commlens.in_flight"] = True
+            encoded = Span(name=c.op, kind=Span.SPAN_KIND_INTERNAL, attributes=attributes(shared)).SerializeToString()
+            text = f'{json.dumps(json_attributes(shared))[1:]},"name":{json.dumps(c.op)},"kind":{Span.SPAN_KIND_INTERNAL}'
+            found = self._kinds[key] = (encoded, text)
+        return found
+
+
+def _own(c: Any) -> dict[str, Any]:
+    """The attributes of ``c``'s span that are its own, not its kind's."""
+    own = {"commlens.op_id": c.op_id, "commlens.seq": c.seq, "commlens.busbw_bytes_per_s": c.busbw}
+    if c.gpu_start_ns >= 0:
+        own["commlens.gpu.queue_s"] = (c.gpu_start_ns - c.start_ns) / 1e9
+        own["commlens.gpu.exec_s"] = (c.end_ns - c.gpu_start_ns) / 1e9
+    if c.in_flight:
+        own["commlens.age_s"] = (c.end_ns - c.start_ns) / 1e9
+    return own
+
+
+def _numbers_json(mapping: dict[str, int | float]) -> str:
+    """The OTLP JSON of attributes whose values are ints or floats and whose keys need no escaping,
+    without the list's brackets: ``json.dumps(json_attributes(mapping))[1:-1]``, 5x faster."""
+    return ",".join([f'{{"key":"{key}","value":{{"intValue":"{value}"}}}}' if type(value) is int else
+                     f'{{"key":"{key}","value":{{"doubleValue":{value!r}}}}}' if math.isfinite(value) else
+                     f'{{"key":"{key}","value":{{"doubleValue":"{_double(value)}"}}}}' for key, value in mapping.items()])
+
+
+def _error(c: Any) -> str | None:
+    """The status message of ``c``'s span when its status is an error."""
+    if c.status not in ("ok", "in_flight") or c.hang or c.nan or c.inf:
+        return f"{c.op} seq {c.seq}: {'hung' if c.hang else 'NaN' if c.nan else 'Inf' if c.inf else c.status}"
+    return None
+
+
+def _span_id() -> bytes:
+    return random.getrandbits(64).to_bytes(8, "big")
 
 
 _CHUNK = 8
-"""Spans built (and, for the trace file, a batch: encoded and written) between two hand-overs of the GIL."""
+"""Spans built between two hand-overs of the GIL."""
 _HAND_OVER_S = 20e-6
 """A sleep long enough for a thread waiting for the GIL to wake and take it."""
 
@@ -146,9 +173,8 @@ class SpanExporter:
 
     ``beside_training`` (the in-process agent): nothing here holds the GIL for more than ~0.1 ms at
     a stretch, so the training thread never waits longer for it: spans are built 8 at a time, with
-    a short sleep between (``_hand_over``), and a batch's encoding is one C call that holds the GIL
-    (protobuf's serializer, ~1 µs a span, batches of 64; ``json.dumps``, ~10 µs a span, so the trace
-    file is then written 8 spans a line).
+    a short sleep between (``_chunks``); a batch's encoding is then one short C call (protobuf's
+    serializer, ~1 µs a span; the JSON text's join), batches of 64.
 
     Sampling keeps a collective when its sampling key (a hash of its group and seq, the same on
     every rank) falls below a bound: a fixed ratio, or — with ``budget_per_s`` — a ratio recomputed
@@ -162,7 +188,10 @@ class SpanExporter:
                  beside_training: bool = False):
         self.transport, self.builder = transport, SpanBuilder(job, world_size)
         self.resource = Resource(attributes=attributes(resource))
-        self._resource_json, self._json = json_attributes(resource), getattr(transport, "form", "protobuf") == "json"
+        self._json = getattr(transport, "form", "protobuf") == "json"
+        self._json_head = ('{"resourceSpans":[{"resource":{"attributes":' + json.dumps(json_attributes(resource))
+                           + '},"scopeSpans":[{"scope":' + json.dumps({"name": SCOPE.name, "version": SCOPE.version})
+                           + ',"spans":[')
         self.job, self.bound = job, int(sampler_ratio * (1 << 64))
         self.budget_per_s = budget_per_s
         self._window_start, self._offered, self._kept = time.monotonic(), 0, 0
@@ -170,7 +199,6 @@ class SpanExporter:
         self.sample_none, self.queue_size, self.batch_size, self.interval_s = sample_none, queue_size, batch_size, interval_s
         self._hand_over_s = _HAND_OVER_S if beside_training else 0.0
         """``beside_training``: in the training process, where a long stretch holding the GIL delays training."""
-        self._request_size = min(batch_size, _CHUNK) if self._json and beside_training else batch_size
         self.counts: collections.Counter[str] = collections.Counter()
         self._queue: collections.deque = collections.deque()
         self._wake, self._idle, self._stop = threading.Event(), threading.Event(), threading.Event()
@@ -273,7 +301,7 @@ class SpanExporter:
                 with self._counting:
                     if self._abandoned or not self._queue:
                         break
-                    batch = [self._queue.popleft() for _ in range(min(self._request_size, len(self._queue)))]
+                    batch = [self._queue.popleft() for _ in range(min(self.batch_size, len(self._queue)))]
                     self._sending = len(batch)
                 self._send(batch)
             self._idle.set()
@@ -282,11 +310,14 @@ class SpanExporter:
 
     def _send(self, batch: list) -> None:
         try:
-            spans = []
-            for at in range(0, len(batch), _CHUNK):
-                self._hand_over()
-                spans += [self.builder.fields(c) for c in batch[at:at + _CHUNK]]
-            request = self.json_request(spans) if self._json else self.request(spans)
+            if self._json:
+                request = self.json_request([self.builder.json(c) for chunk in self._chunks(batch) for c in chunk])
+            else:
+                request = self.request()
+                spans = request.resource_spans[0].scope_spans[0].spans
+                for chunk in self._chunks(batch):
+                    for c in chunk:
+                        self.builder.add_proto(spans, c)
             self.transport.send(request, max(0.01, self._deadline - time.monotonic()))
         except Exception:  # a dead or slow collector: the batch is lost, and counted
             result = "failed"
@@ -297,23 +328,28 @@ class SpanExporter:
                 self.counts[result] += len(batch)
             self._sending = 0
 
-    def _hand_over(self) -> None:
-        """Beside training, let go of the GIL long enough for a thread waiting on it to take it:
-        between chunks of spans, so that this thread never holds it for more than ~0.1 ms at a
-        stretch (``time.sleep(0)`` would take it straight back before the waiting thread woke)."""
-        if self._hand_over_s:
-            time.sleep(self._hand_over_s)
+    def _chunks(self, batch: list) -> Iterator[list]:
+        """``batch`` in chunks of ``_CHUNK``, each after a hand-over of the GIL beside training: long
+        enough for a thread waiting on it to take it, so that this thread never holds it for more than
+        ~0.1 ms at a stretch (``time.sleep(0)`` would take it straight back before the waiting thread woke)."""
+        for at in range(0, len(batch), _CHUNK):
+            if self._hand_over_s:
+                time.sleep(self._hand_over_s)
+            yield batch[at:at + _CHUNK]
 
-    def request(self, spans: list[SpanFields]) -> ExportTraceServiceRequest:
-        """The export request of ``spans`` as protobuf, for the gRPC and HTTP transports."""
-        return ExportTraceServiceRequest(resource_spans=[ResourceSpans(
-            resource=self.resource, scope_spans=[ScopeSpans(scope=SCOPE, spans=[self.builder.proto(f) for f in spans])])])
+    def request(self, collectives: Sequence = ()) -> ExportTraceServiceRequest:
+        """The export request of the spans of ``collectives`` as protobuf, for the gRPC and HTTP transports."""
+        request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+            resource=self.resource, scope_spans=[ScopeSpans(scope=SCOPE)])])
+        spans = request.resource_spans[0].scope_spans[0].spans
+        for c in collectives:
+            self.builder.add_proto(spans, c)
+        return request
 
-    def json_request(self, spans: list[SpanFields]) -> dict:
-        """The same request in OTLP JSON, for a transport whose ``form`` is ``"json"`` (the trace file)."""
-        return {"resourceSpans": [{"resource": {"attributes": self._resource_json},
-                                   "scopeSpans": [{"scope": {"name": SCOPE.name, "version": SCOPE.version},
-                                                   "spans": [self.builder.json(f) for f in spans]}]}]}
+    def json_request(self, spans: list[str]) -> str:
+        """The same request as OTLP JSON text, of spans as JSON text, for a transport whose ``form``
+        is ``"json"`` (the trace file)."""
+        return self._json_head + ",".join(spans) + "]}]}]}"
 
 
 class GrpcTransport:
@@ -363,16 +399,15 @@ class JsonLinesTransport:
     """The embedded default: each export request appended to ``path`` as one line of OTLP JSON."""
 
     form = "json"
-    """The exporter hands ``send`` the request as OTLP JSON (a dict), not as protobuf."""
+    """The exporter hands ``send`` the request as OTLP JSON text, not as protobuf."""
 
     def __init__(self, path: str):
         self.path = path
         open(path, "a").close()  # fail now, at start-up, if the file cannot be written
 
-    def send(self, request: dict, within_s: float) -> None:
-        line = json.dumps(request, separators=(",", ":"), check_circular=False)  # a tree: 25 % faster unchecked
+    def send(self, request: str, within_s: float) -> None:
         with open(self.path, "a") as f:
-            f.write(line + "\n")
+            f.write(request + "\n")
 
     def close(self) -> None:
         pass
