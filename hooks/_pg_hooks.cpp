@@ -25,7 +25,9 @@ py::object* forward_post = nullptr;
 struct Passed {
   int64_t key;
   std::mutex lock;
-  std::unordered_set<int64_t> op_ids;  // passed on by the pre-hook, waiting for their post-hook
+  // Passed on by the pre-hook, waiting for their post-hook. One that raised before it was queued
+  // never gets one: its id stays (native.py settles the collective itself).
+  std::unordered_set<int64_t> op_ids;
 };
 
 void init(py::capsule issuing, py::object pre, py::object post) {

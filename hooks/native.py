@@ -171,10 +171,11 @@ def forwarder() -> Any:
         try:
             _forwarder = _load_or_build()
             _forwarder.init(_issuing.now, _forward_pre, _forward_post)
-        except Exception as error:
+        except Exception as error:  # the compiler's whole output is in the error: its first line says which step
             _forwarder = None
+            reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
             warnings.warn(f"commlens registers PyTorch's process-group hooks from Python, about 2 µs more per "
-                          f"collective: its C++ forwarder could not be built ({error!r}); that needs a C++ "
+                          f"collective: its C++ forwarder could not be built ({reason}); that needs a C++ "
                           "compiler and ninja on PATH", RuntimeWarning, stacklevel=2)
     return _forwarder
 
