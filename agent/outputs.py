@@ -25,7 +25,7 @@ from .config import Config, ConfigError
 def span_exporter(config: Config, beside_training: bool = False) -> SpanExporter:
     """``beside_training``: the exporter runs in the training process (``SpanExporter``)."""
     return SpanExporter(transport(config), resource(config), config.job, config.world_size, config.sampler_ratio,
-                        config.sampler.endswith("always_off"), config.span_queue, interval_s=config.drain_interval_s,
+                        config.sampler.endswith("always_off"), config.span_queue,
                         budget_per_s=config.span_budget_per_s, beside_training=beside_training)
 
 

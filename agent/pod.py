@@ -17,7 +17,7 @@ ring: it counts nothing twice.
 Example::
 
     pod = PodSidecar(Config.from_env(), "/dev/shm/commlens")
-    pod.start()      # serves metrics, drains every 50 ms
+    pod.start()      # serves metrics, drains every POD_DRAIN_S
     ...
     pod.stop()       # drains what is left, flushes spans
 """
@@ -41,6 +41,10 @@ from .config import Config, ConfigError
 from .outputs import metrics_pusher, span_exporter
 from .sidecar import Sidecar
 from .stats import DURATION_BUCKETS, Stats, exposed_buckets
+
+POD_DRAIN_S = 0.05
+"""The longest between two drains here: a rank cannot wake this process when its ring fills, as it
+wakes its own sidecar thread (``Ring.wake_reader``)."""
 
 
 class RankFeed:
@@ -165,7 +169,8 @@ class PodSidecar:
             self.server.server_close()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.config.drain_interval_s):
+        config = self.config
+        while not self._stop.wait(min(config.drain_interval_s, POD_DRAIN_S, config.hang_threshold_s / 4)):
             try:
                 self.poll()
             except Exception as error:  # noqa: BLE001 — the loop goes on: a frozen sidecar hides every hang

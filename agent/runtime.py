@@ -35,6 +35,8 @@ from .signals import SignalWatcher
 from .stats import DURATION_BUCKETS, exposed_buckets
 
 VERSION = "0.1.0"
+GPU_POLL_S = 0.05
+"""How often a rank whose ring a pod sidecar reads polls its GPU collectives' events."""
 
 
 class Agent:
@@ -98,7 +100,7 @@ class Agent:
         self.job_dumps = JobDumps(config.job, min(1.0, config.hang_threshold_s / 4), lambda: self.snapshot("peer"))
 
     def _poll_gpu(self) -> None:
-        while not self._stopping.wait(self.config.drain_interval_s):
+        while not self._stopping.wait(GPU_POLL_S):
             cuda.poll()
 
     def _info(self) -> dict:

@@ -9,7 +9,7 @@ also calls
 ``on_hang`` once per drain that finds one (the agent writes a flight-recorder snapshot there), and
 a writer's SNAPSHOT record calls ``on_snapshot`` with its reason.
 
-Collectives that start and end (ok) within one drain, as most do at 50 ms a drain, arrive folded
+Collectives that start and end (ok) within one drain, as nearly all do, arrive folded
 by shape (``RingReader.read_folded``: in C, no Python object per record), never enter the in-flight
 table, and are counted a shape at a time; only those kept (sampled, slow) are built one by one.
 
@@ -20,7 +20,7 @@ nothing twice, and rebuilds the collectives still in flight from the records bef
 Example::
 
     sidecar = Sidecar(ring, rank=0, hang_threshold_s=60, on_collective=spans.queue, sample=spans.sampled)
-    sidecar.start(interval_s=0.05)
+    sidecar.start(interval_s=0.5)   # and whenever a quarter of the ring has filled
     ...
     sidecar.stop()          # drains what is left
 """
@@ -38,6 +38,8 @@ from commlens.hooks.ring import (END, FLAG_ASYNC, FLAG_LAST_BUCKET, GPU_START, N
 
 from .stats import ALL, Stats, bus_factor, size_class
 
+READ_AT_ONCE = 256
+"""Records a drain reads and handles at once (~0.1 ms, folded; bench/drain.py) before the next run."""
 _BUILT_BETWEEN_HAND_OVERS = 32
 """Collectives a drain builds (~3 µs each: every span kept) between two hand-overs of the GIL."""
 HAND_OVER_S = 20e-6
@@ -168,19 +170,30 @@ class Sidecar:
     # -- the loop -----------------------------------------------------------------------------------
 
     def start(self, interval_s: float) -> None:
+        """Drain on a thread every ``interval_s`` (at most a quarter of the hang threshold, so that a
+        hang is seen soon after it crosses it), and as soon as producers in this process have filled a
+        quarter of the ring (``Ring.wake_reader``): a quiet job wakes it seldom, a busy one loses nothing."""
+        interval_s = min(interval_s, self.hang_threshold_ns / 4e9)
+        self._wakeup = self.ring.wake_reader()
         self._thread = threading.Thread(target=self._run, args=(interval_s,), name="commlens-sidecar", daemon=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the loop and drain what the ring still holds."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._wakeup.set()
+            thread.join(timeout_s)
+            if not thread.is_alive():  # else it may still wait on the pipe: left open
+                self._wakeup.close()
         self.drain()
 
     def _run(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
+        while True:
+            self._wakeup.wait(interval_s)
+            if self._stop.is_set():
+                return
             self.drain()
 
     def drain(self, blocking: bool = True) -> int:
@@ -198,47 +211,59 @@ class Sidecar:
         if blocking:
             for poll in self.pollers:
                 poll()
-        records, folded = self._read() if blocking else (None, None)
-        if not self.stats.lock.acquire(blocking):
-            return 0  # nothing read yet: nothing lost
-        snapshots = []
-        try:
-            if records is None:
-                records, folded = self._read()
-            self.ring.cursor = self.reader.cursor  # before handling them: a restarted sidecar counts none twice
-            started, ended = self._started, self._ended
-            for record in records:
-                kind = record[1]
-                if kind == START:
-                    started(record)
-                elif kind == END:
-                    ended(record)
-                elif kind == NAN:
-                    self._nan_found(record)
-                elif record.kind == GPU_START:
-                    self._gpu_start[record.op_id] = record.t_ns
-                elif record.kind == SNAPSHOT and record.flags < len(REASONS):
-                    snapshots.append(REASONS[record.flags])
-            for group in folded:
-                self._folded(group)
-            hung = self._watch(time.monotonic_ns())
-        finally:
-            self.stats.lock.release()
+        snapshots: list[str] = []
+        hung: list[Collective] = []
+        handled, more = 0, True
+        while more:  # a run of READ_AT_ONCE records at a time, each holding the GIL ~0.1 ms
+            cursor = self.reader.cursor
+            records, folded = self._read() if blocking else (None, None)
+            if not self.stats.lock.acquire(blocking):
+                return handled  # nothing read this time: nothing lost
+            try:
+                if records is None:
+                    records, folded = self._read()
+                more = self.reader.cursor - cursor >= READ_AT_ONCE
+                self.ring.cursor = self.reader.cursor  # before handling them: a restarted sidecar counts none twice
+                self._handle(records, folded, snapshots)
+                if not more:
+                    hung = self._watch(time.monotonic_ns())
+            finally:
+                self.stats.lock.release()
+            handled += len(records) + sum(group.record_count() for group in folded)
+            if more and self._hand_over_s:
+                time.sleep(self._hand_over_s)  # lets a thread waiting for the GIL (training) have it
         for collective in hung:
             self.on_collective(collective)
         if hung:
             self.on_hang(hung[0])
         for reason in dict.fromkeys(snapshots):
             self.on_snapshot(reason)
-        return len(records) + sum(group.record_count() for group in folded)
+        return handled
+
+    def _handle(self, records: list[Record], folded: list[Folded], snapshots: list[str]) -> None:
+        started, ended = self._started, self._ended
+        for record in records:
+            kind = record[1]
+            if kind == START:
+                started(record)
+            elif kind == END:
+                ended(record)
+            elif kind == NAN:
+                self._nan_found(record)
+            elif record.kind == GPU_START:
+                self._gpu_start[record.op_id] = record.t_ns
+            elif record.kind == SNAPSHOT and record.flags < len(REASONS):
+                snapshots.append(REASONS[record.flags])
+        for group in folded:
+            self._folded(group)
 
     def _read(self) -> tuple[list[Record], list[Folded]]:
-        """The new records, with the collectives that started and ended ok among them folded (on a
-        GPU too); none while a NAN record read before waits for its collective's END (its START
-        and END could both be in this read)."""
+        """The next records (at most ``READ_AT_ONCE``), with the collectives that started and ended ok
+        among them folded (on a GPU too); none while a NAN record read before waits for its
+        collective's END (its START and END could both be in this read)."""
         if self._nan:
-            return self.reader.read(), []
-        return self.reader.read_folded()
+            return self.reader.read(READ_AT_ONCE), []
+        return self.reader.read_folded(READ_AT_ONCE)
 
     def _resume(self) -> None:
         """The collectives in flight at the cursor, from the records before it still in the ring;

@@ -184,7 +184,7 @@ class SpanExporter:
 
     def __init__(self, transport: Any, resource: Mapping[str, Any], job: str, world_size: int = 1,
                  sampler_ratio: float = 1.0, sample_none: bool = False, queue_size: int = 8192,
-                 batch_size: int = 64, interval_s: float = 0.2, budget_per_s: float | None = None,
+                 batch_size: int = 64, budget_per_s: float | None = None,
                  beside_training: bool = False):
         self.transport, self.builder = transport, SpanBuilder(job, world_size)
         self.resource = Resource(attributes=attributes(resource))
@@ -196,7 +196,7 @@ class SpanExporter:
         self.budget_per_s = budget_per_s
         self._window_start, self._offered, self._kept = time.monotonic(), 0, 0
         self._bases: dict[tuple[str, bool], int] = {}
-        self.sample_none, self.queue_size, self.batch_size, self.interval_s = sample_none, queue_size, batch_size, interval_s
+        self.sample_none, self.queue_size, self.batch_size = sample_none, queue_size, batch_size
         self._hand_over_s = _HAND_OVER_S if beside_training else 0.0
         """``beside_training``: in the training process, where a long stretch holding the GIL delays training."""
         self.counts: collections.Counter[str] = collections.Counter()
@@ -266,7 +266,7 @@ class SpanExporter:
             if self._idle.is_set():
                 self._idle.clear()
             self._queue.append(c)
-            if len(self._queue) >= self.batch_size:
+            if len(self._queue) == 1:  # the thread sleeps until there is something to send
                 self._wake.set()
 
     def flush(self, timeout_s: float) -> bool:
@@ -295,7 +295,7 @@ class SpanExporter:
         while True:
             stopping = self._stop.is_set()
             if not stopping:
-                self._wake.wait(self.interval_s)
+                self._wake.wait()
                 self._wake.clear()
             while time.monotonic() < self._deadline:
                 with self._counting:

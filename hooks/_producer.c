@@ -9,8 +9,10 @@
  * sequence, the payload and the tail sequence with release ordering, and returns the record's
  * timestamp: CLOCK_MONOTONIC in ns, the clock of time.monotonic_ns(), unless t_ns is given.
  * ``where`` is the module attribution: (module string id << 8) | phase.
- * It never waits, takes no lock and allocates nothing but the returned int. fold_run (below) groups
- * the collectives a reader copied whole.
+ * It never waits, takes no lock and allocates nothing but the returned int. With ``wake_fd`` set (a
+ * non-blocking pipe's write end, -1 by default), each quarter of the ring it claims also writes one
+ * byte there: the reader's signal to drain before the ring laps (ring.py, ``Ring.wake_reader``).
+ * fold_run (below) groups the collectives a reader copied whole.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -18,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
+#include <structmember.h>
 
 #define RECORD_SIZE 72
 
@@ -43,6 +47,8 @@ typedef struct {
     uint64_t *claim;
     char *records;
     uint64_t mask;
+    uint64_t quarter_mask;
+    int wake_fd;
 } Producer;
 
 static int producer_init(Producer *self, PyObject *args, PyObject *kwds) {
@@ -73,6 +79,8 @@ static int producer_init(Producer *self, PyObject *args, PyObject *kwds) {
     self->claim = (uint64_t *)((char *)self->view.buf + claim_offset);
     self->records = (char *)self->view.buf + records_offset;
     self->mask = slots - 1;
+    self->quarter_mask = (slots >> 2 ? slots >> 2 : 1) - 1;
+    self->wake_fd = -1;
     return 0;
 }
 
@@ -137,6 +145,10 @@ static PyObject *producer_write(Producer *self, PyObject *const *args, Py_ssize_
     __atomic_thread_fence(__ATOMIC_RELEASE);
     memcpy((char *)slot + 8, (char *)&r + 8, RECORD_SIZE - 16);
     __atomic_store_n(&slot->tail, r.tail, __ATOMIC_RELEASE);
+    if (self->wake_fd >= 0 && ((index + 1) & self->quarter_mask) == 0) {
+        char byte = 1;  /* a full pipe already holds a wake-up: nothing is lost by a failed write */
+        (void)!write(self->wake_fd, &byte, 1);
+    }
     return PyLong_FromUnsignedLongLong(t_ns);
 }
 
@@ -487,6 +499,12 @@ static PyMethodDef producer_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyMemberDef producer_members[] = {
+    {"wake_fd", T_INT, offsetof(Producer, wake_fd), 0,
+     "a non-blocking pipe's write end: one byte each quarter of the ring claimed; -1: none"},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyTypeObject ProducerType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "commlens.hooks._producer.Producer",
@@ -497,6 +515,7 @@ static PyTypeObject ProducerType = {
     .tp_init = (initproc)producer_init,
     .tp_dealloc = (destructor)producer_dealloc,
     .tp_methods = producer_methods,
+    .tp_members = producer_members,
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_producer", NULL, -1, module_methods};

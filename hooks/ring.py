@@ -44,6 +44,7 @@ import fcntl
 import json
 import mmap
 import os
+import select
 import struct
 import time
 import weakref
@@ -196,7 +197,14 @@ class Ring:
         self._strings_at = _HEADER_SIZE + slots * RECORD.size
         self._string_ids: dict[str, int] = {"": 0}
         self._string_cache: dict[int, str] = {0: ""}
-        self.write = Producer(mapped, slots, _CLAIM_OFFSET, _HEADER_SIZE).write
+        self._producer = Producer(mapped, slots, _CLAIM_OFFSET, _HEADER_SIZE)
+        self.write = self._producer.write
+
+    def wake_reader(self) -> Wakeup:
+        """(The writer's process) A ``Wakeup`` that this process's producers signal each time they have
+        claimed a quarter of the ring: its reader can sleep long and still drain before the ring laps.
+        One at a time; ``Wakeup.close()`` detaches it."""
+        return Wakeup(self._producer)
 
     def __del__(self) -> None:
         if getattr(self, "_fd", None) is not None:
@@ -345,6 +353,50 @@ def _forget_writers_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_writers_in_child)
+
+
+class Wakeup:
+    """A pipe that a ring's producers write a byte to each quarter of the ring they claim (in C, one
+    ``write`` per ``slots / 4`` records, on whichever thread claims that record), and its reader waits on.
+
+    Example::
+
+        wakeup = ring.wake_reader()
+        wakeup.wait(0.5)     # True: a quarter of the ring filled (or ``set()``); False: 0.5 s passed
+        wakeup.close()
+    """
+
+    def __init__(self, producer: Producer):
+        self._producer = producer
+        self._read_fd, self._write_fd = os.pipe()
+        for fd in (self._read_fd, self._write_fd):
+            os.set_blocking(fd, False)
+        producer.wake_fd = self._write_fd
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep until the ring has filled a quarter since the last wait, ``set()``, or ``timeout_s``."""
+        woken = bool(select.select([self._read_fd], [], [], timeout_s)[0])
+        if woken:
+            try:
+                os.read(self._read_fd, 4096)
+            except BlockingIOError:
+                pass
+        return woken
+
+    def set(self) -> None:
+        """Wake the waiter now."""
+        try:
+            os.write(self._write_fd, b"\1")
+        except BlockingIOError:  # a full pipe wakes it already
+            pass
+
+    def close(self) -> None:
+        """Detach from the producers, then close the pipe (producers write only while holding the GIL,
+        as this does: none can be between reading ``wake_fd`` and writing to it)."""
+        if self._producer.wake_fd == self._write_fd:
+            self._producer.wake_fd = -1
+        os.close(self._read_fd)
+        os.close(self._write_fd)
 
 
 class Folded(NamedTuple):

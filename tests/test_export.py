@@ -186,7 +186,7 @@ def test_stop_is_bounded_by_the_snapshot_timeout_against_a_silent_collector_and_
     ("COMMLENS_HANG_THRESHOLD_S", "-5", ">= 0.1"),
     ("COMMLENS_METRICS_PORT", "70000", "<= 65535"),
     ("OTEL_TRACES_SAMPLER", "sometimes", "traceidratio"),
-    ("COMMLENS_DRAIN_INTERVAL_MS", "500", "<= 100"),
+    ("COMMLENS_DRAIN_INTERVAL_MS", "5000", "<= 1000"),
     ("COMMLENS_METRICS_DETAIL", "everything", "group, op, full"),
     ("OTEL_METRICS_EXPORTER", "otlp,statsd", "prometheus, otlp, none"),
     ("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "sometimes", "cumulative, delta, lowmemory"),

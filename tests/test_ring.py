@@ -1,6 +1,7 @@
 """The ring: records in order, exact overwrite counts, threads, another process reading it."""
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -99,6 +100,28 @@ def test_the_sidecar_counts_a_gpus_collectives_alike_whether_they_end_within_one
     assert sum(within[1].values()) == pytest.approx(sum(k * 1e-6 for k in range(1, 41) if k != 7))
     spans = [[(c.seq, c.gpu_start_ns - c.start_ns, c.end_ns - c.start_ns) for c in seen] for seen in (within[3], across[3])]
     assert spans[0] == spans[1] and len(spans[0]) == 40 and spans[0][6] == (7, 0, 49_500)  # 7: clamped to its issue
+
+
+def busy_job_under_a_long_drain_interval(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    import commlens.agent
+    from commlens.agent import Config
+
+    agent = commlens.agent.start(Config.from_env({
+        "RANK": "0", "WORLD_SIZE": "1", "COMMLENS_METRICS_PORT": "0", "COMMLENS_TRACE_FILE": os.devnull,
+        "COMMLENS_RING_SLOTS": "4096", "COMMLENS_DRAIN_INTERVAL_MS": "1000"}))
+    t = torch.ones(4)
+    for _ in range(20_000):  # 40,000 records in well under the second between timed drains
+        dist.all_reduce(t)
+    commlens.agent.stop()
+    return {"dropped": agent.sidecar.reader.dropped, "completed": sum(agent.sidecar.stats.completed.values())}
+
+
+def test_a_busy_job_loses_no_record_although_its_sidecar_drains_only_once_a_second(run_ranks):
+    [r] = run_ranks(busy_job_under_a_long_drain_interval, 1)
+    assert r == {"dropped": 0, "completed": 20_000}  # the ring woke its reader each quarter it filled
 
 
 def test_overwritten_records_are_counted_exactly():
