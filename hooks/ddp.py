@@ -96,8 +96,9 @@ def wrap(hook: Callable | None = None) -> Callable:
         issuing = recorder.set_issuing(True)  # PyTorch's own hooks step aside
         seq_source = flight.group.seq_source
         seq_before = seq_source() if seq_source is not None else None
-        try:
-            future = inner(state, bucket)
+        try:  # PyTorch's own hook, ours, writes END in the callback that hands DDP the bucket: one Python call on
+            # the backend's thread per bucket, not two
+            future = inner(state, bucket) if inner is not allreduce_hook else allreduce_hook(state, bucket, flight)
         except BaseException as error:
             flight.failed(error)
             raise
@@ -114,7 +115,7 @@ def wrap(hook: Callable | None = None) -> Callable:
             return future
         if flight.gpu is not None:  # a bucket on a CUDA device completes when the GPU has reduced it
             flight.gpu_end(future)
-        else:
+        elif inner is not allreduce_hook:
             when_done(future, flight._future_done)
         return future
 
@@ -122,12 +123,20 @@ def wrap(hook: Callable | None = None) -> Callable:
     return recorded
 
 
-def allreduce_hook(process_group: Any, bucket: Any) -> torch.futures.Future:
+def allreduce_hook(process_group: Any, bucket: Any, flight: recorder.InFlight | None = None) -> torch.futures.Future:
     """PyTorch's ``allreduce_hook`` — the bucket divided by the group's size, then all-reduced — with
-    its callback, which runs on the backend's thread, followed so that the process waits for it at exit."""
+    its callback, which runs on the backend's thread, followed so that the process waits for it at exit;
+    that callback completes ``flight`` first (on a CPU), when one is given."""
     group = process_group if process_group is not None else dist.group.WORLD
     tensor = bucket.buffer().div_(group.size())
-    return then(dist.all_reduce(tensor, group=group, async_op=True).get_future(), lambda done: done.value()[0])
+    future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+    if flight is None or flight.gpu is not None:
+        return then(future, lambda done: done.value()[0])
+
+    def reduced(done: Any) -> torch.Tensor:
+        flight._future_done(done)
+        return done.value()[0]
+    return then(future, reduced)
 
 
 def _process_group(state: Any) -> Any:
