@@ -130,6 +130,11 @@ def _workload(step, iterations: int) -> float:
     return statistics.median(_slice_s(step, max(1, iterations // 5)) for _ in range(5))
 
 
+def _iterations_run(iterations: int) -> int:
+    """Iterations ``_workload(step, iterations)`` runs, warm-up included."""
+    return max(3, iterations // 10) + 5 * max(1, iterations // 5)
+
+
 def _check_cost_s(check, step, iterations: int) -> float:
     """Seconds the NaN/Inf check adds per iteration, within one trial: slices with it and without it
     alternate, in the order ABBA (every rank toggles its own at the same collective), median minus
@@ -146,15 +151,23 @@ def _check_cost_s(check, step, iterations: int) -> float:
     return statistics.median(checked) - statistics.median(unchecked)
 
 
-def _cpu_s(stat: str) -> float:
-    """User + system CPU seconds from a ``/proc/.../stat`` file."""
-    with open(stat) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _task_cpu_s(task: str) -> float:
+    """Seconds a thread has run on a CPU, to the ns (``/proc/<pid>/task/<tid>/schedstat``; the
+    ``stat`` file's ticks are 10 ms); 0 for a thread that has ended."""
+    try:
+        with open(f"{task}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except FileNotFoundError:
+        return 0.0
 
 
 def _thread_cpu_s(native_id: int) -> float:
-    return _cpu_s(f"/proc/self/task/{native_id}/stat")
+    return _task_cpu_s(f"/proc/self/task/{native_id}")
+
+
+def _process_cpu_s(pid: int) -> float:
+    """Seconds the threads of process ``pid`` alive now have run."""
+    return sum(_task_cpu_s(f"/proc/{pid}/task/{tid}") for tid in os.listdir(f"/proc/{pid}/task"))
 
 
 def _trial(rank: int, world_size: int, port: int, workload: str, iterations: int, settings: dict | None,
@@ -172,10 +185,11 @@ def _trial(rank: int, world_size: int, port: int, workload: str, iterations: int
         os.environ.update(settings)
         agent = commlens.agent.start()
     main_thread, group = threading.main_thread().native_id, dist.distributed_c10d._get_default_group()
-    before = {t.native_id: _thread_cpu_s(t.native_id) for t in threading.enumerate()}
-    first_seq = group._get_sequence_number_for_group()
     step = _step(workload, busy_us)
+    before = {t.native_id: _thread_cpu_s(t.native_id) for t in threading.enumerate()}
+    first_seq, process_before = group._get_sequence_number_for_group(), time.process_time()
     seconds = _workload(step, iterations)
+    process_cpu_s = time.process_time() - process_before  # every thread of this rank, warm-up included
     collectives = group._get_sequence_number_for_group() - first_seq  # warm-up included, as in the CPU figures
     threads = {t.native_id: t.name for t in threading.enumerate()}
     spent = {name: _thread_cpu_s(tid) - before.get(tid, 0.0) for tid, name in threads.items()}
@@ -197,8 +211,8 @@ def _trial(rank: int, world_size: int, port: int, workload: str, iterations: int
         commlens.agent.stop()
     if rank == 0:
         out["result"] = {"seconds": seconds, "collectives": collectives, "training_cpu_s": training,
-                         "commlens_cpu_s": commlens_threads, "sum_s": sum_s,
-                         "check_s": check_s}
+                         "commlens_cpu_s": commlens_threads, "process_cpu_s": process_cpu_s,
+                         "iterations": _iterations_run(iterations), "sum_s": sum_s, "check_s": check_s}
     dist.destroy_process_group()
 
 
@@ -218,7 +232,7 @@ def trial(workload: str, config: str, iterations: int, world_size: int = 2) -> d
                                         "--metrics-port", "0", "--trace-file", os.path.join(folder, "pod.jsonl")],
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             assert sidecar.stdout.readline().startswith("commlens sidecar:")  # started: from here its CPU counts
-            sidecar_started_s = _cpu_s(f"/proc/{sidecar.pid}/stat")
+            sidecar_started_s = _process_cpu_s(sidecar.pid)
         try:
             with mp.Manager() as manager:
                 out = manager.dict()
@@ -226,7 +240,7 @@ def trial(workload: str, config: str, iterations: int, world_size: int = 2) -> d
                                    args=(world_size, free_port(), workload, iterations, settings, out, busy_us))
                 result = dict(out["result"])
             if sidecar is not None:
-                result["sidecar_cpu_s"] = _cpu_s(f"/proc/{sidecar.pid}/stat") - sidecar_started_s
+                result["sidecar_cpu_s"] = _process_cpu_s(sidecar.pid) - sidecar_started_s
         finally:
             if sidecar is not None:
                 sidecar.terminate()
@@ -274,6 +288,18 @@ def main() -> int:
             print(f"{workload:<20}NaN check: +{check * 1e6:.1f} µs per collective "
                   f"({min(checks) * 1e6:.1f} - {max(checks) * 1e6:.1f}); one torch.sum over the payload: "
                   f"{one_sum * 1e6:.1f} µs; ratio {check / one_sum:.2f} (goal <= 1.2)")
+    print("\nCPU per iteration in the timed trials: rank 0's process (every thread) over the no-commlens trial of "
+          "the same repeat, in µs and as a ratio, and commlens' own threads, in µs; medians")
+    print(f"{'workload':<20}{'config':<14}{'process over none':>18}{'ratio min - median - max':>26}{'commlens threads':>18}")
+    for workload in args.workloads:
+        baseline = results[(workload, "none")]
+        for config in list(CONFIGS)[1:]:
+            runs = results[(workload, config)]
+            per = [(run["process_cpu_s"] / run["iterations"], base["process_cpu_s"] / base["iterations"])
+                   for run, base in zip(runs, baseline)]
+            over = statistics.median(on - off for on, off in per) * 1e6
+            threads = statistics.median(run["commlens_cpu_s"] / run["iterations"] for run in runs) * 1e6
+            print(f"{workload:<20}{config:<14}{over:>18.1f}{_spread([on / off for on, off in per]):>26}{threads:>18.1f}")
     print(f"\nCPU per collective, µs: one rank, {collectives:,} all_reduces of 4 KiB per configuration, "
           f"medians of {len(cpu['none'])} interleaved jobs (total: their sum)")
     print(f"{'config':<16}{'commlens threads':>18}{'+training thread':>18}{'pod sidecar':>13}{'total':>8}")

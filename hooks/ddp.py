@@ -68,37 +68,29 @@ def nested_collective(tensors: tuple, output_tensors: tuple) -> bool:
 
 
 def wrap(hook: Callable | None = None) -> Callable:
-    """``hook`` (default: ``allreduce_hook``) recording every bucket it reduces."""
-    inner = allreduce_hook if hook is None else hook
-    if getattr(inner, "_commlens_wrapped", False):
-        return inner
-    if not callable(inner):
-        raise TypeError(f"wrap() takes a DDP communication hook hook(state, bucket) -> Future; got {inner!r}")
+    """``hook`` (default: ``allreduce_hook``, recorded by ``recorded_allreduce``) recording every bucket
+    it reduces."""
+    if hook is None:
+        return recorded_allreduce
+    if getattr(hook, "_commlens_wrapped", False):
+        return hook
+    if not callable(hook):
+        raise TypeError(f"wrap() takes a DDP communication hook hook(state, bucket) -> Future; got {hook!r}")
 
-    @functools.wraps(inner)
+    @functools.wraps(hook)
     def recorded(state: Any, bucket: Any):
-        buffer = bucket.buffer()
-        info = DdpBucket(bucket.index(), len(bucket.parameters()), bucket.is_last(),
-                         buffer.numel() * buffer.element_size())
-        try:
-            group = groups.group_of(_process_group(state))
-        except Exception as error:  # commlens could not record it: the bucket goes on unrecorded
-            recorder.internal_error("ddp bucket", error)
-            return inner(state, bucket)
-        tensors = (buffer,)
-        flight = recorder.start(OpName.all_reduce, group, tensors, tensors, True, None, None, bucket=info)
+        flight = _start(state, bucket)
         if flight is None:
-            return inner(state, bucket)
+            return hook(state, bucket)
         global active
         with _active_lock:
             active += 1
-        _scope.bucket = info
+        _scope.bucket = flight.bucket
         issuing = recorder.set_issuing(True)  # PyTorch's own hooks step aside
         seq_source = flight.group.seq_source
         seq_before = seq_source() if seq_source is not None else None
-        try:  # PyTorch's own hook, ours, writes END in the callback that hands DDP the bucket: one Python call on
-            # the backend's thread per bucket, not two
-            future = inner(state, bucket) if inner is not allreduce_hook else allreduce_hook(state, bucket, flight)
+        try:
+            future = hook(state, bucket)
         except BaseException as error:
             flight.failed(error)
             raise
@@ -115,7 +107,7 @@ def wrap(hook: Callable | None = None) -> Callable:
             return future
         if flight.gpu is not None:  # a bucket on a CUDA device completes when the GPU has reduced it
             flight.gpu_end(future)
-        elif inner is not allreduce_hook:
+        else:
             when_done(future, flight._future_done)
         return future
 
@@ -123,14 +115,56 @@ def wrap(hook: Callable | None = None) -> Callable:
     return recorded
 
 
+def recorded_allreduce(state: Any, bucket: Any):
+    """``allreduce_hook`` recording its bucket: what a hookless model runs under ``instrument()``. It
+    issues torch's own all_reduce (the bucket's collective is this record), asks c10d for nothing more
+    (each call lets go of the GIL, which gloo's thread, running a callback, may then hold), and on a
+    CPU writes END in the one callback that hands DDP its bucket."""
+    flight = _start(state, bucket)
+    if flight is None:
+        return allreduce_hook(state, bucket)
+    issuing = recorder.set_issuing(True)  # PyTorch's own hooks step aside
+    try:
+        future = allreduce_hook(state, bucket, flight)
+    except BaseException as error:
+        flight.failed(error)
+        raise
+    finally:
+        recorder.set_issuing(issuing)
+    if flight.gpu is not None:  # a bucket on a CUDA device completes when the GPU has reduced it
+        flight.gpu_end(future)
+    return future
+
+
+recorded_allreduce._commlens_wrapped = True
+
+
+def _start(state: Any, bucket: Any) -> recorder.InFlight | None:
+    """START of a bucket's all_reduce, its pre-hooks run; None: it goes on unrecorded."""
+    buffer = bucket.buffer()
+    info = DdpBucket(bucket.index(), len(bucket.parameters()), bucket.is_last(), buffer.numel() * buffer.element_size())
+    try:
+        group = groups.group_of(_process_group(state))
+    except Exception as error:  # commlens could not record it: the bucket goes on unrecorded
+        recorder.internal_error("ddp bucket", error)
+        return None
+    tensors = (buffer,)
+    return recorder.start(OpName.all_reduce, group, tensors, tensors, True, None, None, bucket=info)
+
+
 def allreduce_hook(process_group: Any, bucket: Any, flight: recorder.InFlight | None = None) -> torch.futures.Future:
     """PyTorch's ``allreduce_hook`` — the bucket divided by the group's size, then all-reduced — with
-    its callback, which runs on the backend's thread, followed so that the process waits for it at exit;
-    that callback completes ``flight`` first (on a CPU), when one is given."""
+    its callback, which runs on the backend's thread, followed so that the process waits for it at exit.
+    With ``flight`` (``recorded_allreduce``) it issues torch's all_reduce, not our wrapper, and on a CPU
+    that callback completes ``flight`` first."""
     group = process_group if process_group is not None else dist.group.WORLD
     tensor = bucket.buffer().div_(group.size())
-    future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
-    if flight is None or flight.gpu is not None:
+    if flight is None:
+        return then(dist.all_reduce(tensor, group=group, async_op=True).get_future(), lambda done: done.value()[0])
+    flight.bucket.wire_bytes = flight.bucket.nbytes
+    all_reduce = getattr(dist.all_reduce, "__wrapped__", dist.all_reduce)
+    future = all_reduce(tensor, group=group, async_op=True).get_future()
+    if flight.gpu is not None:
         return then(future, lambda done: done.value()[0])
 
     def reduced(done: Any) -> torch.Tensor:
