@@ -19,6 +19,9 @@ cost, to show what that much work on the training thread costs it there. The NaN
 each default trial of an all_reduce (slices with and without it, alternated), beside one ``torch.sum``
 over the same payload, its goal's yardstick (issue 19: at most 1.2x that).
 
+Last, what the agent costs a job between collectives: the CPU its threads use per second in a
+one-rank job that issues none (``--idle-s``).
+
 Configurations: ``none``; ``none-again`` (a second job without commlens, paired like the others:
 its ratio, and its CPU over ``none``, are this machine's noise, the resolution of every other row);
 ``default`` (``commlens.agent.start()``: NaN/Inf check, span budget, spans to
@@ -218,6 +221,29 @@ def _trial(rank: int, world_size: int, port: int, workload: str, iterations: int
     dist.destroy_process_group()
 
 
+def _idle(rank: int, port: int, seconds: float, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                      COMMLENS_METRICS_PORT="0", COMMLENS_TRACE_FILE=os.devnull)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    import commlens.agent
+
+    commlens.agent.start()
+    threads = [t.native_id for t in threading.enumerate() if t.name.startswith("commlens")]
+    before = sum(_thread_cpu_s(tid) for tid in threads)
+    time.sleep(seconds)  # what is measured: the agent's threads while the job issues no collective
+    out["idle_cpu_s"] = (sum(_thread_cpu_s(tid) for tid in threads) - before) / seconds
+    commlens.agent.stop()
+    dist.destroy_process_group()
+
+
+def idle_cpu_s(seconds: float) -> float:
+    """CPU seconds per second that commlens' threads use in a job that issues no collective."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.start_processes(_idle, nprocs=1, start_method="spawn", args=(free_port(), seconds, out))
+        return out["idle_cpu_s"]
+
+
 def trial(workload: str, config: str, iterations: int, world_size: int = 2) -> dict:
     """One fresh gloo job of ``workload`` under ``config`` (or the ``YARDSTICK``); rank 0's figures."""
     busy_us = YARDSTICK_US if config == YARDSTICK else 0.0
@@ -263,6 +289,7 @@ def main() -> int:
     parser.add_argument("--cpu-collectives", type=int, default=100_000,
                         help="all_reduces of 4 KiB a one-rank job runs per configuration for the CPU figures")
     parser.add_argument("--cpu-repeats", type=int, default=3, help="one-rank jobs per configuration for the CPU figures")
+    parser.add_argument("--idle-s", type=float, default=10.0, help="seconds the idle job runs")
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
     results: dict[tuple[str, str], list[dict]] = {}
@@ -311,6 +338,9 @@ def main() -> int:
                                   for run, base in zip(runs, cpu["none"]))
         sidecar = statistics.median(run.get("sidecar_cpu_s", 0.0) / run["collectives"] * 1e6 for run in runs)
         print(f"{config:<16}{threads:>18.1f}{extra:>18.1f}{sidecar:>13.1f}{threads + extra + sidecar:>8.1f}")
+    idle_s = 1.0 if args.quick else args.idle_s
+    print(f"\nIdle: commlens' threads use {idle_cpu_s(idle_s) * 1e3:.2f} ms of CPU a second in a job that issues no "
+          f"collective (defaults, {idle_s:g} s)")
     return 0
 
 
