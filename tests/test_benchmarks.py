@@ -14,7 +14,7 @@ def test_the_agent_cost_benchmark_measures_every_configuration_on_every_workload
 
     done = subprocess.run([sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    ratio_table, cpu_table = done.stdout.split("\n\n")
+    ratio_table, iteration_table, cpu_table, idle = done.stdout.split("\n\n")
     lines = ratio_table.splitlines()[1:]
     rows = {}
     for row in (line.split() for line in lines if "NaN check" not in line):
@@ -31,6 +31,13 @@ def test_the_agent_cost_benchmark_measures_every_configuration_on_every_workload
     for config in (YARDSTICK, "none-again"):  # no commlens in them
         assert cpu[config][0] == cpu[config][2] == 0.0, cpu
     assert all(abs(row[0] + row[1] + row[2] - row[3]) < 0.15 for row in cpu.values()), cpu
+    # CPU per iteration of the timed trials: over none (µs), the ratio's min - median - max, commlens' threads
+    per_iteration = {(" ".join(row[:-8]), row[-8]): row[-7:] for row in
+                     (line.split() for line in iteration_table.splitlines()[2:])}
+    assert set(per_iteration) == {(w, c) for w in WORKLOADS for c in CONFIGS if c != "none"}, sorted(per_iteration)
+    assert all(float(row[-1]) == 0.0 for (_, config), row in per_iteration.items() if config == "none-again")
+    assert all(float(row[1]) > 0 and float(row[-1]) >= 0 for row in per_iteration.values())  # min ratio, threads
+    assert float(idle.split("use ")[1].split(" ms")[0]) > 0  # the sidecar thread wakes twice a second at least
 
 
 def test_the_drain_benchmark_times_both_drain_sizes_on_cpu_and_gpu_with_and_without_the_span_budget():
