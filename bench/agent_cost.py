@@ -91,7 +91,7 @@ def _busy(us: float):
     return busy
 
 
-def _step(name: str, busy_us: float = 0.0):
+def workload_step(name: str, busy_us: float = 0.0):
     """One iteration of workload ``name``, as a function; an all_reduce preceded by ``busy_us`` of Python."""
     elements, _ = WORKLOADS[name]
     if elements is not None:  # zeros: a summed payload of ones would double each time, and be Inf
@@ -190,7 +190,7 @@ def _trial(rank: int, world_size: int, port: int, workload: str, iterations: int
         os.environ.update(settings)
         agent = commlens.agent.start()
     main_thread, group = threading.main_thread().native_id, dist.distributed_c10d._get_default_group()
-    step = _step(workload, busy_us)
+    step = workload_step(workload, busy_us)
     before = {t.native_id: _thread_cpu_s(t.native_id) for t in threading.enumerate()}
     first_seq, process_before = group._get_sequence_number_for_group(), time.process_time()
     seconds = _workload(step, iterations)

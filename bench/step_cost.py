@@ -1,13 +1,16 @@
-"""The whole agent's cost on a DDP training step, against no commlens, paired in one run.
+"""The whole agent's cost on a training step, against no commlens, in one job: wall time and CPU.
 
-Two gloo ranks train a DDP model (3 x Linear(1024), batch 64) in rounds that alternate between no
-commlens and ``commlens.agent.start()`` at its defaults (NaN/Inf check on, span budget, metrics at
-the default detail level, spans to the embedded file sink); every round builds a fresh DDP model,
-warms it up, then times ``--steps`` steps. Each commlens round is paired with the no-commlens round
-before it; the ratios' min - median - max are printed, with the medians of the step times, and the
-spans a rank wrote per second at the default span budget against the collectives it ran.
+Two gloo ranks train one model (DDP or FSDP2 of 3 x Linear(1024), batch 64: ``agent_cost.py``'s
+steps) in rounds that alternate no commlens and ``commlens.agent.start()`` under one configuration,
+in the order ABBA, so that neither side is always first; each round times ``--steps`` steps after a
+warm-up, and each commlens round is paired with the no-commlens round beside it. One job for all the
+rounds takes out what makes two fresh jobs differ here by up to 20 % (where the scheduler puts each
+rank's and gloo's threads), so a ratio of a few per mille can be told from none: the ``none-again``
+configuration (no commlens in either round) is that resolution. Per configuration: rank 0's step
+time without commlens, and the paired ratios' min - median - max of its wall time and of the CPU its
+process used (every thread, ``time.process_time``).
 
-    python bench/step_cost.py --rounds 8 --steps 60
+    python bench/step_cost.py --rounds 16 --steps 30
 """
 
 from __future__ import annotations
@@ -15,73 +18,87 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel as DDP
 
+from agent_cost import workload_step
 from commlens.agent.demo import free_port
 
-
-def _round(steps: int) -> float:
-    torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(3)]))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(64, 1024)
-    for step in range(steps + 5):  # 5 warm-up steps
-        if step == 5:
-            dist.barrier()
-            start = time.perf_counter()
-        optimizer.zero_grad()
-        model(x).pow(2).mean().backward()
-        optimizer.step()
-    return (time.perf_counter() - start) / steps
+CONFIGS = {
+    "none-again": None,  # no commlens in either round: the pairing's own noise
+    "default": {},
+    "no-nan-check": {"COMMLENS_NAN_CHECK": "off"},
+    "every-span": {"OTEL_TRACES_SAMPLER": "always_on"},
+}
 
 
-def _rank(rank: int, port: int, rounds: int, steps: int, out: dict) -> None:
+def _round(step, steps: int) -> tuple[float, float]:
+    """(wall, process CPU) seconds per step over ``steps`` steps, after 3 to warm up."""
+    for _ in range(3):
+        step()
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
+
+
+def _rank(rank: int, port: int, workload: str, rounds: int, steps: int, configs: list[str], out: dict) -> None:
     import commlens.agent
     from commlens.agent import Config
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    step = workload_step(workload)
+    times = {config: {"off": [], "on": []} for config in configs}
     with tempfile.TemporaryDirectory(prefix="commlens-step-cost-") as folder:
-        times = {"off": [], "on": [], "spans_per_s": [], "collectives_per_s": []}
-        for _ in range(rounds):
-            times["off"].append(_round(steps))
-            started = time.perf_counter()
-            agent = commlens.agent.start(Config.from_env({
-                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "COMMLENS_METRICS_PORT": "0",
-                "COMMLENS_TRACE_FILE": os.path.join(folder, "t-{rank}.jsonl")}))
-            times["on"].append(_round(steps))
-            seconds = time.perf_counter() - started
-            commlens.agent.stop()
-            times["spans_per_s"].append(agent.spans.counts["exported"] / seconds)
-            times["collectives_per_s"].append(sum(agent.spans.counts.values()) / seconds)
-    out[rank] = times
+        for config in configs:
+            for n in range(rounds):
+                for on in (False, True) if n % 2 == 0 else (True, False):
+                    agent = on and CONFIGS[config] is not None
+                    if agent:
+                        commlens.agent.start(Config.from_env({
+                            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "COMMLENS_METRICS_PORT": "0",
+                            "COMMLENS_TRACE_FILE": os.path.join(folder, "t-{rank}.jsonl"), **CONFIGS[config]}))
+                    times[config]["on" if on else "off"].append(_round(step, steps))
+                    if agent:
+                        commlens.agent.stop()
+    if rank == 0:
+        out["times"] = times
     dist.destroy_process_group()
 
 
-def main() -> None:
+def _spread(values: list[float]) -> str:
+    values = sorted(values)
+    return f"{values[0]:.3f} - {statistics.median(values):.3f} - {values[-1]:.3f}"
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--workload", choices=("DDP step", "FSDP2 step"), default="DDP step")
+    parser.add_argument("--rounds", type=int, default=16, help="ABBA pairs of rounds per configuration")
+    parser.add_argument("--steps", type=int, default=30, help="steps timed per round")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     args = parser.parse_args()
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.start_processes(_rank, args=(free_port(), args.rounds, args.steps, out), nprocs=2, start_method="spawn")
-        times = out[0]
-    ratios = sorted(on / off for off, on in zip(times["off"], times["on"]))
-    print(f"DDP step, 2 gloo ranks, {args.rounds} paired rounds of {args.steps} steps (rank 0):")
-    print(f"  no commlens: median {statistics.median(times['off']) * 1e3:.2f} ms")
-    print(f"  commlens defaults: median {statistics.median(times['on']) * 1e3:.2f} ms")
-    print(f"  ratio (paired): {ratios[0]:.3f} - {statistics.median(ratios):.3f} - {ratios[-1]:.3f} (min - median - max)")
-    print(f"  spans written per second per rank: median {statistics.median(times['spans_per_s']):.0f}, of "
-          f"{statistics.median(times['collectives_per_s']):.0f} collectives per second")
+        mp.start_processes(_rank, args=(free_port(), args.workload, args.rounds, args.steps, args.configs, out),
+                           nprocs=2, start_method="spawn")
+        times = out["times"]
+    print(f"{args.workload}, 2 gloo ranks, {args.rounds} paired rounds of {args.steps} steps per configuration (rank 0)")
+    print(f"{'config':<14}{'step without':>14}{'wall ratio min - median - max':>32}{'CPU ratio min - median - max':>31}")
+    for config, t in times.items():
+        wall = [on[0] / off[0] for off, on in zip(t["off"], t["on"])]
+        cpu = [on[1] / off[1] for off, on in zip(t["off"], t["on"])]
+        print(f"{config:<14}{statistics.median(w for w, _ in t['off']) * 1e3:>11.2f} ms{_spread(wall):>32}{_spread(cpu):>31}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

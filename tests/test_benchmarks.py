@@ -74,3 +74,19 @@ def test_the_hot_path_loop_benchmark_pairs_every_configuration_with_no_commlens_
     assert list(rows) == list(CONFIGS), rows
     assert float(rows["none"][0]) == float(rows["none"][4]) == 0.0  # each none slice paired with itself
     assert all(float(row[-1]) > 0 for row in rows.values()), rows  # none's own wall time per collective
+
+
+def test_the_step_benchmark_pairs_each_configuration_with_no_commlens_in_one_job():
+    sys.path.insert(0, str(BENCH.parent))
+    from step_cost import CONFIGS
+
+    done = subprocess.run([sys.executable, str(BENCH.parent / "step_cost.py"), "--rounds", "2", "--steps", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # config, step time without commlens ("N ms"), wall and CPU ratios as "min - median - max"
+    rows = {row[0]: [float(row[i]) for i in (1, 3, 5, 7, 8, 10, 12)]
+            for row in (line.split() for line in done.stdout.splitlines()[2:])}
+    assert list(rows) == list(CONFIGS), rows
+    for step_ms, *ratios in rows.values():
+        assert step_ms > 0 and all(r > 0 for r in ratios)
+        assert ratios[:3] == sorted(ratios[:3]) and ratios[3:] == sorted(ratios[3:])
