@@ -13,9 +13,8 @@ Example::
     model.register_comm_hook(None, commlens.hooks.ddp.wrap(default_hooks.fp16_compress_hook))
 
 With ``instrument()`` on, a hook a user registers is wrapped the same way, and a DDP model that
-registers none has its buckets reduced by ``allreduce_hook`` (PyTorch's, with its callback followed
-to the end: ``futures.then``), wrapped, from its first
-forward. Transparently: DDP validates the user's hook itself and raises its own errors; the model
+registers none has its buckets reduced by ``recorded_allreduce`` from its first forward: PyTorch's
+``allreduce_hook`` (its callback followed to the end: ``futures.then``), which writes END in that callback. Transparently: DDP validates the user's hook itself and raises its own errors; the model
 keeps the user's hook object (``_comm_hooks``, logging data), so it pickles and copies as without
 commlens; a hookless model's wrapped default goes to its reducer only, which is never pickled; a
 built-in C++ hook (``_register_builtin_comm_hook``) is left alone, its buckets unrecorded.
