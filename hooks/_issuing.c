@@ -1,6 +1,7 @@
 /* The thread's issuing flag: true while one of commlens' wrappers issues a collective it records, so
  * that PyTorch's own process-group hooks step aside (native.py). In C so that the C++ forwarder of
- * those hooks (_pg_hooks.cpp) reads it without the GIL, through the capsule ``now``.
+ * those hooks (_pg_hooks.cpp) reads it without the GIL, through the capsule ``now``, and the C++ DDP
+ * hook (_ddp_hook.cpp) sets it through ``set``.
  *
  *     was = set_issuing(True)   # -> the flag before
  *     issuing()                 # -> True on this thread
@@ -13,15 +14,19 @@ static _Thread_local int flag;
 
 static int now(void) { return flag; }
 
+static int set(int on) {
+    int was = flag;
+    flag = on;
+    return was;
+}
+
 static PyObject *issuing(PyObject *module, PyObject *unused) { return PyBool_FromLong(flag); }
 
 static PyObject *set_issuing(PyObject *module, PyObject *value) {
     int on = PyObject_IsTrue(value);
     if (on < 0)
         return NULL;
-    int was = flag;
-    flag = on;
-    return PyBool_FromLong(was);
+    return PyBool_FromLong(set(on));
 }
 
 static PyMethodDef methods[] = {
@@ -38,6 +43,12 @@ PyMODINIT_FUNC PyInit__issuing(void) {
         return NULL;
     PyObject *capsule = PyCapsule_New((void *)now, "commlens.hooks._issuing.now", NULL);
     if (capsule == NULL || PyModule_AddObject(m, "now", capsule) < 0) {
+        Py_XDECREF(capsule);
+        Py_DECREF(m);
+        return NULL;
+    }
+    capsule = PyCapsule_New((void *)set, "commlens.hooks._issuing.set", NULL);
+    if (capsule == NULL || PyModule_AddObject(m, "set", capsule) < 0) {
         Py_XDECREF(capsule);
         Py_DECREF(m);
         return NULL;

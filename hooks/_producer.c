@@ -12,6 +12,7 @@
  * It never waits, takes no lock and allocates nothing but the returned int. With ``wake_fd`` set (a
  * non-blocking pipe's write end, -1 by default), each quarter of the ring it claims also writes one
  * byte there: the reader's signal to drain before the ring laps (ring.py, ``Ring.wake_reader``).
+ * The capsule ``write_record`` is the same write for C++ callers, without the GIL (_ddp_hook.cpp).
  * fold_run (below) groups the collectives a reader copied whole.
  */
 #define PY_SSIZE_T_CLEAN
@@ -90,37 +91,15 @@ static void producer_dealloc(Producer *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyObject *producer_write(Producer *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (self->claim == NULL) {
-        PyErr_SetString(PyExc_ValueError, "write() on a Producer that was not initialised: create it as "
-                        "Producer(buffer, slots, claim_offset, records_offset)");
-        return NULL;
-    }
-    if (nargs < 10 || nargs > 12) {
-        PyErr_Format(PyExc_TypeError, "write() takes 10 to 12 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    unsigned long long v[12] = {0};
-    for (Py_ssize_t i = 0; i < nargs; i++) {
-        if (i == 8) {  /* peer is signed */
-            long long peer = PyLong_AsLongLong(args[i]);
-            if (peer == -1 && PyErr_Occurred())
-                return NULL;
-            v[i] = (unsigned long long)peer;
-        } else {
-            v[i] = PyLong_AsUnsignedLongLong(args[i]);
-            if (v[i] == (unsigned long long)-1 && PyErr_Occurred())
-                return NULL;
-        }
-    }
-    uint64_t t_ns;
-    if (nargs == 12) {
-        t_ns = v[11];
-    } else {
-        struct timespec now;
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        t_ns = (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec;
-    }
+static uint64_t now_ns(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec;
+}
+
+/* One record claimed, written and published: v = kind, op, flags, pg, op_id, seq, nbytes, sig, peer,
+ * aux, where. */
+static void put(Producer *self, const unsigned long long *v, uint64_t t_ns) {
     uint64_t index = __atomic_fetch_add(self->claim, 1, __ATOMIC_RELAXED);
     record_t *slot = (record_t *)(self->records + (index & self->mask) * RECORD_SIZE);
     record_t r = {0};
@@ -149,6 +128,41 @@ static PyObject *producer_write(Producer *self, PyObject *const *args, Py_ssize_
         char byte = 1;  /* a full pipe already holds a wake-up: nothing is lost by a failed write */
         (void)!write(self->wake_fd, &byte, 1);
     }
+}
+
+/* write() for C and C++ callers through the capsule ``write_record``, without the GIL: v as for put(),
+ * timestamped now; returns the timestamp. The caller keeps ``producer`` alive (an initialised Producer). */
+static uint64_t write_record(PyObject *producer, const unsigned long long *v) {
+    uint64_t t_ns = now_ns();
+    put((Producer *)producer, v, t_ns);
+    return t_ns;
+}
+
+static PyObject *producer_write(Producer *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (self->claim == NULL) {
+        PyErr_SetString(PyExc_ValueError, "write() on a Producer that was not initialised: create it as "
+                        "Producer(buffer, slots, claim_offset, records_offset)");
+        return NULL;
+    }
+    if (nargs < 10 || nargs > 12) {
+        PyErr_Format(PyExc_TypeError, "write() takes 10 to 12 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    unsigned long long v[12] = {0};
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        if (i == 8) {  /* peer is signed */
+            long long peer = PyLong_AsLongLong(args[i]);
+            if (peer == -1 && PyErr_Occurred())
+                return NULL;
+            v[i] = (unsigned long long)peer;
+        } else {
+            v[i] = PyLong_AsUnsignedLongLong(args[i]);
+            if (v[i] == (unsigned long long)-1 && PyErr_Occurred())
+                return NULL;
+        }
+    }
+    uint64_t t_ns = nargs == 12 ? v[11] : now_ns();
+    put(self, v, t_ns);
     return PyLong_FromUnsignedLongLong(t_ns);
 }
 
@@ -529,6 +543,12 @@ PyMODINIT_FUNC PyInit__producer(void) {
     Py_INCREF(&ProducerType);
     if (PyModule_AddObject(m, "Producer", (PyObject *)&ProducerType) < 0) {
         Py_DECREF(&ProducerType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *capsule = PyCapsule_New((void *)write_record, "commlens.hooks._producer.write_record", NULL);
+    if (capsule == NULL || PyModule_AddObject(m, "write_record", capsule) < 0) {
+        Py_XDECREF(capsule);
         Py_DECREF(m);
         return NULL;
     }

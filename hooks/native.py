@@ -27,20 +27,14 @@ Example::
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import itertools
-import os
-import shutil
-import tempfile
 import threading
-import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed.distributed_c10d as c10d
 
-from . import _issuing, groups, recorder
+from . import _issuing, extension, groups, recorder
 from .ops import OpName
 from .patch import Patches
 
@@ -157,47 +151,20 @@ def _forward_post(key: int, args: Any) -> None:
         hooks.post(args)
 
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "_pg_hooks.cpp")
 _forwarder: Any = None
-_forwarder_tried = False
 
 
+@functools.cache
 def forwarder() -> Any:
-    """The C++ forwarder (``_pg_hooks.cpp``) for this torch: loaded from the cache, else built into it
-    (about 15 s, once per machine, torch and source); None where it cannot be built, with a warning."""
-    global _forwarder, _forwarder_tried
-    if AVAILABLE and not _forwarder_tried:
-        _forwarder_tried = True
-        try:
-            _forwarder = _load_or_build()
-            _forwarder.init(_issuing.now, _forward_pre, _forward_post)
-        except Exception as error:  # the compiler's whole output is in the error: its first line says which step
-            _forwarder = None
-            reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
-            warnings.warn(f"commlens registers PyTorch's process-group hooks from Python, about 2 µs more per "
-                          f"collective: its C++ forwarder could not be built ({reason}); that needs a C++ "
-                          "compiler and ninja on PATH", RuntimeWarning, stacklevel=2)
+    """The C++ forwarder (``_pg_hooks.cpp``) for this torch, loaded or built on first call; None where
+    it cannot be built, with a warning."""
+    global _forwarder
+    if AVAILABLE:
+        _forwarder = extension.load_or_warn(
+            "_pg_hooks.cpp", "C++ forwarder",
+            "registers PyTorch's process-group hooks from Python, about 2 µs more per collective",
+            lambda module: module.init(_issuing.now, _forward_pre, _forward_post))
     return _forwarder
-
-
-def _load_or_build() -> Any:
-    with open(_SOURCE, "rb") as source:
-        digest = hashlib.sha256(source.read() + torch.__version__.encode() + torch.version.git_version.encode())
-    name = f"commlens_pg_hooks_{digest.hexdigest()[:16]}"
-    cached = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "commlens",
-                          name + ".so")
-    if not os.path.exists(cached):
-        from torch.utils import cpp_extension
-
-        with tempfile.TemporaryDirectory() as build:  # a directory of its own: no lock shared with other ranks
-            cpp_extension.load(name, [_SOURCE], extra_cflags=["-O2"], build_directory=build)
-            os.makedirs(os.path.dirname(cached), exist_ok=True)
-            shutil.copyfile(os.path.join(build, name + ".so"), f"{cached}.{os.getpid()}")
-            os.replace(f"{cached}.{os.getpid()}", cached)  # whole or absent, whichever rank is first
-    spec = importlib.util.spec_from_file_location(name, cached)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 _attached: dict[Any, _GroupHooks] = {}

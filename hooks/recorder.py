@@ -165,19 +165,16 @@ class InFlight(PreHookArgs):
                  gpu_ns: tuple[int, int] | None = None) -> int:
         """Write END (after GPU_START, at the GPU's times ``gpu_ns``), run the abort and post-hooks;
         returns the completion time."""
-        wire = 0 if self.bucket is None else min(self.bucket.wire_bytes, 0xFFFFFFFF)
         write = (_ring or ring()).write
         if gpu_ns is None and self.gpu is not None:  # completed without its GPU events (failed, or functional)
             cuda.tracker().release(self.gpu)
             self.gpu = None
         if gpu_ns is None:
-            end = write(END, self.code, status, self.sid, self.op_id, self.seq, self.nbytes, self.sig, self.wire_peer,
-                        wire)
+            end = write(*self.end_fields(status))
         else:
             write(GPU_START, self.code, 0, self.sid, self.op_id, self.seq, self.nbytes, self.sig, self.wire_peer, 0, 0,
                   gpu_ns[0])
-            end = write(END, self.code, status, self.sid, self.op_id, self.seq, self.nbytes, self.sig, self.wire_peer,
-                        wire, 0, gpu_ns[1])
+            end = write(*self.end_fields(status), 0, gpu_ns[1])
         if error is not None and abort_hooks.entries:
             abort_hooks.call(AbortHookArgs(self, error, STATUS[status]))
         if post_hooks.entries:
@@ -186,6 +183,11 @@ class InFlight(PreHookArgs):
             except Exception as raised:  # only hooks registered with propagate=True get here
                 raise HookRaised(raised) from raised
         return end
+
+    def end_fields(self, status: int) -> tuple:
+        """This op's END for ``Ring.write``, ``kind`` to ``aux`` (a DDP bucket's: the bytes on the wire)."""
+        wire = 0 if self.bucket is None else min(self.bucket.wire_bytes, 0xFFFFFFFF)
+        return END, self.code, status, self.sid, self.op_id, self.seq, self.nbytes, self.sig, self.wire_peer, wire
 
     def gpu_end(self, future: Any) -> None:
         """Complete this op on a CUDA device when the GPU has finished it (``future``: an async op's)."""

@@ -197,14 +197,15 @@ class Ring:
         self._strings_at = _HEADER_SIZE + slots * RECORD.size
         self._string_ids: dict[str, int] = {"": 0}
         self._string_cache: dict[int, str] = {0: ""}
-        self._producer = Producer(mapped, slots, _CLAIM_OFFSET, _HEADER_SIZE)
-        self.write = self._producer.write
+        self.producer = Producer(mapped, slots, _CLAIM_OFFSET, _HEADER_SIZE)
+        """What ``write`` is a method of; C++ writes through it (``_producer.write_record``)."""
+        self.write = self.producer.write
 
     def wake_reader(self) -> Wakeup:
         """(The writer's process) A ``Wakeup`` that this process's producers signal each time they have
         claimed a quarter of the ring: its reader can sleep long and still drain before the ring laps.
         One at a time; ``Wakeup.close()`` detaches it."""
-        return Wakeup(self._producer)
+        return Wakeup(self.producer)
 
     def __del__(self) -> None:
         if getattr(self, "_fd", None) is not None:

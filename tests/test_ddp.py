@@ -1,5 +1,8 @@
 """DDP gradient buckets through the wrapped communication hooks, on 2 gloo ranks."""
 
+import os
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -8,6 +11,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlens.hooks as ch
 from commlens.hooks import ddp
+from commlens.hooks.ops import CODE
+from commlens.hooks.ring import STATUS
 from monitoring import wait_for
 
 
@@ -125,6 +130,78 @@ def nan_in_one_rank(rank, world_size):
 def test_a_nan_in_one_ranks_gradient_is_reported_for_that_rank_before_the_reduce_spreads_it(run_ranks):
     found = run_ranks(nan_in_one_rank, 2)
     assert found[0] == [] and len(found[1]) == 1
+
+
+def hookless_cpu_model(rank, world_size, cache=None):
+    """A hookless model's buckets, recorded by the C++ hook, or (``cache``: a fresh one, and no
+    compiler) by the Python one."""
+    plain = _grads(DDP(_model(layers=4), bucket_cap_mb=0.001), rank)
+    if cache is not None:
+        os.environ["XDG_CACHE_HOME"], os.environ["CXX"] = cache, "false"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ch.instrument()
+    reader = ch.RingReader(ch.ring(), start=ch.ring().claimed())
+    recorded = _grads(DDP(_model(layers=4), bucket_cap_mb=0.001), rank)  # no post-hook: END is written from C
+    records = [r for r in reader.read() if r.kind in (ch.START, ch.END) and r.op == CODE[ch.OpName.all_reduce]]
+    ch.uninstrument()
+    starts = [r for r in records if r.kind == ch.START and r.aux > 0]  # a bucket's START: aux is its index + 1
+    ends = {r.op_id: r for r in records if r.kind == ch.END}
+    return {"plain": plain, "recorded": recorded, "cpp": ddp.cpp_hook() is not None,
+            "warnings": [str(w.message) for w in caught if "DDP" in str(w.message)],
+            "buckets": [(s.seq, s.aux - 1, s.nbytes, ends[s.op_id].seq, ends[s.op_id].flags, ends[s.op_id].aux,
+                         ends[s.op_id].t_ns >= s.t_ns) for s in starts if s.op_id in ends],
+            "unended": [s.op_id for s in starts if s.op_id not in ends]}
+
+
+def _same_buckets_as_plain_ddp(results):
+    params_bytes = sum(p.numel() * 4 for p in _model(layers=4).parameters())
+    for r in results:
+        for got, want in zip(r["recorded"], r["plain"]):
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=0)
+        assert r["unended"] == []
+        # DDP's first backward reduces one bucket; it rebuilds them by size (one per layer here) after
+        assert [index for _, index, *_ in r["buckets"]] == [0, 0, 1, 2, 3]
+        assert sum(nbytes for _, _, nbytes, *_ in r["buckets"]) == 2 * params_bytes
+        for start_seq, _, nbytes, end_seq, status, wire, ordered in r["buckets"]:
+            assert (end_seq, STATUS[status], wire, ordered) == (start_seq, "ok", nbytes, True)
+    assert [b[0] for b in results[0]["buckets"]] == [b[0] for b in results[1]["buckets"]]  # the same (pg, seq)
+
+
+def test_a_hookless_cpu_model_records_each_bucket_from_cpp_with_plain_ddps_gradients(run_ranks):
+    results = run_ranks(hookless_cpu_model, 2)
+    assert [(r["cpp"], r["warnings"]) for r in results] == [(True, [])] * 2
+    _same_buckets_as_plain_ddp(results)
+
+
+def test_without_a_compiler_a_hookless_model_is_recorded_by_the_python_hook_with_a_warning(run_ranks, tmp_path):
+    results = run_ranks(hookless_cpu_model, 2, timeout_s=120, cache=str(tmp_path / "cache"))
+    for r in results:
+        assert not r["cpp"] and len(r["warnings"]) == 1
+        assert "C++ hook could not be built" in r["warnings"][0] and "C++ compiler and ninja" in r["warnings"][0]
+    _same_buckets_as_plain_ddp(results)
+
+
+def refused_bucket(rank, world_size):
+    ch.instrument()
+
+    def refuse(args):
+        if args.bucket is not None:
+            raise ValueError(f"bucket {args.bucket.index} refused")
+
+    handle = ch.register_pre_hook(refuse, propagate=True)
+    try:
+        _grads(DDP(_model()), rank, steps=1)
+    except ValueError as error:
+        return str(error)
+    finally:
+        handle.remove()
+        ch.uninstrument()
+
+
+def test_a_propagating_pre_hooks_error_reaches_backwards_caller_through_the_cpp_hook(run_ranks):
+    assert run_ranks(refused_bucket, 2) == ["bucket 0 refused"] * 2
 
 
 def quantize_errors(rank, world_size):

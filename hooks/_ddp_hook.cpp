@@ -1,0 +1,191 @@
+// DDP's gradient buckets reduced and recorded from C++ (ddp.py, a hookless model on CPU): a
+// communication hook of the shape of DDP's built-in allreduce hook (the bucket divided by the group's
+// size, then all-reduced) that calls Python once per bucket, on the thread that runs backward, to
+// begin its record (pre-hooks, START), and writes END from the reduction's callback on the backend's
+// thread without the GIL, through the ring's producer (_producer.c). Taking the GIL on that thread, as
+// a Python hook's callback does, cost about 50 µs a bucket. A bucket that failed, or whose post-hooks
+// must run, completes in Python. Built against the installed torch on first use (extension.py).
+//
+//     init(issuing_set_capsule, write_record_capsule)
+//     register_hook(reducer, process_group, begin)   // in place of the model's hook (none registered yet)
+//         begin(process_group, buffer, index, parameters, is_last)
+//             -> None (unrecorded) or (finish, flight, producer or None, END's 11 fields)
+//         finish(flight, error message or None)   // with the GIL; when producer is None, or it failed
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <array>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+int (*set_issuing)(int) = nullptr;
+uint64_t (*write_record)(PyObject*, const unsigned long long*) = nullptr;
+
+void* pointer_in(const py::capsule& capsule, const char* name) {
+  void* pointer = PyCapsule_GetPointer(capsule.ptr(), name);
+  if (pointer == nullptr) {
+    throw py::error_already_set();
+  }
+  return pointer;
+}
+
+void init(py::capsule issuing_set, py::capsule write) {
+  set_issuing = reinterpret_cast<int (*)(int)>(pointer_in(issuing_set, "commlens.hooks._issuing.set"));
+  write_record = reinterpret_cast<uint64_t (*)(PyObject*, const unsigned long long*)>(
+      pointer_in(write, "commlens.hooks._producer.write_record"));
+}
+
+// What the hook lets go of only with the GIL, on the thread that runs backward: begin()'s results
+// whose END was written without it, and the works it issued. A work holds Python state (the bucket's
+// tensor, which Python has seen; backward's context): dropped last on gloo's thread, it would take
+// the GIL there, a hand-over per bucket, and abort the process if the interpreter is exiting by then.
+struct Kept {
+  std::mutex lock;
+  std::vector<PyObject*> begun;  // added to by the callbacks, on the backend's thread
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;  // runHook's (one bucket at a time) and the destructor's
+
+  // With the GIL: what nobody else holds any more. ``last``: the rest is never let go of.
+  void release(bool last) {
+    std::vector<PyObject*> written;
+    {
+      std::lock_guard<std::mutex> guard(lock);
+      written.swap(begun);
+    }
+    for (PyObject* object : written) {
+      Py_DECREF(object);
+    }
+    static auto* never = new std::vector<c10::intrusive_ptr<c10d::Work>>();
+    auto held = std::partition(works.begin(), works.end(), [](const auto& work) { return work.use_count() > 1; });
+    if (last) {
+      never->insert(never->end(), works.begin(), held);
+      held = works.begin();
+    }
+    works.erase(held, works.end());
+  }
+};
+
+// One bucket between begin() and END: begin()'s result, owned (it keeps the producer alive).
+struct Bucket {
+  PyObject* begun;
+  PyObject* producer;  // borrowed from begun; nullptr: END is written by finish()
+  std::array<unsigned long long, 11> end;
+};
+
+// finish(flight, error) with the GIL; an error it raises fails the bucket's future.
+void finish(const Bucket& bucket, const std::optional<std::string>& error) {
+  std::optional<std::string> raised;
+  {
+    py::gil_scoped_acquire gil;
+    py::object begun = py::reinterpret_steal<py::object>(bucket.begun);
+    try {
+      begun[py::int_(0)](begun[py::int_(1)], error ? py::cast(*error) : py::none());
+    } catch (py::error_already_set& e) {
+      raised = e.what();
+    }
+  }
+  if (raised) {
+    throw std::runtime_error(*raised);
+  }
+}
+
+class RecordedAllreduce : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>> {
+ public:
+  RecordedAllreduce(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, py::object group, py::object begin)
+      : c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>>(pg),
+        python_(new Python{std::move(group), std::move(begin)}),
+        kept_(std::make_shared<Kept>()) {}
+
+  ~RecordedAllreduce() override {
+    py::gil_scoped_acquire gil;
+    kept_->release(true);
+    python_.reset();
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& grad) override {
+    at::Tensor& buffer = grad.getBufferRef();
+    std::optional<Bucket> bucket;
+    {
+      py::gil_scoped_acquire gil;
+      kept_->release(false);
+      // A pre-hook registered to propagate raises here, through backward, as from a Python hook.
+      py::object begun = python_->begin(python_->group, buffer, grad.getIndex(), grad.getParameters().size(),
+                                        grad.isLast());
+      if (!begun.is_none()) {
+        py::object producer = begun[py::int_(2)];
+        Bucket made{nullptr, producer.is_none() ? nullptr : producer.ptr(), {}};
+        py::tuple fields = begun[py::int_(3)];
+        for (size_t i = 0; i < made.end.size(); i++) {
+          made.end[i] = i == 8 ? static_cast<unsigned long long>(fields[i].cast<long long>())  // peer: signed
+                               : fields[i].cast<unsigned long long>();
+        }
+        made.begun = begun.release().ptr();
+        bucket = made;
+      }
+    }
+    std::vector<at::Tensor> tensors = {buffer};
+    tensors[0] /= state_->getSize();
+    c10::intrusive_ptr<c10d::Work> work;
+    int was = set_issuing(1);  // PyTorch's own process-group hooks step aside (native.py)
+    try {
+      work = state_->allreduce(tensors);
+    } catch (const std::exception& error) {
+      set_issuing(was);
+      if (bucket) {
+        finish(*bucket, std::string(error.what()));
+      }
+      throw;
+    }
+    set_issuing(was);
+    kept_->works.push_back(work);
+    auto reduced = work->getFuture();
+    if (!bucket) {
+      return reduced;
+    }
+    return reduced->then(
+        [bucket = *bucket, kept = kept_](c10::ivalue::Future& done) -> c10::IValue {
+          if (done.hasError()) {
+            finish(bucket, done.tryRetrieveErrorMessage());
+          } else if (bucket.producer == nullptr) {
+            finish(bucket, std::nullopt);
+          } else {
+            write_record(bucket.producer, bucket.end.data());
+            std::lock_guard<std::mutex> guard(kept->lock);
+            kept->begun.push_back(bucket.begun);
+          }
+          return done.value();
+        },
+        reduced->elementType());
+  }
+
+ private:
+  struct Python {
+    py::object group;
+    py::object begin;
+  };
+  std::unique_ptr<Python> python_;  // released with the GIL
+  std::shared_ptr<Kept> kept_;  // shared with the callbacks, which may outlive the hook
+};
+
+void register_hook(py::object reducer, py::object group, py::object begin) {
+  TORCH_CHECK(set_issuing != nullptr, "init() first");
+  auto pg = group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+  reducer.cast<c10d::Reducer&>().register_comm_hook(
+      std::make_unique<RecordedAllreduce>(pg, std::move(group), std::move(begin)));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("init", &init);
+  m.def("register_hook", &register_hook);
+}
