@@ -253,14 +253,13 @@ def run(world_size: int, steps: int, out_dir: str, faults: tuple[Fault, ...] = (
     os.makedirs(out_dir, exist_ok=True)
     environment = environment or demo_environment(out_dir, world_size)
     from commlens.agent.config import Config
-    from commlens.hooks import ddp, native
+    from commlens.hooks import distributed
 
     config = Config.from_env({**os.environ, **environment})  # a bad setting fails here, before any rank starts
     metrics = config.metrics_port or 0
     _handed_out.update(range(metrics, metrics + world_size))  # the store's port is not one the ranks serve on
     store = free_port()
-    native.forwarder()  # the C++ extensions are built here on first use, not by each rank while its peers'
-    ddp.cpp_hook()  # hang clocks run
+    distributed.build_extensions()
     serving = mp.get_context("spawn").Event() if keep_serving else None
     ranks = mp.start_processes(_train, args=(world_size, steps, out_dir, store, faults, serving, environment),
                                nprocs=world_size, start_method="spawn", join=False)

@@ -51,6 +51,9 @@ def run(command: list[str], settings: dict[str, str], sidecar: bool = False) -> 
         if config.otlp_endpoint is None and not env.get("COMMLENS_TRACE_FILE"):
             print(f"commlens run: spans go to {os.path.abspath(config.trace_file)} (set COMMLENS_TRACE_FILE, or "
                   "OTEL_EXPORTER_OTLP_ENDPOINT for a collector)", file=sys.stderr, flush=True)
+        from commlens.hooks import distributed  # torch: imported by the launcher only here
+
+        distributed.build_extensions()
         pod = None
         if sidecar:
             pod_env = {key: value for key, value in env.items() if key != MARKER}

@@ -287,6 +287,14 @@ def instrument() -> None:
             raise
 
 
+def build_extensions() -> None:
+    """Load commlens' C++ extensions for this torch, building them on first use (about 15 s each):
+    before a job's ranks start, which would otherwise each build them while their peers' hang
+    clocks run (``commlens run``, ``commlens demo``)."""
+    native.forwarder()
+    ddp.cpp_hook()
+
+
 def uninstrument() -> None:
     """Restore torch.distributed exactly as it was. Idempotent."""
     with _lock:

@@ -11,15 +11,14 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(__file__))
 
 from commlens.agent.demo import free_port  # noqa: E402
-from commlens.hooks import ddp, native  # noqa: E402
+from commlens.hooks import distributed  # noqa: E402
 
 
 def pytest_sessionstart(session):
     """Build commlens' C++ extensions (the DDP hook; the forwarder of PyTorch's process-group hooks on
     torch >= 2.14) before any job, as ``commlens demo`` does: a job's ranks building them at once would
     skew their hang clocks."""
-    native.forwarder()
-    ddp.cpp_hook()
+    distributed.build_extensions()
 
 
 def _rank_main(rank, fn, world_size, port, result_dir, timeout_s, backend, kwargs):
