@@ -81,7 +81,7 @@ class Agent:
         self.sidecar = Sidecar(ring, config.rank, config.hang_threshold_s, config.slow_factor,
                                on_collective=self.spans.queue, sample=self.spans.sampled,
                                on_hang=lambda _: self.snapshot("hang"), detail=config.metrics_detail,
-                               beside_training=True)
+                               beside_training=True, resume=True)  # an agent started again goes on from the last
         self.sidecar.pollers.append(cuda.poll)
         self.collector = collector = MetricsCollector(self.sidecar.stats, self.sidecar.inflight_by_group,
                                                       lambda: self.sidecar.reader.dropped, lambda: dict(self.spans.counts),

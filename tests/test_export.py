@@ -100,6 +100,26 @@ def test_the_trace_files_json_is_protobufs_own_json_mapping_of_the_spans():
     assert written["resourceSpans"][0]["scopeSpans"][0]["spans"][1]["status"]["code"] == 2  # an error
 
 
+def restarted_agent(rank, world_size, folder):
+    for run, collectives in enumerate((3, 4)):
+        commlens.agent.start(Config.from_env({
+            "RANK": str(rank), "WORLD_SIZE": str(world_size), "COMMLENS_METRICS_PORT": "0",
+            "OTEL_TRACES_SAMPLER": "always_on", "COMMLENS_TRACE_FILE": f"{folder}/run-{run}-{{rank}}.jsonl"}))
+        for _ in range(collectives):
+            dist.all_reduce(torch.ones(8))
+        commlens.agent.stop()
+
+
+def test_an_agent_started_again_in_the_process_exports_only_the_collectives_after_the_last_one(run_ranks, tmp_path):
+    run_ranks(restarted_agent, 2, folder=str(tmp_path))
+    for rank in range(2):
+        seqs = [sorted(int(a["value"]["intValue"]) for line in (tmp_path / f"run-{run}-{rank}.jsonl").read_text().splitlines()
+                       for spans in json.loads(line)["resourceSpans"] for scope in spans["scopeSpans"]
+                       for span in scope["spans"] for a in span["attributes"] if a["key"] == "commlens.seq")
+                for run in range(2)]
+        assert seqs == [[1, 2, 3], [4, 5, 6, 7]]
+
+
 def test_beside_training_the_trace_file_gets_every_span(tmp_path):
     from commlens.exporters.otlp import JsonLinesTransport
 
