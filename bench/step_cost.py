@@ -1,7 +1,8 @@
-"""The whole agent's cost on a training step, against no commlens, in one job: wall time and CPU.
+"""The whole agent's cost on a training step or a collective, against no commlens, in one job: wall
+time and CPU.
 
-Two gloo ranks train one model (DDP or FSDP2 of 3 x Linear(1024), batch 64: ``agent_cost.py``'s
-steps) in rounds that alternate no commlens and ``commlens.agent.start()`` under one configuration,
+Two gloo ranks run one of ``agent_cost.py``'s workloads (a DDP or FSDP2 step of 3 x Linear(1024),
+batch 64; an all_reduce of 4 KiB, 1 MiB or 64 MiB) in rounds that alternate no commlens and ``commlens.agent.start()`` under one configuration,
 in the order ABBA, so that neither side is always first; each round times ``--steps`` steps after a
 warm-up, and each commlens round is paired with the no-commlens round beside it. One job for all the
 rounds takes out what makes two fresh jobs differ here by up to 20 % (where the scheduler puts each
@@ -10,7 +11,8 @@ configuration (no commlens in either round) is that resolution. Per configuratio
 time without commlens, and the paired ratios' min - median - max of its wall time and of the CPU its
 process used (every thread, ``time.process_time``).
 
-    python bench/step_cost.py --rounds 16 --steps 30
+    python bench/step_cost.py --rounds 16
+    python bench/step_cost.py --workload "all_reduce 4 KiB" --rounds 16
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from agent_cost import workload_step
+from agent_cost import WORKLOADS, workload_step
 from commlens.agent.demo import free_port
 
+STEPS = {"all_reduce 4 KiB": 300, "all_reduce 1 MiB": 60, "all_reduce 64 MiB": 4, "DDP step": 30, "FSDP2 step": 20}
+"""Steps timed per round unless ``--steps`` says: about 0.5 s of each workload here."""
 CONFIGS = {
     "none-again": None,  # no commlens in either round: the pairing's own noise
     "default": {},
@@ -81,11 +85,12 @@ def _spread(values: list[float]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workload", choices=("DDP step", "FSDP2 step"), default="DDP step")
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="DDP step")
     parser.add_argument("--rounds", type=int, default=16, help="ABBA pairs of rounds per configuration")
-    parser.add_argument("--steps", type=int, default=30, help="steps timed per round")
+    parser.add_argument("--steps", type=int, help="steps timed per round (default: the workload's in STEPS)")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     args = parser.parse_args()
+    args.steps = args.steps or STEPS[args.workload]
     with mp.Manager() as manager:
         out = manager.dict()
         mp.start_processes(_rank, args=(free_port(), args.workload, args.rounds, args.steps, args.configs, out),

@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench" / "agent_cost.py"
 
 
@@ -76,12 +78,13 @@ def test_the_hot_path_loop_benchmark_pairs_every_configuration_with_no_commlens_
     assert all(float(row[-1]) > 0 for row in rows.values()), rows  # none's own wall time per collective
 
 
-def test_the_step_benchmark_pairs_each_configuration_with_no_commlens_in_one_job():
+@pytest.mark.parametrize("workload", ["DDP step", "all_reduce 4 KiB"])
+def test_the_step_benchmark_pairs_each_configuration_with_no_commlens_in_one_job(workload):
     sys.path.insert(0, str(BENCH.parent))
     from step_cost import CONFIGS
 
-    done = subprocess.run([sys.executable, str(BENCH.parent / "step_cost.py"), "--rounds", "2", "--steps", "2"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(BENCH.parent / "step_cost.py"), "--rounds", "2", "--steps", "2",
+                           "--workload", workload], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     # config, step time without commlens ("N ms"), wall and CPU ratios as "min - median - max"
     rows = {row[0]: [float(row[i]) for i in (1, 3, 5, 7, 8, 10, 12)]
