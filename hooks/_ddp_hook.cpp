@@ -4,11 +4,14 @@
 // begin its record (pre-hooks, START), and writes END from the reduction's callback on the backend's
 // thread without the GIL, through the ring's producer (_producer.c). Taking the GIL on that thread, as
 // a Python hook's callback does, cost about 50 µs a bucket. A bucket that failed, or whose post-hooks
-// must run, completes in Python. Built against the installed torch on first use (extension.py).
+// must run, completes in Python. The division is the pass that also tells whether every element is
+// finite (float32 and float64), so that the NaN check need not make a pass of its own: the pre-hooks
+// see the bucket divided, as the all_reduce gets it. Built against the installed torch on first use
+// (extension.py).
 //
 //     init(issuing_set_capsule, write_record_capsule)
 //     register_hook(reducer, process_group, begin)   // in place of the model's hook (none registered yet)
-//         begin(process_group, buffer, index, parameters, is_last)
+//         begin(process_group, buffer, index, parameters, is_last, finite: True, False or None (not known))
 //             -> None (unrecorded) or (finish, flight, producer or None, END's 11 fields)
 //         finish(flight, error message or None)   // with the GIL; when producer is None, or it failed
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -16,8 +19,12 @@
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -74,6 +81,40 @@ struct Kept {
   }
 };
 
+// ``values`` divided by ``by`` in place, in one pass that also says whether every result is finite.
+template <typename Float, typename Bits>
+bool divided_finite(Float* values, int64_t count, Float by) {
+  constexpr Bits exponent = sizeof(Float) == 4 ? Bits(0x7f800000u) : Bits(0x7ff0000000000000ull);
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, count, 1 << 16, [&](int64_t begin, int64_t end) {
+    Bits not_finite = 0;  // an all-ones exponent: NaN or Inf
+    for (int64_t i = begin; i < end; i++) {
+      Float value = values[i] / by;
+      values[i] = value;
+      Bits bits;
+      std::memcpy(&bits, &value, sizeof bits);
+      not_finite |= static_cast<Bits>((bits & exponent) == exponent);
+    }
+    if (not_finite) {
+      finite.store(false, std::memory_order_relaxed);
+    }
+  });
+  return finite.load();
+}
+
+// The bucket divided by the group's size; whether it is all finite where that pass tells (a
+// contiguous float32 or float64 bucket), else nullopt.
+std::optional<bool> divide(at::Tensor& buffer, int64_t size) {
+  if (buffer.is_contiguous() && buffer.scalar_type() == at::kFloat) {
+    return divided_finite<float, uint32_t>(buffer.data_ptr<float>(), buffer.numel(), static_cast<float>(size));
+  }
+  if (buffer.is_contiguous() && buffer.scalar_type() == at::kDouble) {
+    return divided_finite<double, uint64_t>(buffer.data_ptr<double>(), buffer.numel(), static_cast<double>(size));
+  }
+  buffer.div_(size);
+  return std::nullopt;
+}
+
 // One bucket between begin() and END: begin()'s result, owned (it keeps the producer alive).
 struct Bucket {
   PyObject* begun;
@@ -113,13 +154,14 @@ class RecordedAllreduce : public c10d::CppCommHookInterface<c10::intrusive_ptr<c
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& grad) override {
     at::Tensor& buffer = grad.getBufferRef();
+    std::optional<bool> finite = divide(buffer, state_->getSize());
     std::optional<Bucket> bucket;
     {
       py::gil_scoped_acquire gil;
       kept_->release(false);
       // A pre-hook registered to propagate raises here, through backward, as from a Python hook.
       py::object begun = python_->begin(python_->group, buffer, grad.getIndex(), grad.getParameters().size(),
-                                        grad.isLast());
+                                        grad.isLast(), finite ? py::cast(*finite) : py::none());
       if (!begun.is_none()) {
         py::object producer = begun[py::int_(2)];
         Bucket made{nullptr, producer.is_none() ? nullptr : producer.ptr(), {}};
@@ -133,7 +175,6 @@ class RecordedAllreduce : public c10d::CppCommHookInterface<c10::intrusive_ptr<c
       }
     }
     std::vector<at::Tensor> tensors = {buffer};
-    tensors[0] /= state_->getSize();
     c10::intrusive_ptr<c10d::Work> work;
     int was = set_issuing(1);  // PyTorch's own process-group hooks step aside (native.py)
     try {

@@ -147,7 +147,8 @@ def _start(state: Any, bucket: Any) -> recorder.InFlight | None:
     return _begin(_process_group(state), bucket.buffer(), bucket.index(), len(bucket.parameters()), bucket.is_last())
 
 
-def _begin(pg: Any, buffer: torch.Tensor, index: int, parameters: int, is_last: bool) -> recorder.InFlight | None:
+def _begin(pg: Any, buffer: torch.Tensor, index: int, parameters: int, is_last: bool,
+           finite: bool | None = None) -> recorder.InFlight | None:
     info = DdpBucket(index, parameters, is_last, buffer.numel() * buffer.element_size())
     try:
         group = groups.group_of(pg)
@@ -155,12 +156,15 @@ def _begin(pg: Any, buffer: torch.Tensor, index: int, parameters: int, is_last: 
         recorder.internal_error("ddp bucket", error)
         return None
     tensors = (buffer,)
-    return recorder.start(OpName.all_reduce, group, tensors, tensors, True, None, None, bucket=info)
+    return recorder.start(OpName.all_reduce, group, tensors, tensors, True, None, None, bucket=info,
+                          inputs_finite=finite is True)
 
 
-def _begin_in_cpp(pg: Any, buffer: torch.Tensor, index: int, parameters: int, is_last: bool) -> tuple | None:
-    """``begin`` of the C++ hook: START of a bucket it reduces; what it needs to end it (``_ddp_hook.cpp``)."""
-    flight = _begin(pg, buffer, index, parameters, is_last)
+def _begin_in_cpp(pg: Any, buffer: torch.Tensor, index: int, parameters: int, is_last: bool,
+                  finite: bool | None) -> tuple | None:
+    """``begin`` of the C++ hook: START of a bucket it has divided, ``finite`` when its pass proved
+    every element finite (the NaN check is then left out); what it needs to end it (``_ddp_hook.cpp``)."""
+    flight = _begin(pg, buffer, index, parameters, is_last, finite)
     if flight is None:
         return None
     flight.bucket.wire_bytes = flight.bucket.nbytes

@@ -23,11 +23,15 @@ from typing import Callable
 
 import torch
 
+CFLAGS = ["-O3"]
+"""-O3: the DDP hook's division and finiteness pass is vectorised."""
+
 
 def load(source: str) -> ModuleType:
     path = os.path.join(os.path.dirname(__file__), source)
     with open(path, "rb") as text:
-        digest = hashlib.sha256(text.read() + torch.__version__.encode() + torch.version.git_version.encode())
+        digest = hashlib.sha256(text.read() + torch.__version__.encode() + torch.version.git_version.encode()
+                                + " ".join(CFLAGS).encode())
     name = f"commlens{os.path.splitext(source)[0]}_{digest.hexdigest()[:16]}"
     cached = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "commlens",
                           name + ".so")
@@ -35,7 +39,7 @@ def load(source: str) -> ModuleType:
         from torch.utils import cpp_extension
 
         with tempfile.TemporaryDirectory() as build:  # a directory of its own: no lock shared with other ranks
-            cpp_extension.load(name, [path], extra_cflags=["-O2"], build_directory=build)
+            cpp_extension.load(name, [path], extra_cflags=CFLAGS, build_directory=build)
             os.makedirs(os.path.dirname(cached), exist_ok=True)
             shutil.copyfile(os.path.join(build, name + ".so"), f"{cached}.{os.getpid()}")
             os.replace(f"{cached}.{os.getpid()}", cached)  # whole or absent, whichever rank is first

@@ -210,9 +210,10 @@ class InFlight(PreHookArgs):
 
 
 def begin(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async_op: bool,
-          root: int | None, peer: int | None, bucket: Any = None) -> InFlight:
+          root: int | None, peer: int | None, bucket: Any = None, inputs_finite: bool = False) -> InFlight:
     """Run the pre-hooks and write START for one op about to be issued; returns its record.
-    ``bucket`` describes a DDP gradient bucket (``ddp.DdpBucket``); START's aux is its index + 1."""
+    ``bucket`` describes a DDP gradient bucket (``ddp.DdpBucket``); START's aux is its index + 1.
+    ``inputs_finite``: the caller proved every input finite, and the input checks are left out."""
     call = InFlight.__new__(InFlight)
     call.name, call.op_id, call.pg, call.pg_name, call.rank = op, next(_op_ids), group.handle, group.name, group.rank
     call.group_rank = group.own_rank
@@ -233,7 +234,7 @@ def begin(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async
     call.wire_peer = -1 if target is None else target
     if pre_hooks.entries:
         try:
-            pre_hooks.call(call)
+            pre_hooks.call(call, inputs_finite=inputs_finite)
         except Exception as error:  # only hooks registered with propagate=True get here
             _write_start(call)
             call.failed(error)
@@ -246,11 +247,11 @@ def begin(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async
 
 
 def start(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async_op: bool,
-          root: int | None, peer: int | None, bucket: Any = None) -> InFlight | None:
+          root: int | None, peer: int | None, bucket: Any = None, inputs_finite: bool = False) -> InFlight | None:
     """``begin()`` as a source calls it: a propagating pre-hook's error is raised to the caller as it
     is; a failure of commlens itself is counted and gives None (the op then goes on unrecorded)."""
     try:
-        return begin(op, group, tensors, output_tensors, async_op, root, peer, bucket)
+        return begin(op, group, tensors, output_tensors, async_op, root, peer, bucket, inputs_finite)
     except HookRaised as raised:
         raise raised.error from None
     except Exception as error:

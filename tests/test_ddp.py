@@ -204,6 +204,26 @@ def test_a_propagating_pre_hooks_error_reaches_backwards_caller_through_the_cpp_
     assert run_ranks(refused_bucket, 2) == ["bucket 0 refused"] * 2
 
 
+def raise_mode_buckets(rank, world_size):
+    ch.instrument()
+    check = ch.NanCheckHook(mode="raise").register_with_comm()
+    model = DDP(_model())
+    try:
+        _grads(model, rank, steps=1)  # finite: the C++ hook's division proves it, the check steps aside
+        _grads(model, rank, steps=1, nan=True)
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        check.unregister()
+        ch.uninstrument()
+
+
+def test_in_raise_mode_a_finite_bucket_is_reduced_and_a_nan_bucket_refused_through_the_cpp_hook(run_ranks):
+    for message in run_ranks(raise_mode_buckets, 2):
+        assert message is not None and message.startswith("commlens NaN check: all_reduce"), message
+        assert "input tensor 0 holds" in message and " 0 NaN" not in message
+
+
 def quantize_errors(rank, world_size):
     errors = {}
     for name, hook in (("per_tensor", quantization_hooks.quantization_pertensor_hook),
