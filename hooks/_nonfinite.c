@@ -15,25 +15,34 @@
 
 enum { KIND_FLOAT32, KIND_FLOAT64, KIND_FLOAT16, KIND_BFLOAT16, KINDS };
 
-/* On x86-64 Linux, a second copy of each scan for CPUs with AVX2 (32 bytes an instruction), chosen
- * when the module loads; elsewhere (aarch64's NEON, macOS) the one the compiler vectorises. */
+/* On x86-64 Linux, copies of each scan for CPUs with AVX-512 (64 bytes an instruction) and AVX2 (32),
+ * chosen when the module loads; elsewhere (aarch64's NEON, macOS) the one the compiler vectorises. */
 #if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
-#define WITH_AVX2_CLONE __attribute__((target_clones("avx2", "default")))
+#define WITH_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
 #endif
-#ifndef WITH_AVX2_CLONE
-#define WITH_AVX2_CLONE
+#ifndef WITH_SIMD_CLONES
+#define WITH_SIMD_CLONES
 #endif
 
-#define SCAN(NAME, UINT, EXPONENT, LOWEST_EXPONENT_BIT, SIGN)                 \
-    WITH_AVX2_CLONE                                                                \
-    static int NAME(const UINT *x, Py_ssize_t n) {                                 \
-        UINT carried = 0;                                                          \
-        _Pragma("GCC unroll 8")                                                    \
-        for (Py_ssize_t i = 0; i < n; i++)                                         \
-            carried |= (UINT)((x[i] & (UINT)(EXPONENT)) + (UINT)(LOWEST_EXPONENT_BIT)); \
-        return !(carried & (UINT)(SIGN));                                          \
+/* A block's worth of accumulators (256 bytes: four AVX-512 or eight AVX2 registers) lets the ORs of
+ * consecutive vectors run side by side: one accumulator chains every OR to the one before, and halves
+ * the speed of a scan of data in cache (bench/nan_check.py: 1 MiB of float32 in 16 µs, now ~7). */
+#define SCAN(NAME, UINT, EXPONENT, LOWEST_EXPONENT_BIT, SIGN)                                      \
+    WITH_SIMD_CLONES                                                                                \
+    static int NAME(const UINT *x, Py_ssize_t n) {                                                  \
+        enum { BLOCK = 256 / sizeof(UINT) };                                                        \
+        UINT block[BLOCK] = {0}, carried = 0;                                                       \
+        Py_ssize_t i = 0;                                                                           \
+        for (; i + BLOCK <= n; i += BLOCK)                                                          \
+            for (int k = 0; k < BLOCK; k++)                                                         \
+                block[k] |= (UINT)((x[i + k] & (UINT)(EXPONENT)) + (UINT)(LOWEST_EXPONENT_BIT));    \
+        for (; i < n; i++)                                                                          \
+            carried |= (UINT)((x[i] & (UINT)(EXPONENT)) + (UINT)(LOWEST_EXPONENT_BIT));             \
+        for (int k = 0; k < BLOCK; k++)                                                             \
+            carried |= block[k];                                                                    \
+        return !(carried & (UINT)(SIGN));                                                           \
     }
 
 SCAN(finite32, uint32_t, 0x7f800000u, 0x00800000u, 0x80000000u)
