@@ -81,21 +81,49 @@ struct Kept {
   }
 };
 
-// ``values`` divided by ``by`` in place, in one pass that also says whether every result is finite.
+// ``count`` values divided by ``by`` in place; whether every result is finite (its exponent bits not
+// all set: NaN or Inf). IEEE division is correctly rounded, so every copy gives DDP's own results.
 template <typename Float, typename Bits>
-bool divided_finite(Float* values, int64_t count, Float by) {
+[[gnu::always_inline]] inline bool divide_run(Float* values, int64_t count, Float by) {
   constexpr Bits exponent = sizeof(Float) == 4 ? Bits(0x7f800000u) : Bits(0x7ff0000000000000ull);
+  Bits not_finite = 0;
+  for (int64_t i = 0; i < count; i++) {
+    Float value = values[i] / by;
+    values[i] = value;
+    Bits bits;
+    std::memcpy(&bits, &value, sizeof bits);
+    not_finite |= static_cast<Bits>((bits & exponent) == exponent);
+  }
+  return !not_finite;
+}
+
+// On x86-64 Linux, copies for CPUs with AVX-512 and AVX2, chosen when the library loads: the
+// extension is built for any x86-64 (SSE2), where the pass took 2.4x as long as torch's own div_ of
+// the bucket, and 0.6x with these copies (a 12 MiB bucket: 613, 260 and 167 µs here).
+#if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define WITH_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+#endif
+#ifndef WITH_SIMD_CLONES
+#define WITH_SIMD_CLONES
+#endif
+
+WITH_SIMD_CLONES bool divide_run_float(float* values, int64_t count, float by) {
+  return divide_run<float, uint32_t>(values, count, by);
+}
+
+WITH_SIMD_CLONES bool divide_run_double(double* values, int64_t count, double by) {
+  return divide_run<double, uint64_t>(values, count, by);
+}
+
+// ``values`` divided by ``by`` in place, in one pass on ATen's threads that also says whether every
+// result is finite.
+template <typename Float>
+bool divided_finite(Float* values, int64_t count, Float by, bool (*run)(Float*, int64_t, Float)) {
   std::atomic<bool> finite{true};
   at::parallel_for(0, count, 1 << 16, [&](int64_t begin, int64_t end) {
-    Bits not_finite = 0;  // an all-ones exponent: NaN or Inf
-    for (int64_t i = begin; i < end; i++) {
-      Float value = values[i] / by;
-      values[i] = value;
-      Bits bits;
-      std::memcpy(&bits, &value, sizeof bits);
-      not_finite |= static_cast<Bits>((bits & exponent) == exponent);
-    }
-    if (not_finite) {
+    if (!run(values + begin, end - begin, by)) {
       finite.store(false, std::memory_order_relaxed);
     }
   });
@@ -106,10 +134,10 @@ bool divided_finite(Float* values, int64_t count, Float by) {
 // contiguous float32 or float64 bucket), else nullopt.
 std::optional<bool> divide(at::Tensor& buffer, int64_t size) {
   if (buffer.is_contiguous() && buffer.scalar_type() == at::kFloat) {
-    return divided_finite<float, uint32_t>(buffer.data_ptr<float>(), buffer.numel(), static_cast<float>(size));
+    return divided_finite<float>(buffer.data_ptr<float>(), buffer.numel(), static_cast<float>(size), divide_run_float);
   }
   if (buffer.is_contiguous() && buffer.scalar_type() == at::kDouble) {
-    return divided_finite<double, uint64_t>(buffer.data_ptr<double>(), buffer.numel(), static_cast<double>(size));
+    return divided_finite<double>(buffer.data_ptr<double>(), buffer.numel(), static_cast<double>(size), divide_run_double);
   }
   buffer.div_(size);
   return std::nullopt;
