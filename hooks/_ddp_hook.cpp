@@ -84,7 +84,7 @@ struct Kept {
 // ``count`` values divided by ``by`` in place; whether every result is finite (its exponent bits not
 // all set: NaN or Inf). IEEE division is correctly rounded, so every copy gives DDP's own results.
 template <typename Float, typename Bits>
-[[gnu::always_inline]] inline bool divide_run(Float* values, int64_t count, Float by) {
+[[gnu::always_inline]] inline bool divide_in_place(Float* values, int64_t count, Float by) {
   constexpr Bits exponent = sizeof(Float) == 4 ? Bits(0x7f800000u) : Bits(0x7ff0000000000000ull);
   Bits not_finite = 0;
   for (int64_t i = 0; i < count; i++) {
@@ -109,21 +109,21 @@ template <typename Float, typename Bits>
 #define WITH_SIMD_CLONES
 #endif
 
-WITH_SIMD_CLONES bool divide_run_float(float* values, int64_t count, float by) {
-  return divide_run<float, uint32_t>(values, count, by);
+WITH_SIMD_CLONES bool divide_run(float* values, int64_t count, float by) {
+  return divide_in_place<float, uint32_t>(values, count, by);
 }
 
-WITH_SIMD_CLONES bool divide_run_double(double* values, int64_t count, double by) {
-  return divide_run<double, uint64_t>(values, count, by);
+WITH_SIMD_CLONES bool divide_run(double* values, int64_t count, double by) {
+  return divide_in_place<double, uint64_t>(values, count, by);
 }
 
 // ``values`` divided by ``by`` in place, in one pass on ATen's threads that also says whether every
 // result is finite.
 template <typename Float>
-bool divided_finite(Float* values, int64_t count, Float by, bool (*run)(Float*, int64_t, Float)) {
+bool divided_finite(Float* values, int64_t count, Float by) {
   std::atomic<bool> finite{true};
   at::parallel_for(0, count, 1 << 16, [&](int64_t begin, int64_t end) {
-    if (!run(values + begin, end - begin, by)) {
+    if (!divide_run(values + begin, end - begin, by)) {
       finite.store(false, std::memory_order_relaxed);
     }
   });
@@ -134,10 +134,10 @@ bool divided_finite(Float* values, int64_t count, Float by, bool (*run)(Float*, 
 // contiguous float32 or float64 bucket), else nullopt.
 std::optional<bool> divide(at::Tensor& buffer, int64_t size) {
   if (buffer.is_contiguous() && buffer.scalar_type() == at::kFloat) {
-    return divided_finite<float>(buffer.data_ptr<float>(), buffer.numel(), static_cast<float>(size), divide_run_float);
+    return divided_finite(buffer.data_ptr<float>(), buffer.numel(), static_cast<float>(size));
   }
   if (buffer.is_contiguous() && buffer.scalar_type() == at::kDouble) {
-    return divided_finite<double>(buffer.data_ptr<double>(), buffer.numel(), static_cast<double>(size), divide_run_double);
+    return divided_finite(buffer.data_ptr<double>(), buffer.numel(), static_cast<double>(size));
   }
   buffer.div_(size);
   return std::nullopt;
