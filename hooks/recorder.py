@@ -15,7 +15,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from .ops import CODE, OPS, OpName, AbortHookArgs, PostHookArgs, PreHookArgs
 from .registry import abort_hooks, post_hooks, pre_hooks
@@ -85,8 +85,21 @@ class HookRaised(Exception):
     """A propagating pre-hook refused the op; the source re-raises ``error`` to the caller."""
 
     def __init__(self, error: Exception):
-        super().__init__(error)
+        super().__init__()
         self.error = error
+
+    def reraise(self) -> NoReturn:
+        """Raise ``error`` as it is, leaving no reference cycle between the two exceptions: the
+        error, and what its traceback's frames hold (the op's tensors, its process group), are freed
+        as soon as the caller lets go of it. Kept alive until a garbage collection instead, a
+        process group outlived ``destroy_process_group`` and was torn down as the process exited,
+        after its peers had gone (a SIGABRT now and then)."""
+        error, self.error = self.error, None
+        self.__cause__ = self.__context__ = None
+        try:
+            raise error from None
+        finally:
+            del error
 
 
 class Group:
@@ -253,7 +266,7 @@ def start(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async
     try:
         return begin(op, group, tensors, output_tensors, async_op, root, peer, bucket, inputs_finite)
     except HookRaised as raised:
-        raise raised.error from None
+        raised.reraise()
     except Exception as error:
         if all_tensors(tensors, output_tensors):  # else the caller's mistake, which torch reports itself
             internal_error("begin", error)
@@ -266,7 +279,7 @@ def settle(step: Callable[[Any], None], result: Any) -> None:
     try:
         step(result)
     except HookRaised as raised:
-        raise raised.error from None
+        raised.reraise()
     except Exception as error:
         internal_error("issued", error)
 
