@@ -13,7 +13,8 @@ Faults, all on rank ``--rank`` from step ``--step`` (``--fault none`` for a heal
     slow     the rank computes 30 ms longer every step
     desync   the rank issues all_gather where the others all_reduce
     kill     the rank SIGKILLs itself inside the step's last all_reduce (issued, not completed)
-    freeze   the rank stops itself (SIGSTOP) inside that all_reduce, until it gets SIGCONT
+    freeze   the rank stops itself (SIGSTOP) inside that all_reduce, until it gets SIGCONT (the
+             others come to it a second later: it cannot complete before the rank stops)
 
 The wall time at which the fault happens is written to ``FAULT_TIME_FILE`` (when set), so that a
 benchmark can measure how long detection takes.
@@ -66,6 +67,8 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         report = loss.detach().reshape(1)
+        if args.fault == "freeze" and step == args.step and rank != args.rank:
+            time.sleep(1)
         if first and args.fault == "desync":
             dist.all_gather([torch.empty_like(report) for _ in range(dist.get_world_size())], report)
         elif first and args.fault in ("kill", "freeze"):
