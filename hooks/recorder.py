@@ -82,7 +82,7 @@ set_issuing: Callable[[bool], bool] = _issuing.set_issuing
 
 
 class HookRaised(Exception):
-    """A propagating pre-hook refused the op; the source re-raises ``error`` to the caller."""
+    """A propagating pre- or post-hook raised ``error``; the source re-raises it to the caller."""
 
     def __init__(self, error: Exception):
         super().__init__()
@@ -95,7 +95,7 @@ class HookRaised(Exception):
         process group outlived ``destroy_process_group`` and was torn down as the process exited,
         after its peers had gone (a SIGABRT now and then)."""
         error, self.error = self.error, None
-        self.__cause__ = self.__context__ = None
+        self.__context__ = None  # ``error``, being handled when this was raised
         try:
             raise error from None
         finally:
@@ -194,7 +194,7 @@ class InFlight(PreHookArgs):
             try:
                 post_hooks.call(PostHookArgs(self, self.work, STATUS[status], error, self.t0, end), in_caller)
             except Exception as raised:  # only hooks registered with propagate=True get here
-                raise HookRaised(raised) from raised
+                raise HookRaised(raised)
         return end
 
     def end_fields(self, status: int) -> tuple:
@@ -251,7 +251,7 @@ def begin(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async
         except Exception as error:  # only hooks registered with propagate=True get here
             _write_start(call)
             call.failed(error)
-            raise HookRaised(error) from error
+            raise HookRaised(error)
     _write_start(call)
     device = _cuda_device(tensors, output_tensors)
     if device is not None:

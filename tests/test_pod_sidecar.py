@@ -35,8 +35,7 @@ def test_a_killed_rank_is_reported_in_its_collective_from_shared_memory(tmp_path
         text = sidecar.text()
         inflight = sidecar.by_rank("commlens_collective_inflight")
         issued = sidecar.by_rank("commlens_collective_last_seq", state="enqueued")
-        failed = sidecar.by_rank("commlens_collective_failed_seq")
-        others = wait_for(lambda: _each_other_rank(sidecar, 2, failed), "the others' view")
+        others = wait_for(lambda: _each_other_rank(sidecar, 2), "the others' view")
         snapshots = sidecar.samples("commlens_abort_snapshots_total")
         report = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "diagnose", "--metrics",
                                  f"http://127.0.0.1:{sidecar.port}/metrics", "--window", "1"],
@@ -119,9 +118,9 @@ def test_a_rank_that_stops_and_starts_commlens_again_is_up_again(tmp_path):
     assert pod.feeds[0].stats.snapshots["exit"] == 0  # closed cleanly each time: no dump
 
 
-def _each_other_rank(sidecar: PodSidecar, culprit: int, failed: dict[int, float]) -> dict[int, float] | None:
+def _each_other_rank(sidecar: PodSidecar, culprit: int) -> dict[int, float] | None:
     """The seq each rank but ``culprit`` hung in, or failed in; None until every one has one."""
-    hung = sidecar.by_rank("commlens_collective_hung_seq")
+    hung, failed = (sidecar.by_rank(f"commlens_collective_{state}_seq") for state in ("hung", "failed"))
     view = {r: hung.get(r, failed.get(r)) for r in range(WORLD) if r != culprit}
     return None if None in view.values() else view
 
