@@ -86,24 +86,27 @@ def free_port() -> int:
 _handed_out: set[int] = set()  # ports free_ports gave this process: free until bound, so not given twice
 
 
-def free_ports(count: int) -> int:
+def free_ports(count: int, within: range | None = None) -> int:
     """A base port such that base .. base + count - 1 are all free on loopback now, none of them given
-    out before by this process (chosen, perhaps not bound yet).
+    out before by this process (chosen, perhaps not bound yet); drawn from ``within`` where given.
 
     They are drawn from below the kernel's ephemeral range, so that no outgoing connection (gloo's
     between ranks, the store's) can take one of them before the rank that is to serve on it binds it.
     """
-    low = _ephemeral_low()
-    if low - count <= 10000:
-        raise RuntimeError(f"no room below the ephemeral port range (starts at {low}) for {count} ports")
+    low = ephemeral_low()
+    within = within or range(10000, low)
+    if within.start < 10000 or within.stop > low or len(within) <= count:
+        raise RuntimeError(f"no room for {count} ports in {within.start}..{within.stop - 1}, which must lie "
+                           f"between 10000 and the ephemeral port range (starts at {low})")
     while True:
-        ports = range(base := random.randrange(10000, low - count), base + count)
+        ports = range(base := random.randrange(within.start, within.stop - count), base + count)
         if _handed_out.isdisjoint(ports) and all(map(_is_free, ports)):
             _handed_out.update(ports)
             return base
 
 
-def _ephemeral_low() -> int:
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             return int(f.read().split()[0])

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from commlens.agent.demo import free_port  # noqa: E402
+from ports import free_port  # noqa: E402
 from commlens.hooks import distributed  # noqa: E402
 
 
@@ -19,6 +19,11 @@ def pytest_sessionstart(session):
     torch >= 2.14) before any job, as ``commlens demo`` does: a job's ranks building them at once would
     skew their hang clocks."""
     distributed.build_extensions()
+
+
+def pytest_collection_modifyitems(items):
+    """The long tests first: the workers start them while the short ones fill in around them."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
 def _rank_main(rank, fn, world_size, port, result_dir, timeout_s, backend, kwargs):

@@ -22,7 +22,7 @@ import time
 import urllib.parse
 import urllib.request
 
-from commlens.agent.demo import free_ports
+from ports import free_ports
 from receivers import serve_posts
 
 

@@ -10,6 +10,7 @@ import pytest
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench" / "agent_cost.py"
 
 
+@pytest.mark.long
 def test_the_agent_cost_benchmark_measures_every_configuration_on_every_workload():
     sys.path.insert(0, str(BENCH.parent))
     from agent_cost import CONFIGS, WORKLOADS, YARDSTICK

@@ -247,7 +247,7 @@ def test_a_rank_that_exits_while_a_completion_callback_runs_exits_cleanly(tmp_pa
     import subprocess
     import sys
 
-    from commlens.agent.demo import free_port
+    from ports import free_port
 
     done = tmp_path / "post-hook-finished"
     script = EXIT_RIGHT_AFTER_A_COLLECTIVE.format(port=free_port(), done=str(done))

@@ -123,6 +123,7 @@ def test_every_panel_query_parses(tmp_path):
     assert check.returncode == 0, check.stdout + check.stderr
 
 
+@pytest.mark.long
 def test_every_panel_shows_data_from_a_demo_with_a_nan_and_a_hang(tmp_path):
     world = 3
     inject = ["nan:rank=1:step=7", "hang:rank=2:step=3"]

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import commlens.agent
 from commlens.agent import Config, ConfigError
-from commlens.agent.demo import free_port
+from ports import free_port
 from commlens.agent.sidecar import Collective
 from commlens.exporters.otlp import GrpcTransport, HttpTransport, SpanExporter
 from receivers import GrpcReceiver, HttpReceiver, span_attributes, spans_of

@@ -13,7 +13,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import commlens.agent
 import commlens.hooks as ch
 from commlens.agent import Config
-from commlens.agent.demo import free_ports
+from ports import free_ports
 from commlens.hooks.ops import OPS
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import commlens.hooks as ch
-from commlens.agent.demo import free_port
+from ports import free_port
 from commlens.agent.sidecar import Sidecar
 from commlens.hooks import cuda
 

@@ -55,7 +55,7 @@ def _hang_spans(path):
 
 
 def test_the_waiting_ranks_name_the_stuck_collective_and_the_analyzer_names_the_late_rank(run_ranks, tmp_path):
-    from commlens.agent.demo import free_port
+    from ports import free_port
 
     base = free_port()
     hangs = run_ranks(late_rank, 3, base_port=base, folder=str(tmp_path))

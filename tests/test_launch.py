@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from commlens.agent.demo import free_port, free_ports
+from ports import free_port, free_ports
 
 TRAIN = """
 import os, sys, time, torch, torch.distributed as dist

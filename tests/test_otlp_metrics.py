@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import commlens.agent
 from commlens.agent.config import Config
-from commlens.agent.demo import free_ports
+from ports import free_ports
 
 from receivers import GrpcReceiver, HttpReceiver
 

@@ -21,6 +21,7 @@ CONTRACT = ["commlens_collective_duration_seconds_bucket", "commlens_collective_
             "commlens_spans_exported_total", "commlens_info", "commlens_telemetry_errors_total"]
 
 
+@pytest.mark.long
 def test_prometheus_scrapes_every_contract_metric_for_every_rank_with_the_right_values(tmp_path):
     with Demo(tmp_path, WORLD, STEPS) as demo:
         demo.wait_serving()  # Prometheus starts after training: its first scrape sees the final counts
@@ -110,7 +111,7 @@ def test_the_demo_refuses_a_metrics_port_in_use_in_one_line_before_any_rank_star
     import socket
 
     from commlens.agent.cli import main
-    from commlens.agent.demo import free_ports
+    from ports import free_ports
 
     base = free_ports(2)
     with socket.socket() as taken:

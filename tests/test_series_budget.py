@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import commlens.agent
 from commlens.agent.config import Config
-from commlens.agent.demo import free_ports
+from ports import free_ports
 
 from monitoring import promtool
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from commlens.agent.demo import free_port
+from ports import free_port
 
 TIMEOUT_S = 5
 

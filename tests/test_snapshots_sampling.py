@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from commlens.agent.demo import free_port
+from ports import free_port
 from commlens.agent.sidecar import Collective, Sidecar
 from commlens.exporters.otlp import SpanExporter
 from commlens.hooks.ring import END, ERROR, OK, START, Ring

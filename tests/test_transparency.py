@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commlens.agent
 import commlens.hooks as ch
-from commlens.agent.demo import free_ports
+from ports import free_ports
 from commlens.hooks import recorder
 from commlens.hooks.patch import PatchError
 
@@ -41,7 +41,7 @@ SUITE = [  # every one runs on gloo, CPU, 2 ranks
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: a worker may run other modules' tests between the suite's
 def suite(tmp_path_factory):
     """Each selected test's outcome, plain and with commlens, and the spans the commlens ranks wrote."""
     tmp = tmp_path_factory.mktemp("suite")
@@ -58,6 +58,13 @@ def suite(tmp_path_factory):
     return outcomes, spans
 
 
+def ON_THE_SUITES_WORKER(test):
+    """The tests that read the suite's run: on one pytest-xdist worker, so that it runs once, and
+    first (it takes minutes)."""
+    return pytest.mark.long(pytest.mark.xdist_group("pytorch-suite")(test))
+
+
+@ON_THE_SUITES_WORKER
 @pytest.mark.parametrize("name", SUITE)
 def test_pytorchs_own_distributed_test_ends_the_same_under_commlens(suite, name):
     outcomes, _ = suite
@@ -65,6 +72,7 @@ def test_pytorchs_own_distributed_test_ends_the_same_under_commlens(suite, name)
     assert outcomes["commlens"][name] == outcomes["plain"][name]
 
 
+@ON_THE_SUITES_WORKER
 def test_commlens_was_active_in_the_suites_ranks(suite):
     _, requests = suite
     names = {span["name"] for request in requests for rs in request["resourceSpans"]

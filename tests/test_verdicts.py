@@ -102,6 +102,7 @@ def test_the_alert_and_diagnose_name_the_faulty_rank_and_only_it(tmp_path, fault
             assert f"{{{CULPRIT}}}" in report, report  # its process ended without a dump: "missing ... {1}"
 
 
+@pytest.mark.long
 @EXPORTERS
 def test_a_healthy_run_fires_nothing_and_leaves_nothing_pending(tmp_path, pod):
     with _stack(tmp_path, "none", steps=6000, pod=pod) as (webhook, training, prometheus):
