@@ -1,6 +1,6 @@
 """The whole agent's cost on the training process: each configuration against no commlens, in one run.
 
-Every trial is a fresh 2-rank gloo job on CPU that runs one workload under one configuration; trials
+Every trial is a fresh 2-rank gloo job on CPU (its ranks forked from a server that imported torch once) that runs one workload under one configuration; trials
 are interleaved (every configuration of a workload, then the next workload, repeat after repeat), and
 each configuration's time is divided by the no-commlens trial of the same workload and repeat. The
 table gives the paired ratios' min - median - max. Beside it, from the same trials, the CPU rank 0's
@@ -240,7 +240,7 @@ def idle_cpu_s(seconds: float) -> float:
     """CPU seconds per second that commlens' threads use in a job that issues no collective."""
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.start_processes(_idle, nprocs=1, start_method="spawn", args=(free_port(), seconds, out))
+        mp.start_processes(_idle, nprocs=1, start_method="forkserver", args=(free_port(), seconds, out))
         return out["idle_cpu_s"]
 
 
@@ -264,7 +264,7 @@ def trial(workload: str, config: str, iterations: int, world_size: int = 2) -> d
         try:
             with mp.Manager() as manager:
                 out = manager.dict()
-                mp.start_processes(_trial, nprocs=world_size, start_method="spawn",
+                mp.start_processes(_trial, nprocs=world_size, start_method="forkserver",
                                    args=(world_size, free_port(), workload, iterations, settings, out, busy_us))
                 result = dict(out["result"])
             if sidecar is not None:
@@ -291,6 +291,7 @@ def main() -> int:
     parser.add_argument("--cpu-repeats", type=int, default=3, help="one-rank jobs per configuration for the CPU figures")
     parser.add_argument("--idle-s", type=float, default=10.0, help="seconds the idle job runs")
     args = parser.parse_args()
+    mp.set_forkserver_preload(["torch", "torch.distributed", "commlens.agent"])  # imported once, not per job
     repeats = 1 if args.quick else args.repeats
     results: dict[tuple[str, str], list[dict]] = {}
     for repeat in range(repeats):
