@@ -129,7 +129,7 @@ def test_ddp_and_a_compiled_fsdp2_model_record_every_collective_of_every_group_o
 def compiled_nan_and_late_rank(rank, world_size):
     config = Config(rank=rank, world_size=world_size, hang_threshold_s=1.0, metrics_port=None,
                     trace_file=os.devnull, drain_interval_s=0.02)
-    agent = commlens.agent.start(config)
+    ch.instrument()
     group = dist.group.WORLD
 
     @torch.compile
@@ -137,7 +137,9 @@ def compiled_nan_and_late_rank(rank, world_size):
         return funcol.all_reduce(x * 1, "sum", group) + 0
 
     x = torch.ones(4)
-    step(x)
+    step(x)  # compiled by each rank at its own pace: on a busy machine one can be seconds behind the other,
+    dist.barrier()  # so they meet before the hang watchdog starts, and only the fault below makes one wait
+    agent = commlens.agent.start(config)
     if rank == 1:
         x[0] = float("nan")
     step(x)
@@ -154,9 +156,9 @@ def compiled_nan_and_late_rank(rank, world_size):
 @pytest.mark.skipif(not NATIVE, reason="compiled collectives are reachable from torch 2.14 on (process-group hooks)")
 def test_the_nan_check_and_the_hang_watchdog_see_compiled_collectives(run_ranks):
     first, second = run_ranks(compiled_nan_and_late_rank, 2)
-    assert second["first"] == {("0", "nan"): (2, "all_reduce")}  # its input held NaN at seq 2
+    assert second["first"] == {("0", "nan"): (3, "all_reduce")}  # its input held NaN at seq 3 (2: the barrier)
     assert first["first"] == {} and second["nans"][("all", "0", "nan")] == 1  # op folded: the default detail
-    assert first["hangs"] == {("all", "0"): 1}  # rank 0 waited past the threshold in seq 3
+    assert first["hangs"] == {("all", "0"): 1}  # rank 0 waited past the threshold in seq 4
     assert second["hangs"] == {}
 
 
