@@ -68,7 +68,7 @@ def _with_commlens() -> None:
     dist.init_process_group = init_process_group
 
 
-class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
+class TestDistBackendForked(TestDistBackend, DistributedTest._DistTestBase):
     @classmethod
     def _run(cls, rank, test_name, file_name, pipe, **kwargs):
         if os.environ.get("COMMLENS_SUITE_MODE") == "commlens":
@@ -94,7 +94,7 @@ def main(mode: str, out: str, names: list[str]) -> None:
     outcomes = {}
     for name in names:
         result = unittest.TestResult()
-        TestDistBackendWithSpawn(name).run(result)
+        TestDistBackendForked(name).run(result)
         outcomes[name] = _outcome(result)
         print(f"{mode} {name}: {outcomes[name]}", file=sys.stderr, flush=True)
     with open(out, "w") as f:
