@@ -4,7 +4,8 @@ Every trial is a fresh 2-rank gloo job on CPU (its ranks forked from a server th
 once) that runs one workload under one configuration; trials are interleaved (every configuration
 of a workload, then the next workload, repeat after repeat), and each configuration's time is
 divided by the no-commlens trial of the same workload and repeat. The table gives the paired
-ratios' min - median - max. Beside it, from the same trials, the CPU rank 0's process used per iteration (all its threads, to the ns: ``/proc/<pid>/task/*/schedstat``) over the
+ratios' min - median - max. Beside it, from the same trials, the CPU rank 0's process used per
+iteration (all its threads, to the ns: ``/proc/<pid>/task/*/schedstat``) over the
 no-commlens trial of its repeat, and what commlens' own threads used: steadier than wall time here,
 where two jobs without commlens differ by up to 20 %. The CPU that commlens itself uses per collective
 comes from one-rank jobs that run ``--cpu-collectives`` all_reduces of 4 KiB (100,000, and a tenth
