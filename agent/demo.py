@@ -27,7 +27,6 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -35,6 +34,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .stats import DURATION_BUCKETS
 
 FAULTS = ("nan", "slow", "hang", "desync", "size", "skip")
 DEMO_HANG_THRESHOLD_S = "2"
@@ -217,16 +218,22 @@ def _progress(done: int, total: int) -> None:
 
 
 def _write_result(out_dir: str, rank: int, agent, step_seqs: list[int], model) -> None:
-    stats = agent.sidecar.stats
-    with stats.lock:
-        result = {
-            "rank": rank, "step_seqs": step_seqs,
-            "ops": {op: list(samples) for op, samples in stats.recent.items()},
-            "collective_seconds": sum(h.total for h in stats.durations.values()),
-            "completed": sum(stats.completed.values()),
-            "events": list(stats.events),
-            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-        }
+    stats = agent.sidecar.stats.snapshot()
+    ops: dict[str, dict] = {}
+    for (op, pg, _), (counts, _, seconds) in stats.durations.items():
+        mine = ops.setdefault(op, {"buckets": [0] * len(counts), "seconds": 0.0, "bus_bytes": 0.0})
+        mine["buckets"] = [a + b for a, b in zip(mine["buckets"], counts)]
+        mine["seconds"] += seconds
+    for (op, pg), bus_bytes in stats.bus_bytes.items():
+        if op in ops:
+            ops[op]["bus_bytes"] += bus_bytes
+    result = {
+        "rank": rank, "step_seqs": step_seqs, "ops": ops,
+        "collective_seconds": sum(seconds for _, _, seconds in stats.durations.values()),
+        "completed": sum(stats.completed.values()),
+        "nan_events": sum(stats.nans.values()), "hangs": sum(stats.hangs.values()),
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+    }
     with open(os.path.join(out_dir, f"result-rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
@@ -290,19 +297,20 @@ def summarize(results: list[dict], out_dir: str, faults: tuple[Fault, ...] = ())
     from .diagnose import findings, from_files
 
     lines = [f"{'op':<16}{'count':>8}{'p50 ms':>10}{'p99 ms':>10}{'busbw MB/s':>12}"]
-    ops: dict[str, list] = {}
+    ops: dict[str, dict] = {}
     for result in results:
-        for op, samples in result["ops"].items():
-            ops.setdefault(op, []).extend(samples)
-    for op, samples in sorted(ops.items()):
-        seconds = sorted(s for s, _ in samples)
-        busbw = statistics.median(b for _, b in samples) / 1e6
-        lines.append(f"{op:<16}{len(samples):>8}{_quantile(seconds, 0.5) * 1e3:>10.3f}"
-                     f"{_quantile(seconds, 0.99) * 1e3:>10.3f}{busbw:>12.1f}")
+        for op, mine in result["ops"].items():
+            seen = ops.setdefault(op, {"buckets": [0] * len(mine["buckets"]), "seconds": 0.0, "bus_bytes": 0.0})
+            seen["buckets"] = [a + b for a, b in zip(seen["buckets"], mine["buckets"])]
+            seen["seconds"] += mine["seconds"]
+            seen["bus_bytes"] += mine["bus_bytes"]
+    for op, seen in sorted(ops.items()):
+        busbw = seen["bus_bytes"] / seen["seconds"] / 1e6 if seen["seconds"] > 0 else 0.0
+        lines.append(f"{op:<16}{sum(seen['buckets']):>8}{_quantile(seen['buckets'], 0.5) * 1e3:>10.3f}"
+                     f"{_quantile(seen['buckets'], 0.99) * 1e3:>10.3f}{busbw:>12.1f}")
     lines.append(f"{'rank':<6}{'nan events':>12}{'hangs':>8}{'in collectives s':>18}")
     for result in results:
-        kinds = [event[0] for event in result["events"]]
-        lines.append(f"{result['rank']:<6}{kinds.count('nan'):>12}{kinds.count('hang'):>8}"
+        lines.append(f"{result['rank']:<6}{result['nan_events']:>12}{result['hangs']:>8}"
                      f"{result['collective_seconds']:>18.3f}")
     verdict = findings(from_files(out_dir))
     for finding in verdict:
@@ -316,8 +324,21 @@ def summarize(results: list[dict], out_dir: str, faults: tuple[Fault, ...] = ())
     return "\n".join(lines)
 
 
-def _quantile(values: list[float], q: float) -> float:
-    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
+def _quantile(buckets: list[int], q: float) -> float:
+    """The ``q`` quantile of a latency histogram's ``buckets`` (counts per ``DURATION_BUCKETS``, then
+    +Inf), interpolated within its bucket as Prometheus' ``histogram_quantile`` does."""
+    total = sum(buckets)
+    if not total:
+        return 0.0
+    rank, running = q * total, 0
+    for index, count in enumerate(buckets):
+        if count and running + count >= rank:
+            if index == len(DURATION_BUCKETS):  # +Inf: the largest finite bound, as Prometheus answers
+                return DURATION_BUCKETS[-1]
+            low = DURATION_BUCKETS[index - 1] if index else 0.0
+            return low + (DURATION_BUCKETS[index] - low) * (rank - running) / count
+        running += count
+    return DURATION_BUCKETS[-1]
 
 
 def _step(result: dict, seq: int) -> int:

@@ -46,6 +46,10 @@ import urllib.parse
 import urllib.request
 from typing import Callable, Iterable, Iterator
 
+from commlens.exporters import names
+
+DURATION_SUM, DURATION_COUNT = f"{names.COLLECTIVE_DURATION}_sum", f"{names.COLLECTIVE_DURATION}_count"
+
 STRAGGLER_MIN_S = 0.005
 """A straggler arrives at least this much later, on average, than the group's first rank ..."""
 STRAGGLER_RATIO = 0.5
@@ -299,15 +303,15 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str] | None = None
                 reporting[index].add(rank)
                 facts = ranks.setdefault(rank, RankFacts(rank))
                 pg = s.labels.get("pg")
-                if s.name == "commlens_collective_duration_seconds_sum":
+                if s.name == DURATION_SUM:
                     totals[(rank, pg)][2 * index] += s.value
-                elif s.name == "commlens_collective_duration_seconds_count":
+                elif s.name == DURATION_COUNT:
                     totals[(rank, pg)][2 * index + 1] += s.value
-                elif s.name == "commlens_info":
+                elif s.name == names.INFO:
                     world_size = max(world_size, int(s.labels.get("world_size", 0)))
-                elif s.name == "commlens_rank_up" and s.value == 0:
+                elif s.name == names.RANK_UP and s.value == 0:
                     down.add(rank)
-                elif s.name == "commlens_abort_snapshots_total" and s.value > 0:
+                elif s.name == names.total(names.ABORT_SNAPSHOTS) and s.value > 0:
                     endings[rank].add(s.labels["reason"])
                 elif index == 0:  # the state as first seen: a hang may resolve during the window
                     _metric_fact(facts, s.name, s.labels, s.value)
@@ -325,13 +329,13 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str] | None = None
 
 def _metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> None:
     pg = labels.get("pg")
-    if name == "commlens_collective_last_seq" and labels.get("state") == "enqueued":
+    if name == names.LAST_SEQ and labels.get("state") == "enqueued":
         facts.group(pg).issued = int(value)
-    elif name == "commlens_collective_hung_seq":
+    elif name == names.HUNG_SEQ:
         facts.group(pg).hung = (labels["op"], int(value))
-    elif name == "commlens_collective_failed_seq":
+    elif name == names.FAILED_SEQ:
         facts.group(pg).failed = (labels["op"], int(value))
-    elif name == "commlens_nonfinite_first_seq":
+    elif name == names.NONFINITE_FIRST_SEQ:
         group = facts.group(pg)
         if group.nonfinite is None or value < group.nonfinite[0]:
             group.nonfinite = (int(value), labels["op"], labels["kind"])
@@ -383,8 +387,8 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
             facts = jobs[labels.get("job", "")].setdefault(int(labels["rank"]), RankFacts(int(labels["rank"])))
             yield facts, labels, value
 
-    enqueued = f'commlens_collective_last_seq{{state="enqueued"{"," + selector if selector else ""}}}'
-    hung = f"commlens_collective_hung_seq{{{selector}}}"
+    enqueued = f'{names.LAST_SEQ}{{state="enqueued"{"," + selector if selector else ""}}}'
+    hung = f"{names.HUNG_SEQ}{{{selector}}}"
     for facts, labels, value in each(f"last_over_time({enqueued}[15m])"):
         facts.group(labels["pg"]).issued = int(value)
     # while a group had a hang in the last minute: what each rank had issued (a late rank may have
@@ -392,18 +396,18 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
     for facts, labels, value in each(f"min_over_time(({enqueued} and on (job, pg) {hung})[1m:1s])"):
         facts.group(labels["pg"]).issued = int(value)
     live = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(enqueued)}
-    for name, expr in (("commlens_collective_hung_seq", f"max_over_time({hung}[1m])"),
-                       ("commlens_nonfinite_first_seq", f"commlens_nonfinite_first_seq{{{selector}}}"),
-                       ("commlens_collective_failed_seq", f"last_over_time(commlens_collective_failed_seq{{{selector}}}[5m])")):
+    for name, expr in ((names.HUNG_SEQ, f"max_over_time({hung}[1m])"),
+                       (names.NONFINITE_FIRST_SEQ, f"{names.NONFINITE_FIRST_SEQ}{{{selector}}}"),
+                       (names.FAILED_SEQ, f"last_over_time({names.FAILED_SEQ}{{{selector}}}[5m])")):
         for facts, labels, value in each(expr):
             _metric_fact(facts, name, labels, value)
     by = "sum by (job, pg, rank)"
-    for facts, labels, value in each(f"{by} (rate(commlens_collective_duration_seconds_sum{{{selector}}}[{window}])) / "
-                                     f"{by} (rate(commlens_collective_duration_seconds_count{{{selector}}}[{window}]))"):
+    for facts, labels, value in each(f"{by} (rate({DURATION_SUM}{{{selector}}}[{window}])) / "
+                                     f"{by} (rate({DURATION_COUNT}{{{selector}}}[{window}]))"):
         facts.group(labels["pg"]).wait_s = value
-    down = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(f"commlens_rank_up{{{selector}}} == 0")}
+    down = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(f"{names.RANK_UP}{{{selector}}} == 0")}
     endings: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
-    for _, labels, _ in each(f"commlens_abort_snapshots_total{{{selector}}} > 0"):
+    for _, labels, _ in each(f"{names.total(names.ABORT_SNAPSHOTS)}{{{selector}}} > 0"):
         endings[(labels.get("job", ""), int(labels["rank"]))].add(labels["reason"])
     for name, ranks in jobs.items():
         for rank, facts in ranks.items():
@@ -481,21 +485,21 @@ def _value(attribute: dict):
 
 
 def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[tuple[int, str, int]]) -> None:
-    if a.get("commlens.p2p") or "commlens.rank" not in a:
+    if a.get(names.P2P) or names.RANK not in a:
         return
-    rank, seq, op, pg = int(a["commlens.rank"]), int(a["commlens.seq"]), a["commlens.op"], str(a["commlens.pg.name"])
+    rank, seq, op, pg = int(a[names.RANK]), int(a[names.SEQ]), a[names.OP], str(a[names.PG_NAME])
     group = ranks.setdefault(rank, RankFacts(rank)).group(pg)
-    if not a.get("commlens.in_flight"):
+    if not a.get(names.IN_FLIGHT):
         completed.add((rank, pg, seq))
-        if a.get("commlens.status") in ("error", "timeout") and (group.failed is None or seq < group.failed[1]):
+        if a.get(names.STATUS) in ("error", "timeout") and (group.failed is None or seq < group.failed[1]):
             group.failed = (op, seq)
     group.arrivals[seq] = (op, int(span["startTimeUnixNano"]))
     group.issued = max(group.issued, seq)
-    if a.get("commlens.hang"):
+    if a.get(names.HANG):
         group.hangs_seen.add(seq)
-        if a.get("commlens.in_flight"):
+        if a.get(names.IN_FLIGHT):
             group.hung = (op, seq)
-            age = float(a.get("commlens.age_s", 0.0))
+            age = float(a.get(names.AGE_S, 0.0))
             group.threshold_s = age if group.threshold_s is None else min(group.threshold_s, age)
     for kind in ("nan", "inf"):
         if a.get(f"commlens.{kind}") and (group.nonfinite is None or seq < group.nonfinite[0]):

@@ -1,4 +1,4 @@
-"""Where telemetry goes, built from a ``Config``: the span exporter and its transport, and the OTLP
+"""Where telemetry goes, built from a ``Config``: the span processor and its exporter, and the OTLP
 metrics pusher.
 
 Shared by the in-process agent (agent/runtime.py) and the pod sidecar (agent/pod.py), which builds
@@ -6,8 +6,8 @@ one per local rank; imports no torch.
 
 Example::
 
-    spans = span_exporter(config)      # OTLP over gRPC or HTTP, or the trace file when no endpoint is set
-    spans.offer(collective)
+    spans = span_processor(config)     # OTLP over gRPC or HTTP, or the trace file when no endpoint is set
+    spans.queue(collective)
     pusher = metrics_pusher(config, collector.families)   # None unless OTEL_METRICS_EXPORTER lists otlp
 """
 
@@ -16,38 +16,41 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Iterable
 
-from commlens.exporters.otlp import GrpcTransport, HttpTransport, JsonLinesTransport, SpanExporter
+from commlens.exporters import names
+from commlens.exporters.otlp import (BatchSpanProcessor, GrpcSpanExporter, HttpSpanExporter, JsonLinesSpanExporter,
+                                     SpanExporter)
 from commlens.exporters.otlp_metrics import MetricsPusher
 
 from .config import Config, ConfigError
 
 
-def span_exporter(config: Config, beside_training: bool = False) -> SpanExporter:
-    """``beside_training``: the exporter runs in the training process (``SpanExporter``)."""
-    return SpanExporter(transport(config), resource(config), config.job, config.world_size, config.sampler_ratio,
-                        config.sampler.endswith("always_off"), config.span_queue,
-                        budget_per_s=config.span_budget_per_s, beside_training=beside_training)
+def span_processor(config: Config, beside_training: bool = False) -> BatchSpanProcessor:
+    """``beside_training``: the processor runs in the training process (``BatchSpanProcessor``)."""
+    return BatchSpanProcessor(span_exporter(config), resource(config), config.job, config.world_size,
+                              config.sampler_ratio, config.sampler.endswith("always_off"), config.span_queue,
+                              budget_per_s=config.span_budget_per_s, beside_training=beside_training)
 
 
-def transport(config: Config) -> Any:
+def span_exporter(config: Config) -> SpanExporter:
+    """OTLP over gRPC or HTTP to the configured endpoint; without one, the trace file."""
     if config.otlp_endpoint is None:
         path = config.trace_file.format(rank=config.rank)
         try:
-            return JsonLinesTransport(path)
+            return JsonLinesSpanExporter(path)
         except OSError as error:
             raise ConfigError(f"COMMLENS_TRACE_FILE={config.trace_file!r}: cannot write {path!r} "
                               f"({error.strerror}); give a writable path ({{rank}} is replaced)") from None
     if config.otlp_protocol == "grpc":
-        return GrpcTransport(config.otlp_endpoint, config.otlp_headers, config.otlp_timeout_s, config.otlp_insecure,
-                             config.otlp_certificate)
-    return HttpTransport(config.otlp_endpoint, config.otlp_headers, config.otlp_timeout_s, config.otlp_certificate)
+        return GrpcSpanExporter(config.otlp_endpoint, config.otlp_headers, config.otlp_timeout_s,
+                                config.otlp_insecure, config.otlp_certificate)
+    return HttpSpanExporter(config.otlp_endpoint, config.otlp_headers, config.otlp_timeout_s, config.otlp_certificate)
 
 
 def resource(config: Config) -> dict:
     """``service.name``, ``OTEL_RESOURCE_ATTRIBUTES`` and Kubernetes attributes, by OpenTelemetry's rules."""
     from opentelemetry.sdk.resources import Resource
 
-    own = {"commlens.job": config.job, "commlens.rank": config.rank}
+    own = {names.JOB: config.job, names.RANK: config.rank}
     for variable, key in (("K8S_POD_NAME", "k8s.pod.name"), ("K8S_NAMESPACE_NAME", "k8s.namespace.name"),
                           ("K8S_NODE_NAME", "k8s.node.name")):
         if os.environ.get(variable):
@@ -73,7 +76,7 @@ def metrics_pusher(config: Config, families: Callable[[], Iterable[Any]]) -> Met
 
         exporter = Http(endpoint=endpoint, headers=headers, timeout=config.otlp_timeout_s,
                         certificate_file=config.otlp_certificate)
-    shared = {k: v for k, v in resource(config).items() if k != "commlens.rank"}  # every series names its rank
+    shared = {k: v for k, v in resource(config).items() if k != names.RANK}  # every series names its rank
     pusher = MetricsPusher(families, exporter, shared, config.metrics_delta, config.otlp_timeout_s)
     pusher.start(config.metrics_interval_s)
     return pusher

@@ -32,15 +32,14 @@ import threading
 import time
 from typing import Callable
 
-from commlens.exporters.otlp import SpanExporter
 from commlens.exporters.prometheus import MetricsCollector, PodCollector, serve
 from commlens.hooks.flight_recorder import dump_ring, write_dump
-from commlens.hooks.ring import ERRORS, RING_FILES, Ring
+from commlens.hooks.ring import RING_FILES, Ring
 
 from .config import Config, ConfigError
-from .outputs import metrics_pusher, span_exporter
+from .outputs import metrics_pusher
+from .pipeline import RankPipeline
 from .sidecar import Sidecar
-from .stats import DURATION_BUCKETS, Stats, exposed_buckets
 
 POD_DRAIN_S = 0.05
 """The longest between two drains here: a rank cannot wake this process when its ring fills, as it
@@ -48,70 +47,52 @@ wakes its own sidecar thread (``Ring.wake_reader``)."""
 
 
 class RankFeed:
-    """One rank as the pod sidecar follows it: its counters, spans and metrics, which outlive the
-    process (and the ring) of any one run of the rank, and its current ring's sidecar."""
+    """One rank as the pod sidecar follows it: its pipeline (counters, spans and metrics, which
+    outlive the process and the ring of any one run of the rank) and whether its process lives."""
 
     def __init__(self, config: Config, info: dict, on_hang: Callable[[RankFeed], None]):
         self.config, self.info = config, info
         self.rank = config.rank
-        self.stats = Stats()
-        self.spans: SpanExporter = span_exporter(config)
-        self.on_hang = on_hang
-        self.sidecar: Sidecar | None = None
+        self.pipeline = RankPipeline(config, self._info, lambda: on_hang(self), on_snapshot=self.dump)
         self.inode = 0
         self.alive = False
-        self._dropped_before = 0
-        self._errors_before = dict.fromkeys(ERRORS, 0)
-        self.metrics = MetricsCollector(self.stats, self._inflight, self._dropped, lambda: dict(self.spans.counts),
-                                        self._info, DURATION_BUCKETS, self._errors,
-                                        exposed_buckets(config.metrics_detail))
+
+    @property
+    def sidecar(self) -> Sidecar | None:
+        return self.pipeline.sidecar
 
     def follow(self, ring: Ring, inode: int) -> None:
         """Read ``ring`` from now on (the rank's first, or a restarted rank's new one)."""
-        if self.sidecar is not None:
-            self.sidecar.drain()
-            self._dropped_before += self.sidecar.reader.dropped
-            self._errors_before = self._errors()
-        self.sidecar = Sidecar(ring, self.rank, self.config.hang_threshold_s, self.config.slow_factor,
-                               on_collective=self.spans.queue, sample=self.spans.sampled, on_hang=lambda _: self.on_hang(self),
-                               on_snapshot=self.dump, stats=self.stats, resume=True,
-                               detail=self.config.metrics_detail)
+        sidecar = self.pipeline.follow(ring)
         self.inode, self.alive = inode, ring.writer_alive()
         if not self.alive and not ring.closed:  # found killed (before this sidecar started, or saw it)
-            self.sidecar.drain()
+            sidecar.drain()
             self.dump("exit")
 
     def drain(self) -> None:
         """Drain the ring; when the rank's process has just ended without closing it, dump it (``exit``)."""
-        if self.sidecar is None:
+        sidecar = self.sidecar
+        if sidecar is None:
             return
-        self.sidecar.drain()
-        was_alive, self.alive = self.alive, self.sidecar.ring.writer_alive()  # a rank may close and reopen it
+        sidecar.drain()
+        was_alive, self.alive = self.alive, sidecar.ring.writer_alive()  # a rank may close and reopen it
         if was_alive and not self.alive:
-            self.sidecar.drain()
-            if not self.sidecar.ring.closed:
+            sidecar.drain()
+            if not sidecar.ring.closed:
                 self.dump("exit")
 
     def dump(self, reason: str) -> str | None:
         """Write this rank's flight-recorder dump from its ring and count it; the path, or None."""
+        ring = self.sidecar.ring
         try:
-            path = write_dump(dump_ring(self.sidecar.ring, min(2048, self.sidecar.ring.slots // 2)), self.rank)
+            path = write_dump(dump_ring(ring, min(2048, ring.slots // 2)), self.rank)
         except (OSError, ValueError) as error:
             print(f"commlens sidecar: no {reason} snapshot of rank {self.rank}: {error}", file=sys.stderr)
             path = None
-        with self.stats.lock:
-            self.stats.snapshots[reason] += 1
+        stats = self.pipeline.stats
+        with stats.lock:
+            stats.snapshots[reason] += 1
         return path
-
-    def _inflight(self):
-        return self.sidecar.inflight_by_group() if self.sidecar is not None else {}
-
-    def _dropped(self) -> int:
-        return self._dropped_before + (self.sidecar.reader.dropped if self.sidecar is not None else 0)
-
-    def _errors(self) -> dict[str, int]:
-        now = self.sidecar.ring.errors() if self.sidecar is not None else {}
-        return {kind: self._errors_before[kind] + now.get(kind, 0) for kind in ERRORS}
 
     def _info(self) -> dict:
         c = self.config
@@ -160,7 +141,7 @@ class PodSidecar:
             self._thread.join(timeout_s)
         self.poll()
         for feed in list(self.feeds.values()):
-            feed.spans.shutdown(max(0.0, deadline - time.monotonic()))
+            feed.pipeline.spans.shutdown(max(0.0, deadline - time.monotonic()))
         if self.metrics_pusher is not None:
             self.metrics_pusher.shutdown(max(0.1, deadline - time.monotonic()))
         self.collector.wait_for_scrape(max(0.0, deadline - time.monotonic()))
@@ -220,7 +201,7 @@ class PodSidecar:
                 other.dump("peer")
 
     def _metrics(self) -> list[MetricsCollector]:
-        return [feed.metrics for _, feed in sorted(self.feeds.items())]
+        return [feed.pipeline.metrics for _, feed in sorted(self.feeds.items())]
 
     def _up(self) -> dict[str, bool]:
         return {str(rank): feed.alive for rank, feed in self.feeds.items()}

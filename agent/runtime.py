@@ -22,17 +22,16 @@ import threading
 import time
 from typing import Any
 
-from commlens.exporters.prometheus import MetricsCollector, serve
-from commlens.hooks import (FlightRecorderHook, cuda, NanCheckHook, attribution, instrument, recorder,
+from commlens.exporters.prometheus import serve
+from commlens.hooks import (FlightRecorderHook, cuda, NanCheckHook, attribution, instrument, process_ring, record,
                             register_abort_hook, uninstrument)
-from commlens.hooks.ring import REASONS, SNAPSHOT, ring_file
+from commlens.hooks.ring import ring_file
 
 from .config import Config, ConfigError
 from .job_dumps import JobDumps
-from .outputs import metrics_pusher, span_exporter
-from .sidecar import Sidecar
+from .outputs import metrics_pusher
+from .pipeline import RankPipeline
 from .signals import SignalWatcher
-from .stats import DURATION_BUCKETS, exposed_buckets
 
 VERSION = "0.1.0"
 GPU_POLL_S = 0.05
@@ -49,7 +48,8 @@ class Agent:
         self.config = config
         self._snapshot_lock = threading.Lock()
         path = ring_file(config.ring_dir, config.local_rank) if config.ring_dir is not None else config.ring_path
-        ring = recorder.ring_at(path, config.ring_slots)
+        ring = process_ring.ring_at(path, config.ring_slots)
+        self.pipeline: RankPipeline | None = None
         self.sidecar = self.spans = self.server = self.collector = self.job_dumps = self.flight_recorder = None
         self.metrics_pusher = None
         self._gpu_poller: threading.Thread | None = None
@@ -77,25 +77,19 @@ class Agent:
 
     def _start_exporting(self, ring) -> None:
         config = self.config
-        self.spans = span_exporter(config, beside_training=True)
-        self.sidecar = Sidecar(ring, config.rank, config.hang_threshold_s, config.slow_factor,
-                               on_collective=self.spans.queue, sample=self.spans.sampled,
-                               on_hang=lambda _: self.snapshot("hang"), detail=config.metrics_detail,
-                               beside_training=True, resume=True)  # an agent started again goes on from the last
+        self.pipeline = pipeline = RankPipeline(config, self._info, lambda: self.snapshot("hang"), beside_training=True)
+        self.sidecar = pipeline.follow(ring)  # an agent started again goes on from where the last one stopped
         self.sidecar.pollers.append(cuda.poll)
-        self.collector = collector = MetricsCollector(self.sidecar.stats, self.sidecar.inflight_by_group,
-                                                      lambda: self.sidecar.reader.dropped, lambda: dict(self.spans.counts),
-                                                      self._info, DURATION_BUCKETS, ring.errors,
-                                                      exposed_buckets(config.metrics_detail))
+        self.spans, self.collector = pipeline.spans, pipeline.metrics
         if config.metrics_port is not None:
             try:
-                self.server = serve(collector, config.metrics_addr, config.metrics_port)
+                self.server = serve(self.collector, config.metrics_addr, config.metrics_port)
             except OSError as error:
                 self.spans.shutdown(0.1)
                 raise ConfigError(f"COMMLENS_METRICS_PORT: cannot serve metrics on {config.metrics_addr}:"
                                   f"{config.metrics_port} ({error.strerror}); choose a free base port "
                                   "(each rank uses base + LOCAL_RANK), or 0 to serve none") from None
-        self.metrics_pusher = metrics_pusher(config, collector.families)
+        self.metrics_pusher = metrics_pusher(config, self.collector.families)
         self.flight_recorder = FlightRecorderHook(max_entries=min(2048, ring.slots // 2)).register_with_comm()
         self.job_dumps = JobDumps(config.job, min(1.0, config.hang_threshold_s / 4), lambda: self.snapshot("peer"))
 
@@ -124,8 +118,8 @@ class Agent:
         lock, so it waits on none. The dump needs none and is written even beside another snapshot
         (whole, by rename); the drain before the flush is skipped when another thread is draining, and
         the count is kept without the stats lock when another thread holds it."""
-        if self.sidecar is None:
-            recorder.ring().write(SNAPSHOT, 0, REASONS.index(reason), 0, 0, 0, 0, 0, -1, 0)
+        if self.pipeline is None:  # a pod sidecar reads this rank's ring
+            record.snapshot(process_ring.ring().write, reason)
             return None
         deadline = time.monotonic() + self.config.snapshot_timeout_s
         if reason in ("hang", "abort"):
@@ -181,12 +175,11 @@ class Agent:
         if self._gpu_poller is not None:
             self._gpu_poller.join(left())
             cuda.poll()
-        if self.sidecar is None:
-            recorder.ring().close()
+        if self.pipeline is None:  # a pod sidecar reads this rank's ring
+            process_ring.ring().close()
             return
         self.job_dumps.stop()
-        self.sidecar.stop(left())
-        self.spans.shutdown(left())
+        self.pipeline.stop(left())
         if self.metrics_pusher is not None:
             self.metrics_pusher.shutdown(max(0.1, left()))
         self.flight_recorder.unregister()

@@ -27,12 +27,13 @@ Example::
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from typing import Callable, NamedTuple, Sequence
 
+from commlens.exporters.telemetry import Collective, GroupInFlight
 from commlens.hooks.ops import OPS
+from commlens.hooks.record import decode_group, decode_signature
 from commlens.hooks.ring import (END, FLAG_ASYNC, FLAG_LAST_BUCKET, GPU_START, NAN, NAN_HAS_INF, NAN_HAS_NAN, NAN_OUTPUT,
                                  NOT_ISSUED, PHASES, REASONS, SNAPSHOT, START, STATUS, Folded, Record, Ring, RingReader)
 
@@ -52,53 +53,6 @@ _SLOW_AFTER = 20
 _SHAPES = 4096
 """Shapes kept before the cache starts over (variable-size payloads would otherwise grow it)."""
 _make = tuple.__new__
-
-
-class Collective(NamedTuple):
-    """One collective on this rank as the exporters see it; times are Unix ns."""
-
-    op: str
-    pg: str
-    pg_size: int
-    seq: int
-    is_p2p: bool
-    op_id: int
-    rank: int
-    nbytes: int
-    dtype: str
-    async_op: bool
-    status: str
-    start_ns: int
-    end_ns: int
-    busbw: float
-    """Bytes per second, nccl-tests' bus bandwidth; 0 when unknown."""
-    nan: bool
-    """A tensor held NaN (``inf``: a tensor held Inf)."""
-    hang: bool
-    slow: bool
-    in_flight: bool
-    bucket: int = -1
-    """The DDP gradient bucket's index, -1 for other collectives."""
-    last_bucket: bool = False
-    wire_bytes: int = 0
-    """For a DDP bucket: bytes its hook's collectives carried, after compression."""
-    module: str = ""
-    """The module that issued it and the phase, when module attribution is on."""
-    phase: str = ""
-    inf: bool = False
-    gpu_start_ns: int = -1
-    """When it started on the GPU (Unix ns), for a collective on CUDA tensors; -1 otherwise:
-    issue -> GPU start is its queueing time, GPU start -> end its execution time."""
-
-
-class GroupInFlight(NamedTuple):
-    """One group's in-flight collectives at a moment."""
-
-    count: int
-    oldest_s: float
-    hung_op: str | None
-    """The oldest collective (not point-to-point) in flight past the hang threshold: its op and seq."""
-    hung_seq: int | None
 
 
 class Shape(NamedTuple):
@@ -345,7 +299,6 @@ class Sidecar:
             self._nan[record.op_id] = self._nan.get(record.op_id, 0) | record.flags
         kinds = tuple(kind for bit, kind in ((NAN_HAS_NAN, "nan"), (NAN_HAS_INF, "inf")) if record.flags & bit)
         self.stats.nonfinite(shape, record.seq, kinds, not record.flags & NAN_OUTPUT)
-        self.stats.events.append(("nan", shape.op, shape.pg, record.seq, None))
 
     def _watch(self, now_ns: int) -> list[Collective]:
         hung = []
@@ -356,7 +309,6 @@ class Sidecar:
             self._hung.add(op_id)
             shape = self._shape(start)
             self.stats.hangs[shape.counter_key] += 1
-            self.stats.events.append(("hang", shape.op, shape.pg, start.seq, (now_ns - start.t_ns) / 1e9))
             hung.append(self._collective(shape, start, None, "in_flight", self._nan.get(op_id, 0), True, False, now_ns))
         return hung
 
@@ -409,21 +361,17 @@ class Sidecar:
     def _group(self, sid: int) -> tuple[str, int]:
         found = self._groups.get(sid)
         if found is None:
-            try:
-                described = json.loads(self.ring.string(sid))
-                found = (str(described["name"]), len(described["ranks"]))
-                self.backend = self.backend or str(described.get("backend", ""))
-            except (ValueError, KeyError, TypeError):
+            described = decode_group(self.ring.string(sid))
+            if described is None:
                 found = (str(sid), 1)
+            else:
+                found = (described.name, len(described.ranks))
+                self.backend = self.backend or described.backend
             self._groups[sid] = found
         return found
 
     def _dtype(self, sig: int) -> str:
-        try:
-            _, in_dtypes, _, out_dtypes = json.loads(self.ring.string(sig))
-            return (in_dtypes or out_dtypes or [""])[0]
-        except (ValueError, TypeError):
-            return ""
+        return decode_signature(self.ring.string(sig)).dtype
 
     # -- scrape-time values -------------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ import collections
 import threading
 from typing import Sequence
 
+from commlens.exporters.telemetry import StatsSnapshot
+
 DURATION_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
                     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 SIZE_CLASSES = ((4 << 10, "<=4KiB"), (64 << 10, "<=64KiB"), (1 << 20, "<=1MiB"), (16 << 20, "<=16MiB"),
@@ -25,8 +27,6 @@ COARSE_BUCKETS = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
 """The latency buckets exposed below ``full`` detail: a subset of ``DURATION_BUCKETS``, so that their
 cumulative counts are exact."""
 ALL = "all"
-RESERVOIR = 2048
-"""Durations kept per op for the summary's percentiles (the most recent ones)."""
 
 
 def size_class(nbytes: int) -> str:
@@ -94,9 +94,15 @@ class Stats:
         self.gpu_exec: collections.Counter[tuple[str, str]] = collections.Counter()
         """(op, pg) -> seconds collectives on CUDA tensors waited for the GPU / ran on it."""
         self.snapshots: collections.Counter[str] = collections.Counter()
-        self.recent: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=RESERVOIR))
-        self.events: collections.deque = collections.deque(maxlen=256)
-        """The latest NaN and hang events: (kind, op, pg, seq, age or None)."""
+
+    def snapshot(self) -> StatsSnapshot:
+        """A copy of every counter, taken under ``lock``: what a scrape exports."""
+        with self.lock:
+            return StatsSnapshot(
+                {key: (list(h.counts), list(h.exemplars), h.total) for key, h in self.durations.items()},
+                dict(self.completed), dict(self.bytes), dict(self.bus_bytes), dict(self.last_seq), dict(self.hangs),
+                dict(self.nans), dict(self.snapshots), dict(self.first_nonfinite), dict(self.failed),
+                dict(self.gpu_queue), dict(self.gpu_exec))
 
     def enqueued(self, shape, seq: int) -> None:
         """A collective of ``shape`` (the sidecar's ``Shape``) was issued."""
@@ -145,7 +151,5 @@ class Stats:
         self.bus_bytes[key] += shape.bus_bytes * count
 
     def _durations(self, shape, seconds: Sequence[float], seqs: Sequence[int] | None) -> None:
-        """Durations of collectives of ``shape`` (``seqs``: their exemplars) into the histogram and the reservoir."""
+        """Durations of collectives of ``shape`` (``seqs``: their exemplars) into the histogram."""
         self.durations[shape.duration_key].observe(seconds, seqs)
-        bus_bytes = shape.bus_bytes
-        self.recent[shape.op].extend((s, bus_bytes / s if s > 0 else 0.0) for s in seconds[-RESERVOIR:])

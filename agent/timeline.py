@@ -31,6 +31,8 @@ import statistics
 import sys
 from typing import Iterable, Iterator, NamedTuple
 
+from commlens.exporters import names
+
 from .diagnose import findings, from_files
 
 
@@ -50,20 +52,20 @@ class Slice(NamedTuple):
     markers: tuple[str, ...]
 
 
-_ARGS = {"commlens.bytes": "bytes", "commlens.status": "status", "commlens.dtype": "dtype",
-         "commlens.module": "module", "commlens.phase": "phase", "commlens.ddp.bucket": "ddp.bucket"}
-_MARKERS = (("commlens.nan", "NaN"), ("commlens.inf", "Inf"), ("commlens.hang", "hang"))
+_ARGS = {names.BYTES: "bytes", names.STATUS: "status", names.DTYPE: "dtype",
+         names.MODULE: "module", names.PHASE: "phase", names.DDP_BUCKET: "ddp.bucket"}
+_MARKERS = ((names.NAN, "NaN"), (names.INF, "Inf"), (names.HANG, "hang"))
 
 
 def _slice(span: dict, a: dict) -> Slice | None:
-    if "commlens.rank" not in a:
+    if names.RANK not in a:
         return None
     markers = tuple(name for key, name in _MARKERS if a.get(key))
-    if a.get("commlens.status") in ("error", "timeout"):
+    if a.get(names.STATUS) in ("error", "timeout"):
         markers += (f"collective {a['commlens.status']}",)
-    return Slice(int(a["commlens.rank"]), str(a["commlens.pg.name"]), int(a["commlens.seq"]), a["commlens.op"],
-                 int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"]), bool(a.get("commlens.p2p")),
-                 bool(a.get("commlens.in_flight")), bool(a.get("commlens.ddp.is_last")),
+    return Slice(int(a[names.RANK]), str(a[names.PG_NAME]), int(a[names.SEQ]), a[names.OP],
+                 int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"]), bool(a.get(names.P2P)),
+                 bool(a.get(names.IN_FLIGHT)), bool(a.get(names.DDP_IS_LAST)),
                  {name: a[key] for key, name in _ARGS.items() if key in a}, markers)
 
 

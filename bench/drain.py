@@ -13,28 +13,28 @@ in-process agent and the pod sidecar run this same loop.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 from commlens.agent.config import Config
-from commlens.agent.outputs import span_exporter
+from commlens.agent.outputs import span_processor
 from commlens.agent.sidecar import Sidecar
 from commlens.hooks.ops import OpName
-from commlens.hooks.recorder import CODE
-from commlens.hooks.ring import END, GPU_START, START, Ring
+from commlens.hooks import record
+from commlens.hooks.ops import CODE
+from commlens.hooks.ring import Ring
 
 
 def drain_us(collectives: int, per_drain: int, budget: bool, gpu: bool = False) -> float:
     """CPU µs per collective of ``Sidecar.drain`` over ``collectives`` all_reduces of 4 KiB (``gpu``:
     each timed on a GPU, its GPU_START 0.2 ms after issue)."""
     ring = Ring(slots=1 << 16)
-    group = ring.intern(json.dumps({"name": "0", "desc": "default", "ranks": [0, 1], "rank": 0, "backend": "gloo"}))
-    sig = ring.intern(json.dumps([[[1024]], ["torch.float32"], [[1024]], ["torch.float32"]]))
+    group = ring.intern(record.encode_group("0", "default", [0, 1], 0, "gloo"))
+    sig = ring.intern(record.encode_signature([([1024], "Float")], [([1024], "Float")]))
     code = CODE[OpName.all_reduce]
     kept = []
     sample = (lambda pg, seqs, is_p2p: [])
     if budget:
-        spans = span_exporter(Config.from_env({"COMMLENS_TRACE_FILE": "/dev/null"}))
+        spans = span_processor(Config.from_env({"COMMLENS_TRACE_FILE": "/dev/null"}))
         sample = spans.sampled
     sidecar = Sidecar(ring, 0, 60, on_collective=kept.append, sample=sample)
     spent, op_id, drains = 0, 0, collectives // per_drain
@@ -43,10 +43,12 @@ def drain_us(collectives: int, per_drain: int, budget: bool, gpu: bool = False) 
         now = time.monotonic_ns()
         for _ in range(per_drain):
             op_id += 1
-            ring.write(START, code, 0, group, op_id, op_id, 4096, sig, -1, 0, 0, now)
+            record.start(ring.write, code, group, op_id, op_id, 4096, sig, -1, t_ns=now)
             if gpu:
-                ring.write(GPU_START, code, 0, group, op_id, op_id, 4096, sig, -1, 0, 0, now + 200_000)
-            ring.write(END, code, 0, group, op_id, op_id, 4096, sig, -1, 0, 0, now + 1_500_000)
+                record.end_on_gpu(ring.write, code, group, op_id, op_id, 4096, sig, -1, 0, 0, now + 200_000,
+                                  now + 1_500_000)
+            else:
+                record.end(ring.write, code, group, op_id, op_id, 4096, sig, -1, t_ns=now + 1_500_000)
         started = time.thread_time_ns()
         sidecar.drain()
         if now / 1e9 >= warm_until:

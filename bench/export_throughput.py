@@ -19,9 +19,12 @@ import statistics
 import sys
 import time
 
+from opentelemetry.sdk.trace.export import SpanExportResult
+
 from commlens.agent.sidecar import Sidecar
-from commlens.exporters.otlp import SpanExporter
-from commlens.hooks.ring import END, START, Ring
+from commlens.exporters.otlp import BatchSpanProcessor
+from commlens.hooks import record
+from commlens.hooks.ring import Ring
 
 COLLECTIVES = 50_000
 ROUNDS = 5
@@ -29,9 +32,8 @@ ROUNDS = 5
 
 def drain_rate() -> float:
     ring = Ring(slots=1 << 18)
-    group = ring.intern(json.dumps({"name": "0", "desc": "default_pg", "ranks": [0, 1, 2, 3], "rank": 0,
-                                    "backend": "gloo"}))
-    sig = ring.intern(json.dumps([[[1024]], ["Float"], [[1024]], ["Float"]]))
+    group = ring.intern(record.encode_group("0", "default_pg", [0, 1, 2, 3], 0, "gloo"))
+    sig = ring.intern(record.encode_signature([([1024], "Float")], [([1024], "Float")]))
     rates, op_id, t = [], 0, 0
     for _ in range(ROUNDS):
         sidecar = Sidecar(ring, rank=0, hang_threshold_s=1e9)
@@ -39,8 +41,8 @@ def drain_rate() -> float:
         for _ in range(COLLECTIVES):
             op_id += 1
             t += 1000
-            ring.write(START, 0, 0, group, op_id, op_id, 4096, sig, -1, 0, 0, t)
-            ring.write(END, 0, 0, group, op_id, op_id, 4096, sig, -1, 0, 0, t + 500)
+            record.start(ring.write, 0, group, op_id, op_id, 4096, sig, -1, t_ns=t)
+            record.end(ring.write, 0, group, op_id, op_id, 4096, sig, -1, t_ns=t + 500)
         start = time.perf_counter()
         read = sidecar.drain()
         rates.append(read / (time.perf_counter() - start))
@@ -49,33 +51,36 @@ def drain_rate() -> float:
 
 
 def _collectives() -> list:
-    from commlens.agent.sidecar import Collective
+    from commlens.exporters.telemetry import Collective
 
     return [Collective("all_reduce", "0", 4, i, False, i, 0, 4096, "Float", False, "ok", 10**18 + i * 1000,
                        10**18 + i * 1000 + 500, 3.2e9, False, False, False, False) for i in range(COLLECTIVES // 5)]
 
 
 class _Encode:
-    """A transport that serializes the request, as a real one would, and keeps only the size."""
+    """A span exporter that serializes the request, as a real one would, and keeps only the size."""
+
+    form = "protobuf"
 
     def __init__(self):
         self.bytes = 0
 
-    def send(self, request, within_s: float) -> None:
+    def export(self, request, within_s: float) -> SpanExportResult:
         self.bytes += len(request.SerializeToString())
+        return SpanExportResult.SUCCESS
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
         pass
 
 
 def commlens_span_rate() -> float:
     collectives, rates = _collectives(), []
     for _ in range(ROUNDS):
-        exporter = SpanExporter(_Encode(), {"service.name": "bench"}, job="bench", world_size=4,
+        exporter = BatchSpanProcessor(_Encode(), {"service.name": "bench"}, job="bench", world_size=4,
                                 queue_size=len(collectives), batch_size=512)
         start = time.perf_counter()
         for c in collectives:
-            exporter.offer(c)
+            exporter.queue(c)
         exporter.flush(60)
         rates.append(len(collectives) / (time.perf_counter() - start))
         exporter.shutdown(5)
@@ -93,28 +98,29 @@ def file_span_rates() -> tuple[float, float]:
 
     from commlens.exporters import otlp
 
-    class ProtobufJsonLines(otlp.JsonLinesTransport):
+    class ProtobufJsonLines(otlp.JsonLinesSpanExporter):
         """The same file sink, each line from protobuf's own JSON mapping of the protobuf request: the baseline."""
 
         form = "protobuf"
 
-        def send(self, request, within_s: float) -> None:
+        def export(self, request, within_s: float) -> SpanExportResult:
             data = MessageToDict(request, use_integers_for_enums=True)
             for span in data["resourceSpans"][0]["scopeSpans"][0]["spans"]:
                 span["traceId"], span["spanId"] = (base64.b64decode(span[k]).hex() for k in ("traceId", "spanId"))
             with open(self.path, "a") as f:
                 f.write(json.dumps(data, separators=(",", ":")) + "\n")
+            return SpanExportResult.SUCCESS
 
     collectives, rates = _collectives(), {"commlens": [], "protobuf": []}
     with tempfile.TemporaryDirectory() as folder:
         for _ in range(ROUNDS):
-            for name, transport in (("commlens", otlp.JsonLinesTransport), ("protobuf", ProtobufJsonLines)):
+            for name, transport in (("commlens", otlp.JsonLinesSpanExporter), ("protobuf", ProtobufJsonLines)):
                 path = os.path.join(folder, name)
-                exporter = SpanExporter(transport(path), {"service.name": "bench"}, job="bench",
+                exporter = BatchSpanProcessor(transport(path), {"service.name": "bench"}, job="bench",
                                         world_size=4, queue_size=len(collectives))
                 start = time.perf_counter()
                 for c in collectives:
-                    exporter.offer(c)
+                    exporter.queue(c)
                 exporter.flush(120)
                 rates[name].append(len(collectives) / (time.perf_counter() - start))
                 exporter.shutdown(5)
@@ -127,7 +133,7 @@ def sdk_span_rate() -> float:
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter as SdkExporter, SpanExportResult
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, BatchSpanProcessor as SdkExporter, SpanExportResult
 
     class Encode(SdkExporter):
         def __init__(self):

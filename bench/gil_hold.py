@@ -29,22 +29,23 @@ SLEEP_S = 200e-6
 def delays_us(config: str, seconds: float, trace_file: str) -> tuple[list[float], float]:
     """The training thread's wake-up delays under ``config``, and the collectives a second it wrote."""
     from commlens.agent.config import Config
-    from commlens.agent.outputs import span_exporter
+    from commlens.agent.outputs import span_processor
     from commlens.agent.sidecar import Sidecar
     from commlens.hooks.ops import OpName
-    from commlens.hooks.recorder import CODE
-    from commlens.hooks.ring import END, START, Ring
+    from commlens.hooks import record
+    from commlens.hooks.ops import CODE
+    from commlens.hooks.ring import Ring
 
     ring = Ring(slots=1 << 16)
-    group = ring.intern(json.dumps({"name": "0", "desc": "default", "ranks": [0, 1], "rank": 0, "backend": "gloo"}))
-    sig = ring.intern(json.dumps([[[1024]], ["Float"], [[1024]], ["Float"]]))
+    group = ring.intern(record.encode_group("0", "default", [0, 1], 0, "gloo"))
+    sig = ring.intern(record.encode_signature([([1024], "Float")], [([1024], "Float")]))
     code = CODE[OpName.all_reduce]
     sidecar = spans = None
     if config == "sidecar":
         sidecar = Sidecar(ring, 0, 60, sample=lambda pg, seqs, is_p2p: [], beside_training=True)
     elif config != "none":
         env = {"COMMLENS_TRACE_FILE": trace_file, **({"OTEL_TRACES_SAMPLER": "always_on"} if config == "every-span" else {})}
-        spans = span_exporter(Config.from_env(env), beside_training=True)
+        spans = span_processor(Config.from_env(env), beside_training=True)
         sidecar = Sidecar(ring, 0, 60, on_collective=spans.queue, sample=spans.sampled, beside_training=True)
     if sidecar is not None:
         sidecar.start(0.05)
@@ -53,8 +54,8 @@ def delays_us(config: str, seconds: float, trace_file: str) -> tuple[list[float]
         for _ in range(3):
             op_id += 1
             now = time.monotonic_ns()
-            ring.write(START, code, 0, group, op_id, op_id, 4096, sig, -1, 0, 0, now)
-            ring.write(END, code, 0, group, op_id, op_id, 4096, sig, -1, 0, 0, now + 30_000)
+            record.start(ring.write, code, group, op_id, op_id, 4096, sig, -1, t_ns=now)
+            record.end(ring.write, code, group, op_id, op_id, 4096, sig, -1, t_ns=now + 30_000)
         started = time.perf_counter()
         time.sleep(SLEEP_S)
         delays.append((time.perf_counter() - started - SLEEP_S) * 1e6)

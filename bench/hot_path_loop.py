@@ -36,24 +36,23 @@ import torch.distributed.distributed_c10d as c10d
 
 import commlens.hooks as ch
 from commlens.agent.demo import free_port
-from commlens.hooks import native, recorder
+from commlens.hooks import native, process_ring, record
 from commlens.hooks.nan_check import NanCheckHook
 from commlens.hooks.patch import Patch
-from commlens.hooks.ring import END, START
 
 
 class Floor:
     """A plain Python wrapper that asks c10d for the sequence number and writes START and END."""
 
     def __init__(self) -> None:
-        write, seq_of = recorder.ring().write, c10d._get_default_group()._get_sequence_number_for_group
+        write, seq_of = process_ring.ring().write, c10d._get_default_group()._get_sequence_number_for_group
 
         def make(original):
             def all_reduce(*args, **kwargs):
                 seq = seq_of()
-                write(START, 1, 0, 1, 1, seq, 4096, 1, -1, 0, 0)
+                record.start(write, 1, 1, 1, seq, 4096, 1, -1)
                 result = original(*args, **kwargs)
-                write(END, 1, 0, 1, 1, seq, 4096, 1, -1, 0)
+                record.end(write, 1, 1, 1, seq, 4096, 1, -1)
                 return result
 
             return all_reduce

@@ -106,7 +106,8 @@ def cost(collectives: int, rounds: int) -> None:
 def drain(slots: int) -> None:
     from commlens.agent.config import Config
     from commlens.agent.pod import PodSidecar
-    from commlens.hooks.ring import END, START, Ring, ring_file
+    from commlens.hooks import record
+    from commlens.hooks.ring import Ring, ring_file
 
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     print(f"2. drain: {RANKS} rings x {slots} records, one PodSidecar on one core:")
@@ -116,14 +117,13 @@ def drain(slots: int) -> None:
             for rank in range(RANKS):
                 ring = Ring(slots=slots, path=ring_file(folder, rank))
                 ring.describe({"rank": rank, "local_rank": rank, "world_size": RANKS, "job": "bench"})
-                group = ring.intern(json.dumps({"name": "0", "desc": "default_pg", "ranks": list(range(RANKS)),
-                                                "rank": rank, "backend": "gloo"}))
-                sig = ring.intern(json.dumps([[[256]], ["Float"], [[256]], ["Float"]]))
+                group = ring.intern(record.encode_group("0", "default_pg", list(range(RANKS)), rank, "gloo"))
+                sig = ring.intern(record.encode_signature([([256], "Float")], [([256], "Float")]))
                 began = time.monotonic_ns()
                 for op_id in range(1, slots // 2 + 1):
                     t_ns = began + op_id * 1_000_000
-                    ring.write(START, 0, 0, group, op_id, op_id, 1024, sig, -1, 0, 0, t_ns)
-                    ring.write(END, 0, 0, group, op_id, op_id, 1024, sig, -1, 0, 0, t_ns + 100_000)
+                    record.start(ring.write, 0, group, op_id, op_id, 1024, sig, -1, t_ns=t_ns)
+                    record.end(ring.write, 0, group, op_id, op_id, 1024, sig, -1, t_ns=t_ns + 100_000)
                 rings.append(ring)
             config = dataclasses.replace(Config.from_env({"OTEL_TRACES_SAMPLER": sampler} if sampler else {}),
                                          metrics_port=None,

@@ -19,8 +19,8 @@ import sys
 import tempfile
 import time
 
-from commlens.agent.sidecar import Collective
-from commlens.exporters.otlp import JsonLinesTransport, SpanExporter
+from commlens.exporters.telemetry import Collective
+from commlens.exporters.otlp import JsonLinesSpanExporter, BatchSpanProcessor
 
 RANKS, GROUPS = 4, 4
 
@@ -29,7 +29,7 @@ def write_job(folder: str, collectives: int) -> None:
     """Trace files of ``RANKS`` ranks, ``collectives`` spans in all; rank r's clock is r ms ahead."""
     per_rank = collectives // RANKS
     for rank in range(RANKS):
-        exporter = SpanExporter(JsonLinesTransport(os.path.join(folder, f"traces-rank{rank}.jsonl")),
+        exporter = BatchSpanProcessor(JsonLinesSpanExporter(os.path.join(folder, f"traces-rank{rank}.jsonl")),
                                 {"service.name": "bench"}, job="bench", world_size=RANKS, queue_size=per_rank)
         generator = random.Random(rank)
         t = 10**18 + rank * 1_000_000

@@ -1,22 +1,24 @@
 """OTLP traces: one span per collective per rank, built from the sidecar's ``Collective`` records.
 
-Spans are built on the exporter's own thread, never on the training thread, in the form their
-transport sends: OTLP protobuf messages (``opentelemetry-proto``) over gRPC (grpcio) or HTTP/protobuf,
-or — the embedded default when no collector is configured — OTLP JSON appended to a file, one export
+Shaped as OpenTelemetry's SDK is: a ``BatchSpanProcessor`` (queue, thread, batching, sampling)
+above a span exporter whose ``export`` sends one batch and returns a ``SpanExportResult``. Spans are
+built on the processor's own thread, never on the training thread, in the form their exporter
+sends: OTLP protobuf messages (``opentelemetry-proto``) over gRPC (grpcio) or HTTP/protobuf, or —
+the embedded default when no collector is configured — OTLP JSON appended to a file, one export
 request per line, built as protobuf's JSON mapping would write the same spans. The trace id derives
 from (job, process group, sequence number), so the same collective on every rank shares one trace;
 sampling is keyed on the same inputs, and anomalies (NaN, hang, error, slow) are always kept. Every
 outcome is counted in ``counts``: ``exported``, ``failed`` (the collector did not take the batch, or
 it was still queued when the time given to ``shutdown`` ran out), ``dropped`` (the queue was full),
-``sampled_out``. A transport's ``send(request, within_s)`` returns or raises within its own timeout
-and ``within_s``, whichever is less.
+``sampled_out``. An exporter's ``export(request, within_s)`` returns within its own timeout and
+``within_s``, whichever is less.
 
 Example::
 
-    exporter = SpanExporter(HttpTransport("http://collector:4318/v1/traces"), {"service.name": "train"},
-                            job="run-7")
-    exporter.offer(collective)      # from the sidecar thread; never blocks
-    exporter.shutdown(timeout_s=5)  # sends what is queued within 5 s; the rest is counted failed
+    spans = BatchSpanProcessor(HttpSpanExporter("http://collector:4318/v1/traces"), {"service.name": "train"},
+                               job="run-7")
+    spans.queue(collective)         # from the sidecar thread; never blocks
+    spans.shutdown(timeout_s=5)     # sends what is queued within 5 s; the rest is counted failed
 """
 
 from __future__ import annotations
@@ -31,12 +33,16 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span, Status
+from opentelemetry.sdk.trace.export import SpanExportResult
+
+from . import names
+from .telemetry import Collective
 
 SCOPE = InstrumentationScope(name="commlens", version="0.1.0")
 _LOW64 = (1 << 64) - 1
@@ -86,10 +92,10 @@ class SpanBuilder:
 
     def __init__(self, job: str, world_size: int):
         self.job = job
-        self._shared = {"commlens.job": job, "commlens.world_size": world_size}
+        self._shared = {names.JOB: job, names.WORLD_SIZE: world_size}
         self._kinds: dict[tuple, tuple[bytes, str]] = {}
 
-    def add_proto(self, spans: Any, c: Any) -> None:
+    def add_proto(self, spans: Any, c: Collective) -> None:
         """Add ``c``'s span to ``spans``, a request's repeated ``Span`` field (built in place: no copy)."""
         error = _error(c)
         span = spans.add(trace_id=trace_id(self.job, c.pg, c.seq, c.is_p2p), span_id=_span_id(),
@@ -97,7 +103,7 @@ class SpanBuilder:
                          status=None if error is None else {"code": Status.STATUS_CODE_ERROR, "message": error})
         span.MergeFromString(self._kind(c)[0])  # name, kind and the kind's attributes, after the span's own
 
-    def json(self, c: Any) -> str:
+    def json(self, c: Collective) -> str:
         """The span's OTLP JSON text, as protobuf's JSON mapping writes the span ``add_proto`` adds (ids
         in hex, enums as numbers), built without it."""
         error = _error(c)
@@ -106,7 +112,7 @@ class SpanBuilder:
                 f'"startTimeUnixNano":"{c.start_ns}","endTimeUnixNano":"{c.end_ns}",'
                 f'"attributes":[{_numbers_json(_own(c))},{self._kind(c)[1]}{status}}}')
 
-    def _kind(self, c: Any) -> tuple[bytes, str]:
+    def _kind(self, c: Collective) -> tuple[bytes, str]:
         """The kind of ``c``'s span, encoded: (a ``Span`` holding its name, kind and the kind's
         attributes, serialized; the JSON text of the same, from the name to the attributes' end)."""
         key = (c.op, c.pg, c.pg_size, c.rank, c.nbytes, c.dtype, c.async_op, c.status, c.is_p2p, c.nan, c.inf,
@@ -115,31 +121,31 @@ class SpanBuilder:
         if found is None:
             if len(self._kinds) >= _KINDS_KEPT:
                 self._kinds.clear()
-            shared = {**self._shared, "commlens.op": c.op, "commlens.pg.name": c.pg, "commlens.pg.size": c.pg_size,
-                      "commlens.rank": c.rank, "commlens.bytes": c.nbytes, "commlens.dtype": c.dtype,
-                      "commlens.async": c.async_op, "commlens.status": c.status, "commlens.p2p": c.is_p2p,
-                      "commlens.nan": c.nan, "commlens.inf": c.inf, "commlens.hang": c.hang, "commlens.slow": c.slow}
+            shared = {**self._shared, names.OP: c.op, names.PG_NAME: c.pg, names.PG_SIZE: c.pg_size,
+                      names.RANK: c.rank, names.BYTES: c.nbytes, names.DTYPE: c.dtype,
+                      names.ASYNC: c.async_op, names.STATUS: c.status, names.P2P: c.is_p2p,
+                      names.NAN: c.nan, names.INF: c.inf, names.HANG: c.hang, names.SLOW: c.slow}
             if c.phase:
-                shared["commlens.module"], shared["commlens.phase"] = c.module, c.phase
+                shared[names.MODULE], shared[names.PHASE] = c.module, c.phase
             if c.bucket >= 0:
-                shared["commlens.ddp.bucket"], shared["commlens.ddp.is_last"] = c.bucket, c.last_bucket
-                shared["commlens.ddp.wire_bytes"] = c.wire_bytes
+                shared[names.DDP_BUCKET], shared[names.DDP_IS_LAST] = c.bucket, c.last_bucket
+                shared[names.DDP_WIRE_BYTES] = c.wire_bytes
             if c.in_flight:
-                shared["commlens.in_flight"] = True
+                shared[names.IN_FLIGHT] = True
             encoded = Span(name=c.op, kind=Span.SPAN_KIND_INTERNAL, attributes=attributes(shared)).SerializeToString()
             text = f'{json.dumps(json_attributes(shared))[1:]},"name":{json.dumps(c.op)},"kind":{Span.SPAN_KIND_INTERNAL}'
             found = self._kinds[key] = (encoded, text)
         return found
 
 
-def _own(c: Any) -> dict[str, Any]:
+def _own(c: Collective) -> dict[str, Any]:
     """The attributes of ``c``'s span that are its own, not its kind's."""
-    own = {"commlens.op_id": c.op_id, "commlens.seq": c.seq, "commlens.busbw_bytes_per_s": c.busbw}
+    own = {names.OP_ID: c.op_id, names.SEQ: c.seq, names.BUSBW: c.busbw}
     if c.gpu_start_ns >= 0:
-        own["commlens.gpu.queue_s"] = (c.gpu_start_ns - c.start_ns) / 1e9
-        own["commlens.gpu.exec_s"] = (c.end_ns - c.gpu_start_ns) / 1e9
+        own[names.GPU_QUEUE_S] = (c.gpu_start_ns - c.start_ns) / 1e9
+        own[names.GPU_EXEC_S] = (c.end_ns - c.gpu_start_ns) / 1e9
     if c.in_flight:
-        own["commlens.age_s"] = (c.end_ns - c.start_ns) / 1e9
+        own[names.AGE_S] = (c.end_ns - c.start_ns) / 1e9
     return own
 
 
@@ -151,7 +157,7 @@ def _numbers_json(mapping: dict[str, int | float]) -> str:
                      f'{{"key":"{key}","value":{{"doubleValue":"{_double(value)}"}}}}' for key, value in mapping.items()])
 
 
-def _error(c: Any) -> str | None:
+def _error(c: Collective) -> str | None:
     """The status message of ``c``'s span when its status is an error."""
     if c.status not in ("ok", "in_flight") or c.hang or c.nan or c.inf:
         return f"{c.op} seq {c.seq}: {'hung' if c.hang else 'NaN' if c.nan else 'Inf' if c.inf else c.status}"
@@ -168,7 +174,7 @@ _HAND_OVER_S = 20e-6
 """A sleep long enough for a thread waiting for the GIL to wake and take it."""
 
 
-class SpanExporter:
+class BatchSpanProcessor:
     """A bounded queue of collectives and a thread that builds and sends them in batches.
 
     ``beside_training`` (the in-process agent): nothing here holds the GIL for more than ~0.1 ms at
@@ -182,13 +188,13 @@ class SpanExporter:
     collectives keep the same ones, and at most ``budget_per_s`` spans a second are kept whatever the
     job's rate. NaN, Inf, hung, failed and slow collectives are always kept, over the budget too."""
 
-    def __init__(self, transport: Any, resource: Mapping[str, Any], job: str, world_size: int = 1,
+    def __init__(self, exporter: SpanExporter, resource: Mapping[str, Any], job: str, world_size: int = 1,
                  sampler_ratio: float = 1.0, sample_none: bool = False, queue_size: int = 8192,
                  batch_size: int = 64, budget_per_s: float | None = None,
                  beside_training: bool = False):
-        self.transport, self.builder = transport, SpanBuilder(job, world_size)
+        self.exporter, self.builder = exporter, SpanBuilder(job, world_size)
         self.resource = Resource(attributes=attributes(resource))
-        self._json = getattr(transport, "form", "protobuf") == "json"
+        self._json = exporter.form == "json"
         self._json_head = ('{"resourceSpans":[{"resource":{"attributes":' + json.dumps(json_attributes(resource))
                            + '},"scopeSpans":[{"scope":' + json.dumps({"name": SCOPE.name, "version": SCOPE.version})
                            + ',"spans":[')
@@ -207,12 +213,6 @@ class SpanExporter:
         self._sending, self._abandoned, self._counting = 0, False, threading.Lock()
         self._thread = threading.Thread(target=self._run, name="commlens-spans", daemon=True)
         self._thread.start()
-
-    def keeps(self, c: Any) -> bool:
-        """Whether the span of collective ``c`` is kept: an anomaly always, an ordinary one when ``sampled``."""
-        if c.nan or c.inf or c.hang or c.slow or c.status != "ok":
-            return True
-        return bool(self.sampled(c.pg, (c.seq,), c.is_p2p))
 
     def sampled(self, pg: str, seqs: Sequence[int], is_p2p: bool) -> list[int]:
         """Which of the ordinary collectives (completed, in time, finite) ``seqs`` of group ``pg`` are
@@ -253,13 +253,9 @@ class SpanExporter:
             base = self._bases[(pg, is_p2p)] = int.from_bytes(trace_id(self.job, pg, 0, is_p2p)[8:], "big")
         return base
 
-    def offer(self, c: Any) -> None:
-        """Queue one collective's span if it is kept. Never blocks."""
-        if self.keeps(c):
-            self.queue(c)
-
-    def queue(self, c: Any) -> None:
-        """Queue the span of a collective already kept, or count it dropped when the queue is full."""
+    def queue(self, c: Collective) -> None:
+        """Queue the span of a collective kept (an anomaly, or ``sampled``), or count it dropped when
+        the queue is full. Never blocks."""
         if len(self._queue) >= self.queue_size:
             self.counts["dropped"] += 1
         else:
@@ -289,7 +285,7 @@ class SpanExporter:
                 unsent += self._sending
             if unsent:
                 self.counts["failed"] += unsent
-        self.transport.close()
+        self.exporter.shutdown()
 
     def _run(self) -> None:
         while True:
@@ -318,11 +314,10 @@ class SpanExporter:
                 for chunk in self._chunks(batch):
                     for c in chunk:
                         self.builder.add_proto(spans, c)
-            self.transport.send(request, max(0.01, self._deadline - time.monotonic()))
-        except Exception:  # a dead or slow collector: the batch is lost, and counted
-            result = "failed"
-        else:
-            result = "exported"
+            sent = self.exporter.export(request, max(0.01, self._deadline - time.monotonic()))
+        except Exception:  # a span that cannot be encoded: the batch is lost, and counted
+            sent = SpanExportResult.FAILURE
+        result = "exported" if sent is SpanExportResult.SUCCESS else "failed"  # a dead or slow collector too
         with self._counting:
             if not self._abandoned:
                 self.counts[result] += len(batch)
@@ -338,7 +333,7 @@ class SpanExporter:
             yield batch[at:at + _CHUNK]
 
     def request(self, collectives: Sequence = ()) -> ExportTraceServiceRequest:
-        """The export request of the spans of ``collectives`` as protobuf, for the gRPC and HTTP transports."""
+        """The export request of the spans of ``collectives`` as protobuf, for the gRPC and HTTP exporters."""
         request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(
             resource=self.resource, scope_spans=[ScopeSpans(scope=SCOPE)])])
         spans = request.resource_spans[0].scope_spans[0].spans
@@ -347,13 +342,28 @@ class SpanExporter:
         return request
 
     def json_request(self, spans: list[str]) -> str:
-        """The same request as OTLP JSON text, of spans as JSON text, for a transport whose ``form``
+        """The same request as OTLP JSON text, of spans as JSON text, for an exporter whose ``form``
         is ``"json"`` (the trace file)."""
         return self._json_head + ",".join(spans) + "]}]}]}"
 
 
-class GrpcTransport:
+class SpanExporter(Protocol):
+    """Sends one batch of spans (OpenTelemetry's ``SpanExporter``, on requests already encoded):
+    ``form`` says which encoding ``export`` takes, "protobuf" (an ``ExportTraceServiceRequest``) or
+    "json" (OTLP JSON text)."""
+
+    form: str
+
+    def export(self, request: Any, within_s: float) -> SpanExportResult:
+        """Send ``request`` within ``within_s`` (and the exporter's own timeout); never raises."""
+
+    def shutdown(self) -> None: ...
+
+
+class GrpcSpanExporter:
     """OTLP/gRPC to ``endpoint`` (``http://`` or insecure: plaintext; ``https://``: TLS)."""
+
+    form = "protobuf"
 
     def __init__(self, endpoint: str, headers: tuple = (), timeout_s: float = 10.0, insecure: bool = False,
                  certificate: str | None = None):
@@ -370,44 +380,57 @@ class GrpcTransport:
         self._export = TraceServiceStub(self._channel).Export
         self.timeout_s, self.metadata = timeout_s, tuple(headers)
 
-    def send(self, request: ExportTraceServiceRequest, within_s: float) -> None:
-        self._export(request, timeout=min(self.timeout_s, within_s), metadata=self.metadata)
+    def export(self, request: ExportTraceServiceRequest, within_s: float) -> SpanExportResult:
+        try:
+            self._export(request, timeout=min(self.timeout_s, within_s), metadata=self.metadata)
+        except Exception:  # grpc.RpcError: unavailable, deadline exceeded, refused
+            return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
         self._channel.close()
 
 
-class HttpTransport:
+class HttpSpanExporter:
     """OTLP/HTTP with protobuf bodies, POSTed to the full traces URL."""
+
+    form = "protobuf"
 
     def __init__(self, endpoint: str, headers: tuple = (), timeout_s: float = 10.0, certificate: str | None = None):
         self.endpoint, self.timeout_s = endpoint, timeout_s
         self.headers = {"Content-Type": "application/x-protobuf", **dict(headers)}
         self._tls = ssl.create_default_context(cafile=certificate) if endpoint.startswith("https") else None
 
-    def send(self, request: ExportTraceServiceRequest, within_s: float) -> None:
+    def export(self, request: ExportTraceServiceRequest, within_s: float) -> SpanExportResult:
         post = urllib.request.Request(self.endpoint, data=request.SerializeToString(), headers=self.headers,
                                       method="POST")
-        with urllib.request.urlopen(post, timeout=min(self.timeout_s, within_s), context=self._tls) as response:
-            response.read()
+        try:
+            with urllib.request.urlopen(post, timeout=min(self.timeout_s, within_s), context=self._tls) as response:
+                response.read()
+        except (OSError, ValueError):  # refused, timed out, an HTTP error status (urllib's HTTPError)
+            return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
         pass
 
 
-class JsonLinesTransport:
+class JsonLinesSpanExporter:
     """The embedded default: each export request appended to ``path`` as one line of OTLP JSON."""
 
     form = "json"
-    """The exporter hands ``send`` the request as OTLP JSON text, not as protobuf."""
 
     def __init__(self, path: str):
         self.path = path
         open(path, "a").close()  # fail now, at start-up, if the file cannot be written
 
-    def send(self, request: str, within_s: float) -> None:
-        with open(self.path, "a") as f:
-            f.write(request + "\n")
+    def export(self, request: str, within_s: float) -> SpanExportResult:
+        try:
+            with open(self.path, "a") as f:
+                f.write(request + "\n")
+        except OSError:  # a full disk, a removed folder
+            return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
         pass

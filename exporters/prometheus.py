@@ -1,13 +1,13 @@
 """Prometheus metrics: DESIGN.md's table, built at scrape time from what the sidecar counted.
 
-``MetricsCollector.collect()`` copies one rank's counters under their lock and computes ages and
-depths at that moment; ``PodCollector`` serves several ranks' on one endpoint (the pod sidecar),
-each series labelled by its rank; ``serve()`` puts either on its own registry behind
+``MetricsCollector.collect()`` reads one rank's ``RankTelemetry`` (a copy of its counters, the ages
+and depths of its collectives in flight at that moment); ``PodCollector`` serves several ranks' on
+one endpoint (the pod sidecar), each series labelled by its rank; ``serve()`` puts either on its own registry behind
 prometheus-client's HTTP server.
 
 Example::
 
-    server = serve(MetricsCollector(stats, inflight, dropped, spans, info, buckets, errors), "0.0.0.0", 9464)
+    server = serve(MetricsCollector(rank_telemetry, DURATION_BUCKETS), "0.0.0.0", 9464)
     ...
     server.shutdown()
 """
@@ -24,7 +24,9 @@ from prometheus_client.samples import Exemplar
 
 from commlens.hooks.ring import ERRORS, REASONS
 
+from . import names
 from .otlp import trace_id
+from .telemetry import RankTelemetry
 
 
 SPAN_RESULTS = ("exported", "failed", "dropped", "sampled_out")
@@ -53,23 +55,17 @@ class _Scrapes:
 
 
 class MetricsCollector(_Scrapes):
-    """``stats`` is the sidecar's ``Stats``, ``inflight`` gives its ``GroupInFlight`` by group; the
-    callables are read at each scrape. The histogram counts in ``buckets`` and is exposed in
-    ``exposed`` (a subset of ``buckets``, default all of them), each exposed bucket with the latest
-    exemplar of the buckets folded into it.
+    """The metrics of one rank, read from ``source`` at each scrape. The histogram counts in
+    ``buckets`` and is exposed in ``exposed`` (a subset of ``buckets``, default all of them), each
+    exposed bucket with the latest exemplar of the buckets folded into it.
 
     Counters of rare events (hangs, NaN, snapshots, span results) are shown at 0 for every op and
     group seen, so that ``increase()`` in an alert rule sees the first event.
     """
 
-    def __init__(self, stats: Any, inflight: Callable[[], Mapping[str, Any]],
-                 dropped: Callable[[], int], spans: Callable[[], Mapping[str, int]],
-                 info: Callable[[], Mapping[str, Any]], buckets: tuple[float, ...],
-                 telemetry_errors: Callable[[], Mapping[str, int]] = dict, exposed: tuple[float, ...] | None = None):
+    def __init__(self, source: RankTelemetry, buckets: tuple[float, ...], exposed: tuple[float, ...] | None = None):
         super().__init__()
-        self.stats, self.inflight, self.dropped, self.spans = stats, inflight, dropped, spans
-        self.telemetry_errors = telemetry_errors
-        self.info, self.rank = info, str(info()["rank"])
+        self.source = source
         self.exposed = buckets if exposed is None else exposed
         if not set(self.exposed) <= set(buckets):
             raise ValueError(f"exposed buckets {self.exposed} are not a subset of the histogram's {buckets}")
@@ -87,16 +83,15 @@ class MetricsCollector(_Scrapes):
         return folded, latest
 
     def families(self):
-        rank, s = self.rank, self.stats
-        with s.lock:
-            durations = {key: (list(h.counts), list(h.exemplars), h.total) for key, h in s.durations.items()}
-            completed, nbytes, bus = dict(s.completed), dict(s.bytes), dict(s.bus_bytes)
-            last_seq, hangs, nans, snapshots = dict(s.last_seq), dict(s.hangs), dict(s.nans), dict(s.snapshots)
-            first_nonfinite, failed = dict(s.first_nonfinite), dict(s.failed)
-            gpu_queue, gpu_exec = dict(s.gpu_queue), dict(s.gpu_exec)
-        inflight, info = self.inflight(), self.info()
+        source = self.source
+        info = source.info()
+        rank, s = str(info["rank"]), source.stats_snapshot()
+        durations, completed, nbytes, bus, last_seq = s.durations, s.completed, s.bytes, s.bus_bytes, s.last_seq
+        hangs, nans, snapshots, first_nonfinite, failed = s.hangs, s.nans, s.snapshots, s.first_nonfinite, s.failed
+        gpu_queue, gpu_exec = s.gpu_queue, s.gpu_exec
+        inflight = source.inflight_by_group()
 
-        family = HistogramMetricFamily("commlens_collective_duration_seconds",
+        family = HistogramMetricFamily(names.COLLECTIVE_DURATION,
                                        "Time from issue to completion of a collective",
                                        labels=("op", "pg", "size_class", "rank"))
         job = str(info["job"])
@@ -113,27 +108,27 @@ class MetricsCollector(_Scrapes):
             family.add_metric((op, pg, size, rank), cumulative, total)
         yield family
 
-        yield _counter("commlens_collectives", "Completed collectives, by status", ("op", "pg", "status"),
+        yield _counter(names.COLLECTIVES, "Completed collectives, by status", ("op", "pg", "status"),
                        completed, rank)
-        yield _counter("commlens_collective_gpu_queue_seconds", "Collectives on CUDA tensors: seconds from issue to "
+        yield _counter(names.GPU_QUEUE, "Collectives on CUDA tensors: seconds from issue to "
                        "their start on the GPU (the GPU busy with earlier work)", ("op", "pg"), gpu_queue, rank)
-        yield _counter("commlens_collective_gpu_exec_seconds", "Collectives on CUDA tensors: seconds from their start "
+        yield _counter(names.GPU_EXEC, "Collectives on CUDA tensors: seconds from their start "
                        "on the GPU to their end", ("op", "pg"), gpu_exec, rank)
-        yield _counter("commlens_collective_bytes", "Payload bytes of completed collectives", ("op", "pg"),
+        yield _counter(names.COLLECTIVE_BYTES, "Payload bytes of completed collectives", ("op", "pg"),
                        nbytes, rank)
-        yield _counter("commlens_collective_bus_bytes",
+        yield _counter(names.COLLECTIVE_BUS_BYTES,
                        "Payload bytes times the nccl-tests bus factor; busbw = rate(bus_bytes) / rate(duration_sum)",
                        ("op", "pg"), bus, rank)
-        family = GaugeMetricFamily("commlens_collective_last_seq", "Last collective sequence number by state",
+        family = GaugeMetricFamily(names.LAST_SEQ, "Last collective sequence number by state",
                                    labels=("pg", "state", "rank"))
         for (pg, state), seq in sorted(last_seq.items()):
             family.add_metric((pg, state, rank), seq)
         yield family
-        depth = GaugeMetricFamily("commlens_collective_inflight", "Collectives issued and not completed",
+        depth = GaugeMetricFamily(names.INFLIGHT, "Collectives issued and not completed",
                                   labels=("pg", "rank"))
-        age = GaugeMetricFamily("commlens_collective_inflight_oldest_seconds",
+        age = GaugeMetricFamily(names.INFLIGHT_OLDEST,
                                 "Age of the oldest in-flight collective, 0 when none", labels=("pg", "rank"))
-        hung = GaugeMetricFamily("commlens_collective_hung_seq",
+        hung = GaugeMetricFamily(names.HUNG_SEQ,
                                  "Sequence number of the oldest collective in flight past the hang threshold, by op; "
                                  "absent when none", labels=("pg", "op", "rank"))
         for pg, group in sorted(inflight.items()):
@@ -144,38 +139,38 @@ class MetricsCollector(_Scrapes):
         yield depth
         yield age
         yield hung
-        family = GaugeMetricFamily("commlens_collective_failed_seq",
+        family = GaugeMetricFamily(names.FAILED_SEQ,
                                    "Sequence number of the first collective that failed (error or timeout), by op; "
                                    "absent when none", labels=("pg", "op", "rank"))
         for pg, (seq, op) in sorted(failed.items()):
             family.add_metric((pg, op, rank), seq)
         yield family
         seen = dict.fromkeys(nbytes, 0)
-        yield _counter("commlens_hangs", "In-flight collectives that crossed the hang threshold", ("op", "pg"),
+        yield _counter(names.HANGS, "In-flight collectives that crossed the hang threshold", ("op", "pg"),
                        {**seen, **hangs}, rank)
-        yield _counter("commlens_nan_events", "Collectives whose input (or output) held NaN (kind nan) or Inf (kind inf)",
+        yield _counter(names.NAN_EVENTS, "Collectives whose input (or output) held NaN (kind nan) or Inf (kind inf)",
                        ("op", "pg", "kind"), {**{(*key, kind): 0 for key in seen for kind in NONFINITE_KINDS}, **nans},
                        rank)
-        first = GaugeMetricFamily("commlens_nonfinite_first_seq",
+        first = GaugeMetricFamily(names.NONFINITE_FIRST_SEQ,
                                   "Sequence number of the first collective whose input held NaN or Inf on this rank; "
                                   "the lowest across ranks is where the values entered", labels=("pg", "op", "kind", "rank"))
         for (pg, kind), (seq, op) in sorted(first_nonfinite.items()):
             first.add_metric((pg, op, kind, rank), seq)
         yield first
-        yield _counter("commlens_abort_snapshots", "Flight-recorder snapshots written on abort, hang, signal, exception, another rank's hang or abort (peer), "
+        yield _counter(names.ABORT_SNAPSHOTS, "Flight-recorder snapshots written on abort, hang, signal, exception, another rank's hang or abort (peer), "
                        "or the end of a rank's process that did not stop commlens (exit: killed, crashed; pod sidecar)",
                        ("reason",), {(reason,): snapshots.get(reason, 0) for reason in REASONS}, rank)
-        yield _counter("commlens_ring_records_dropped", "Ring records overwritten before the sidecar read them",
-                       (), {(): self.dropped()}, rank)
-        yield _counter("commlens_spans_exported", "Spans handed to OTLP, by result", ("result",),
-                       {(result,): n for result, n in {**dict.fromkeys(SPAN_RESULTS, 0), **self.spans()}.items()},
+        yield _counter(names.RING_RECORDS_DROPPED, "Ring records overwritten before the sidecar read them",
+                       (), {(): source.dropped()}, rank)
+        yield _counter(names.SPANS_EXPORTED, "Spans handed to OTLP, by result", ("result",),
+                       {(result,): n for result, n in {**dict.fromkeys(SPAN_RESULTS, 0), **source.span_results()}.items()},
                        rank)
-        yield _counter("commlens_telemetry_errors", "Telemetry lost inside commlens, by kind: hooks that raised, "
+        yield _counter(names.TELEMETRY_ERRORS, "Telemetry lost inside commlens, by kind: hooks that raised, "
                        "collectives commlens failed to record, strings the ring's table had no room for, async "
                        "works dropped before their completion could be observed", ("kind",),
-                       {(kind,): n for kind, n in {**dict.fromkeys(ERRORS, 0), **self.telemetry_errors()}.items()},
+                       {(kind,): n for kind, n in {**dict.fromkeys(ERRORS, 0), **source.telemetry_errors()}.items()},
                        rank)
-        family = GaugeMetricFamily("commlens_info", "Who this is", labels=tuple(info))
+        family = GaugeMetricFamily(names.INFO, "Who this is", labels=tuple(info))
         family.add_metric(tuple(str(v) for v in info.values()), 1)
         yield family
 
@@ -197,7 +192,7 @@ class PodCollector(_Scrapes):
                 else:
                     merged[family.name] = family
         yield from merged.values()
-        family = GaugeMetricFamily("commlens_rank_up", "1 while the rank's process lives, 0 after it ended (killed, "
+        family = GaugeMetricFamily(names.RANK_UP, "1 while the rank's process lives, 0 after it ended (killed, "
                                    "crashed or done); a frozen process counts as living", labels=("rank",))
         for rank, alive in sorted(self.up().items(), key=lambda item: int(item[0])):
             family.add_metric((rank,), 1 if alive else 0)

@@ -21,8 +21,8 @@ from . import ring as _ring_module  # noqa: F401 — loaded first, so that ``rin
 
 
 def ring():
-    """This process's ring (``recorder.ring()``), created on first use."""
-    from .recorder import ring as this_process
+    """This process's ring (``process_ring.ring()``), created on first use."""
+    from .process_ring import ring as this_process
 
     return this_process()
 

@@ -24,7 +24,7 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim
 
-from . import recorder
+from . import process_ring, record
 
 """By the phase byte of a record; 0 (``""``): attribution was off."""
 OTHER, FORWARD, BACKWARD, OPTIMIZER = range(1, 5)
@@ -96,14 +96,14 @@ def enable() -> ModuleAttribution:
     """Attribute every collective recorded from now on. Idempotent."""
     global _active
     if _active is None:
-        _active = ModuleAttribution(recorder.ring()).enable()
-        recorder.where = _active.where
+        _active = ModuleAttribution(process_ring.ring()).enable()
+        record.where = _active.where
     return _active
 
 
 def disable() -> None:
     global _active
     if _active is not None:
-        recorder.where = None
+        record.where = None
         _active.disable()
         _active = None

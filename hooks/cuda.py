@@ -34,15 +34,16 @@ from typing import Any, Callable
 
 import torch
 
+from . import process_ring
 from .futures import when_done
-from .ring import END, GPU_START, NAN_HAS_INF, NAN_HAS_NAN
+from .ring import NAN_HAS_INF, NAN_HAS_NAN
 
 POOL = 4096
 
 
 class GpuTracker:
-    def __init__(self, write: Callable[..., int], count_error: Callable[[str], None], pool: int = POOL):
-        self.write, self.count_error, self.pool = write, count_error, pool
+    def __init__(self, count_error: Callable[[str], None], pool: int = POOL):
+        self.count_error, self.pool = count_error, pool
         self._free: collections.deque = collections.deque()
         self._created = 0
         self._timed: collections.deque = collections.deque()
@@ -191,19 +192,8 @@ def poll() -> None:
 
 
 def tracker() -> GpuTracker:
-    """This process's tracker, writing to the recorder's ring."""
+    """This process's tracker, counting into this process's ring."""
     global _tracker
     if _tracker is None:
-        from .recorder import ring
-
-        _tracker = GpuTracker(ring().write, ring().count_error)
+        _tracker = GpuTracker(process_ring.count_error)
     return _tracker
-
-
-def write_completion(code: int, status: int, sid: int, op_id: int, seq: int, nbytes: int, sig: int,
-                     peer: int, aux: int, gpu_start_ns: int, gpu_end_ns: int) -> None:
-    """GPU_START and END of one collective, at the GPU's times."""
-    write = tracker().write
-    write(GPU_START, code, 0, sid, op_id, seq, nbytes, sig, peer, 0, 0, gpu_start_ns)
-    write(END, code, status, sid, op_id, seq, nbytes, sig, peer, aux, 0, gpu_end_ns)
-

@@ -35,12 +35,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from . import _issuing, _producer, extension, groups, recorder
+from . import _issuing, _producer, extension, groups, issuing, process_ring, signatures
 from .futures import then, when_done
 from .ops import OpName
 from .patch import Patches
 from .registry import post_hooks
-from .ring import NOT_ISSUED, OK
+from .recorder import InFlight
+from .ring import ERROR, NOT_ISSUED, OK
 
 @dataclasses.dataclass
 class DdpBucket:
@@ -66,7 +67,7 @@ def nested_collective(tensors: tuple, output_tensors: tuple) -> bool:
     bucket = getattr(_scope, "bucket", None)
     if bucket is None:
         return False
-    bucket.wire_bytes += recorder.signature(tensors, output_tensors)[1]
+    bucket.wire_bytes += signatures.signature(tensors, output_tensors)[1]
     return True
 
 
@@ -89,21 +90,16 @@ def wrap(hook: Callable | None = None) -> Callable:
         with _active_lock:
             active += 1
         _scope.bucket = flight.bucket
-        issuing = recorder.set_issuing(True)  # PyTorch's own hooks step aside
         seq_source = flight.group.seq_source
         seq_before = seq_source() if seq_source is not None else None
         try:
-            future = hook(state, bucket)
-        except BaseException as error:
-            flight.failed(error)
-            raise
+            future = issuing.issue(flight, hook, state, bucket)
         finally:
             _scope.bucket = None
-            recorder.set_issuing(issuing)
             with _active_lock:
                 active -= 1
         if not isinstance(future, torch._C.Future):  # DDP raises its own error for this
-            flight.complete(recorder.ERROR, TypeError(f"communication hook returned {type(future).__name__}"))
+            flight.complete(ERROR, TypeError(f"communication hook returned {type(future).__name__}"))
             return future
         if seq_before is not None and seq_source() == seq_before:  # e.g. noop_hook: no collective, no seq of its own
             flight.complete(NOT_ISSUED, None)
@@ -126,14 +122,7 @@ def recorded_allreduce(state: Any, bucket: Any):
     flight = _start(state, bucket)
     if flight is None:
         return allreduce_hook(state, bucket)
-    issuing = recorder.set_issuing(True)  # PyTorch's own hooks step aside
-    try:
-        future = allreduce_hook(state, bucket, flight)
-    except BaseException as error:
-        flight.failed(error)
-        raise
-    finally:
-        recorder.set_issuing(issuing)
+    future = issuing.issue(flight, allreduce_hook, state, bucket, flight)
     if flight.gpu is not None:  # a bucket on a CUDA device completes when the GPU has reduced it
         flight.gpu_end(future)
     return future
@@ -142,21 +131,21 @@ def recorded_allreduce(state: Any, bucket: Any):
 recorded_allreduce._commlens_wrapped = True
 
 
-def _start(state: Any, bucket: Any) -> recorder.InFlight | None:
+def _start(state: Any, bucket: Any) -> InFlight | None:
     """START of a bucket's all_reduce, its pre-hooks run; None: it goes on unrecorded."""
     return _begin(_process_group(state), bucket.buffer(), bucket.index(), len(bucket.parameters()), bucket.is_last())
 
 
 def _begin(pg: Any, buffer: torch.Tensor, index: int, parameters: int, is_last: bool,
-           finite: bool | None = None) -> recorder.InFlight | None:
+           finite: bool | None = None) -> InFlight | None:
     info = DdpBucket(index, parameters, is_last, buffer.numel() * buffer.element_size())
     try:
         group = groups.group_of(pg)
     except Exception as error:  # commlens could not record it: the bucket goes on unrecorded
-        recorder.internal_error("ddp bucket", error)
+        process_ring.internal_error("ddp bucket", error)
         return None
     tensors = (buffer,)
-    return recorder.start(OpName.all_reduce, group, tensors, tensors, True, None, None, bucket=info,
+    return issuing.start(OpName.all_reduce, group, tensors, tensors, True, None, None, bucket=info,
                           inputs_finite=finite is True)
 
 
@@ -168,11 +157,11 @@ def _begin_in_cpp(pg: Any, buffer: torch.Tensor, index: int, parameters: int, is
     if flight is None:
         return None
     flight.bucket.wire_bytes = flight.bucket.nbytes
-    producer = None if post_hooks.entries else recorder.ring().producer  # post-hooks run in Python
-    return _end_in_python, flight, producer, (*flight.end_fields(OK), 0)
+    producer = None if post_hooks.entries else process_ring.ring().producer  # post-hooks run in Python
+    return _end_in_python, flight, producer, flight.end_args()
 
 
-def _end_in_python(flight: recorder.InFlight, error: str | None) -> None:
+def _end_in_python(flight: InFlight, error: str | None) -> None:
     if error is None:
         flight.complete(OK, None)
     else:
@@ -197,11 +186,11 @@ def _record_buckets(model: DistributedDataParallel, reducer: Any) -> None:
             hook.register_hook(reducer, model.process_group, _begin_in_cpp)
             return
         except Exception as error:  # e.g. a reducer this torch binds differently: the Python hook records
-            recorder.internal_error("ddp C++ hook", error)
+            process_ring.internal_error("ddp C++ hook", error)
     dist._register_comm_hook(reducer, model.process_group, recorded_allreduce)
 
 
-def allreduce_hook(process_group: Any, bucket: Any, flight: recorder.InFlight | None = None) -> torch.futures.Future:
+def allreduce_hook(process_group: Any, bucket: Any, flight: InFlight | None = None) -> torch.futures.Future:
     """PyTorch's ``allreduce_hook`` — the bucket divided by the group's size, then all-reduced — with
     its callback, which runs on the backend's thread, followed so that the process waits for it at exit.
     With ``flight`` (``recorded_allreduce``) it issues torch's all_reduce, not our wrapper, and on a CPU

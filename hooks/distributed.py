@@ -28,11 +28,10 @@ from typing import Callable
 
 import torch.distributed.distributed_c10d as c10d
 
-from . import ddp, finite, functional, groups, native, recorder, registry
-from .ops import OpName
+from . import ddp, finite, functional, groups, issuing, native, poller, process_ring, record, recorder, registry, signatures
+from .issuing import set_issuing
+from .ops import CODE, OpName
 from .patch import Patches, PatchError
-from .recorder import set_issuing
-from .ring import END, OK, START
 
 
 # Each mirrors the signature of the torch.distributed function of the same name and returns
@@ -134,8 +133,9 @@ which must not be recorded a second time."""
 
 def _instrumented(op: OpName, original: Callable, describe: Callable, kind: str = "collective") -> Callable:
     rooted = not op.is_p2p
-    code = recorder.CODE[op]
+    code = CODE[op]
     unhooked_ok = kind == "collective"
+    issue = _marking_sync_p2p(original) if kind == "sync_p2p" else original
 
     def collective(*args, **kwargs):
         if set_issuing(True):  # inside another wrapper's collective (a sync send's isend, a DDP bucket's all_reduce)
@@ -162,28 +162,26 @@ def _instrumented(op: OpName, original: Callable, describe: Callable, kind: str 
                                            original, args, kwargs, registry.checking_inputs)
             if result is not recorder.UNPROVEN:
                 return result
-        flight = recorder.start(op, info, tensors, outputs, async_op,
-                                group_target if rooted else None, None if rooted else group_target)
-        if flight is None:
-            return original(*args, **kwargs)
-        try:
-            if kind == "sync_p2p":
-                _sync_p2p.active = True
-                try:
-                    result = original(*args, **kwargs)
-                finally:
-                    _sync_p2p.active = False
-            else:
-                result = original(*args, **kwargs)
-        except BaseException as error:
-            flight.failed(error)
-            raise
-        recorder.settle(flight.issued, result)
-        return result
+        return issuing.record(op, info, tensors, outputs, async_op, group_target if rooted else None,
+                              None if rooted else group_target, issue, args, kwargs)
 
     chosen = collective if native.AVAILABLE else recorded  # before 2.14 there is nothing to step aside for
     chosen.__wrapped__ = original
     return chosen
+
+
+def _marking_sync_p2p(original: Callable) -> Callable:
+    """A sync ``send``/``recv`` that marks itself running, so that the ``isend``/``irecv`` it calls
+    is not recorded a second time."""
+
+    def sync_p2p(*args, **kwargs):
+        _sync_p2p.active = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _sync_p2p.active = False
+
+    return sync_p2p
 
 
 def _wrapper(op: OpName, original: Callable, describe: Callable, kind: str) -> Callable:
@@ -203,18 +201,19 @@ def _all_reduce_in_one_frame(original: Callable, general: Callable) -> Callable:
     if list(parameters) != ["tensor", "op", "group", "async_op"]:  # another torch's all_reduce: no shortcut
         return general
     default_op = parameters["op"].default
-    code = recorder.CODE[OpName.all_reduce]
-    known, issuing, steps_aside = groups.known, recorder.issuing, native.AVAILABLE
+    code = CODE[OpName.all_reduce]
+    known, is_issuing, steps_aside = groups.known, issuing.issuing, native.AVAILABLE
+    in_place, describe_in_place = signatures.in_place, signatures.describe_in_place
 
     def all_reduce(tensor, op=default_op, group=None, async_op=False):
         info = known.get(group)
         if info is None or info is groups.NOT_MEMBER or async_op or registry.hooked or ddp.active or (
-                steps_aside and issuing()):
+                steps_aside and is_issuing()):
             return general(tensor, op, group, async_op)
         try:  # anything unexpected about the call (not a tensor) is general's to handle and count
             key = None if tensor.is_cuda else (tensor.shape, tensor.dtype)
             if key is not None:
-                sig, nbytes, scan = recorder.in_place.get(key) or recorder.describe_in_place(tensor, key)
+                sig, nbytes, scan = in_place.get(key) or describe_in_place(tensor, key)
                 if registry.checking_inputs and (scan is None or finite.scanned(tensor, scan) is not True):
                     key = None  # not proven finite: the NaN check's hook decides, on the general path
         except Exception:
@@ -224,14 +223,11 @@ def _all_reduce_in_one_frame(original: Callable, general: Callable) -> Callable:
         if steps_aside:
             set_issuing(True)
         try:
-            try:  # START as recorder.run_unhooked writes it, inlined (a call costs ~0.4 µs in the loop)
-                op_id, source = recorder.new_op_id(), info.seq_source
-                seq = source() + 1 - info.p2p_in_source if source is not None else info.next_collective_seq()
-                write = recorder.ring().write
-                write(START, code, 0, info.sid, op_id, seq, nbytes, sig, -1, 0,
-                      0 if recorder.where is None else recorder.where())
+            try:
+                op_id, seq, write = record.new_op_id(), info.next_collective_seq(), record.writer()
+                record.start(write, code, info.sid, op_id, seq, nbytes, sig, -1)
             except Exception as error:  # a failing ring: the collective goes on unrecorded, counted
-                recorder.internal_error("START", error)
+                process_ring.internal_error("START", error)
                 return original(tensor, op, group, async_op)
             try:
                 result = original(tensor, op, group, async_op)
@@ -241,7 +237,7 @@ def _all_reduce_in_one_frame(original: Callable, general: Callable) -> Callable:
         finally:
             if steps_aside:
                 set_issuing(False)
-        write(END, code, OK, info.sid, op_id, seq, nbytes, sig, -1, 0)
+        record.end(write, code, info.sid, op_id, seq, nbytes, sig, -1)
         return result
 
     all_reduce.__wrapped__ = original
@@ -277,7 +273,7 @@ def instrument() -> None:
                 _patches.add(getattr(c10d, name), lambda original, op=op, describe=describe, kind=kind:
                              _wrapper(op, original, describe, kind), f"torch.distributed.{name}")
             _patches.add(c10d.destroy_process_group, _destroy_process_group, "torch.distributed.destroy_process_group")
-            _patches.add((c10d.Work, "wait"), recorder.waited, "torch.distributed.Work.wait")
+            _patches.add((c10d.Work, "wait"), poller.waited, "torch.distributed.Work.wait")
             ddp.instrument_ddp(_patches)
             functional.instrument_functional(_patches)
             native.attach()

@@ -23,7 +23,9 @@ import pickle
 import tempfile
 from typing import Any
 
+from . import process_ring
 from .ops import OPS, OpName
+from .record import GroupDescription, decode_group, decode_signature, new_op_id
 from .ring import END, NOT_ISSUED, START, STATUS
 
 VERSION = "2.10"
@@ -32,6 +34,8 @@ DEFAULT_DUMP_PREFIX = os.path.join("~", ".cache", "torchcomm_fr_trace_")
 _STACKED_OUTPUTS = {OpName.all_gather, OpName.gather}
 _STACKED_INPUTS = {OpName.reduce_scatter, OpName.scatter}
 _DEFAULT_TIMEOUT_MS = 30 * 60 * 1000
+_UNDESCRIBED = GroupDescription("", "undefined", [], -1, "gloo")
+"""A group whose description was lost (its string had no room in the ring's arena)."""
 
 
 class FlightRecorderHook:
@@ -41,7 +45,7 @@ class FlightRecorderHook:
         if not isinstance(max_entries, int) or max_entries < 1:
             raise ValueError(f"FlightRecorderHook max_entries={max_entries!r} is not accepted: "
                              "it must be a positive integer")
-        slots = _recorder().ring().slots
+        slots = process_ring.ring().slots
         if 2 * max_entries > slots:
             raise ValueError(f"FlightRecorderHook max_entries={max_entries} needs a ring of at least "
                              f"{2 * max_entries} slots (two records per collective); the ring has {slots}: "
@@ -56,7 +60,7 @@ class FlightRecorderHook:
         """Record ``comm``: a torchcomms communicator, one torch.distributed process group, or every
         torch.distributed group when None. Entries start with the next collective."""
         if self._from_op_id is None:
-            self._from_op_id = _recorder().new_op_id()
+            self._from_op_id = new_op_id()
         self._until_op_id = None
         if comm is None:
             self._groups = None
@@ -79,13 +83,13 @@ class FlightRecorderHook:
         while self._handles:
             self._handles.pop().remove()
         if self._from_op_id is not None:
-            self._until_op_id = _recorder().new_op_id()
+            self._until_op_id = new_op_id()
 
     def entries(self) -> tuple[list[dict], dict, dict]:
         """(entries, pg_config, pg_status) of the recorded collectives still in the ring, oldest first."""
         if self._from_op_id is None:
             return [], {}, {}
-        return entries(_recorder().ring(), self.max_entries, self._from_op_id, self._until_op_id, self._groups)
+        return entries(process_ring.ring(), self.max_entries, self._from_op_id, self._until_op_id, self._groups)
 
     def dump(self) -> dict:
         """The dump as a dict, in PyTorch's flight-recorder schema."""
@@ -118,8 +122,8 @@ def entries(ring: Any, max_entries: int, from_op_id: int = 0, until_op_id: int |
             continue
         group = described.get(record.pg)
         if group is None:
-            group = described[record.pg] = json.loads(ring.string(record.pg) or "{}")
-        if groups is not None and group.get("name") not in groups:
+            group = described[record.pg] = decode_group(ring.string(record.pg)) or _UNDESCRIBED
+        if groups is not None and group.name not in groups:
             continue
         (starts if record.kind == START else ends)[record.op_id] = record
     op_ids = sorted(i for i in starts if i not in ends or ends[i].flags != NOT_ISSUED)[-max_entries:]
@@ -128,27 +132,27 @@ def entries(ring: Any, max_entries: int, from_op_id: int = 0, until_op_id: int |
     return found, _pg_config(described), _pg_status(found)
 
 
-def _entry(start: Any, end: Any, group: dict, ring: Any, first_op_id: int) -> dict:
+def _entry(start: Any, end: Any, group: GroupDescription, ring: Any, first_op_id: int) -> dict:
     op = OPS[start.op]
-    in_sizes, in_dtypes, out_sizes, out_dtypes = json.loads(ring.string(start.sig) or "[[],[],[],[]]")
+    in_sizes, in_dtypes, out_sizes, out_dtypes = decode_signature(ring.string(start.sig))
     if op.is_p2p:  # c10d records a p2p op's one tensor as both input and output
         in_sizes = out_sizes = in_sizes or out_sizes
         in_dtypes = out_dtypes = in_dtypes or out_dtypes
-        me = group["ranks"].index(group["rank"]) if group.get("rank") in group.get("ranks", []) else -1
+        me = group.own_rank
         arrow = f"{me}->{start.peer}" if op is OpName.send else f"{me}<-{start.peer}"
-        name = f"{group.get('backend', 'gloo')}:{op.value} {arrow}"
+        name = f"{group.backend}:{op.value} {arrow}"
     else:
         if op in _STACKED_OUTPUTS:
             out_sizes, out_dtypes = _stacked(out_sizes, out_dtypes)
         if op in _STACKED_INPUTS:
             in_sizes, in_dtypes = _stacked(in_sizes, in_dtypes)
-        name = f"{group.get('backend', 'gloo')}:{op.fr_name}"
+        name = f"{group.backend}:{op.fr_name}"
     created = start.t_ns + ring.clock_offset_ns
     completed = end.t_ns + ring.clock_offset_ns if end is not None else None
     return {
         "record_id": start.op_id - first_op_id,
-        "pg_id": int(group["name"]) if str(group.get("name", "")).isdigit() else start.pg,
-        "process_group": (group.get("name", ""), group.get("desc", "undefined")),
+        "pg_id": int(group.name) if group.name.isdigit() else start.pg,
+        "process_group": (group.name, group.desc),
         "collective_seq_id": 0 if op.is_p2p else start.seq,
         "p2p_seq_id": start.seq if op.is_p2p else 0,
         "op_id": start.op_id,
@@ -163,7 +167,7 @@ def _entry(start: Any, end: Any, group: dict, ring: Any, first_op_id: int) -> di
         "time_discovered_completed_ns": completed,
         "duration_ms": (end.t_ns - start.t_ns) / 1e6 if end is not None else None,
         "retired": end is not None,
-        "timeout_ms": group.get("timeout_ms", _DEFAULT_TIMEOUT_MS),
+        "timeout_ms": _DEFAULT_TIMEOUT_MS,
         "is_p2p": op.is_p2p,
         "status": STATUS[end.flags] if end is not None else "in_flight",
         "frames": [],
@@ -197,21 +201,14 @@ def write_dump(dump: dict, rank: int) -> str:
     return path
 
 
-def _recorder() -> Any:
-    from . import recorder  # on first use: this module is also read without torch (dump_ring)
-
-    return recorder
-
-
 def _stacked(sizes: list, dtypes: list) -> tuple[list, list]:
     if sizes and all(s == sizes[0] for s in sizes):
         return [[len(sizes), *sizes[0]]], dtypes[:1]
     return sizes, dtypes
 
 
-def _pg_config(groups: dict) -> dict:
-    return {g["name"]: {"name": g["name"], "desc": g.get("desc", "undefined"), "ranks": str(g.get("ranks", []))}
-            for g in groups.values() if "name" in g}
+def _pg_config(groups: dict[int, GroupDescription]) -> dict:
+    return {g.name: {"name": g.name, "desc": g.desc, "ranks": str(g.ranks)} for g in groups.values() if g.name}
 
 
 def _pg_status(entries: list[dict]) -> dict:

@@ -25,9 +25,11 @@ import torch
 import torch.distributed.distributed_c10d as c10d
 import torch.distributed._functional_collectives as funcol
 
-from . import groups, recorder
+from . import groups, issuing, process_ring
 from .ops import OpName
 from .patch import Patches
+from .recorder import InFlight
+from .ring import OK
 
 
 def _resized(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -109,7 +111,7 @@ def _group(group: Any, tag: str) -> Any:
 
 
 PENDING_MAX = 4096
-_pending: dict[int, tuple[recorder.InFlight, tuple[int, ...]]] = {}
+_pending: dict[int, tuple[InFlight, tuple[int, ...]]] = {}
 """Storage address of an output not yet waited for -> (its collective, the keys of all its outputs).
 The collective holds its outputs until the wait, as PyTorch's own registry of unwaited work does; past
 ``PENDING_MAX`` outputs the oldest collective is let go, completed and counted (``work_unjudged``)."""
@@ -131,30 +133,18 @@ def _instrumented(op: OpName, original: Callable, describe: Callable) -> Callabl
             return original(*args, **kwargs)
         if info is groups.NOT_MEMBER:
             return original(*args, **kwargs)
-        flight = recorder.start(op, info, tensors, outputs, True, root, None)
-        if flight is None:
-            return original(*args, **kwargs)
-        issuing = recorder.set_issuing(True)  # PyTorch's own hooks step aside
-        try:
-            result = original(*args, **kwargs)
-        except BaseException as error:
-            flight.failed(error)
-            raise
-        finally:
-            recorder.set_issuing(issuing)
-        recorder.settle(functools.partial(_track, flight), result)
-        return result
+        return issuing.record(op, info, tensors, outputs, True, root, None, original, args, kwargs, after=_track)
 
     functional_collective.__wrapped__ = original
     return functional_collective
 
 
-def _track(flight: recorder.InFlight, result: Any) -> None:
+def _track(flight: InFlight, result: Any) -> None:
     """Complete ``flight`` now if its outputs are ready; else when the first of them is waited for."""
     results = result if isinstance(result, list) else [result]
     flight.output_tensors = outputs = tuple(getattr(r, "elem", r) for r in results)
     if not all(isinstance(r, funcol.AsyncCollectiveTensor) and not r.completed for r in results):
-        flight.complete(recorder.OK, None, in_caller=True)
+        flight.complete(OK, None, in_caller=True)
         return
     entry = (flight, tuple(_key(t) for t in outputs))
     dropped = []
@@ -167,8 +157,8 @@ def _track(flight: recorder.InFlight, result: Any) -> None:
                 _pending.pop(key, None)
             dropped.append(oldest[0])
     for flight in dropped:
-        recorder.count_error("work_unjudged")
-        flight.complete(recorder.OK, None)
+        process_ring.count_error("work_unjudged")
+        flight.complete(OK, None)
 
 
 def _finish(key: int, error: BaseException | None) -> None:
@@ -182,7 +172,7 @@ def _finish(key: int, error: BaseException | None) -> None:
     if error is not None:
         found[0].failed(error)
     else:
-        found[0].complete(recorder.OK, None, in_caller=True)
+        found[0].complete(OK, None, in_caller=True)
 
 
 def _wait_tensor(original: Callable) -> Callable:
@@ -198,7 +188,7 @@ def _wait_tensor(original: Callable) -> Callable:
         except BaseException as error:
             _finish(key, error)
             raise
-        recorder.settle(functools.partial(_finish, key), None)
+        issuing.settle(functools.partial(_finish, key), None)
         return out
 
     wait_tensor.__wrapped__ = original

@@ -1,10 +1,10 @@
-"""Process groups as the recorder sees them: ``group_of(handle)`` gives a group's ``recorder.Group``.
+"""Process groups as the recorder sees them: ``group_of(handle)`` gives a group's ``record.Group``.
 
 Example::
 
     info = groups.known.get(pg) or groups.group_of(pg)
     if info is not groups.NOT_MEMBER:
-        recorder.begin(OpName.all_reduce, info, ...)
+        issuing.start(OpName.all_reduce, info, ...)
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from .recorder import Group
+from .record import Group
 
 NOT_MEMBER = object()
 known: dict[Any, Any] = {}
-"""Process group handle -> its recorder ``Group``, or NOT_MEMBER; cleared when groups are destroyed."""
+"""Process group handle -> its ``record.Group``, or NOT_MEMBER; cleared when groups are destroyed."""
 
 
 def group_of(handle: Any) -> Any:

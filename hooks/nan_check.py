@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import cuda, finite, recorder
+from . import cuda, finite
 from .ops import OpName, PostHookArgs, PreHookArgs
 from .registry import register_input_check, register_post_hook
 from .ring import NAN_HAS_INF as FLAG_INF, NAN_HAS_NAN as FLAG_NAN, NAN_OUTPUT as FLAG_OUTPUT
@@ -96,7 +96,7 @@ class NanCheckHook:
     def _found(self, call: PreHookArgs, index: int, flags: int, count: int) -> None:
         """A NAN record: tensor ``index`` of ``call`` held ``count`` non-finite elements (0: not counted)."""
         self.events += 1
-        recorder.record_nan(call, index, flags, count)
+        call.nan(index, flags, count)
 
     def __enter__(self) -> NanCheckHook:
         return self.register_with_comm()

@@ -5,7 +5,7 @@ thread, for every collective of every backend: eager, functional, compiled by ``
 those issued from C++ (DDP's construction-time broadcasts, built-in C++ communication hooks).
 ``attach()`` registers commlens' pre-, post- and abort hooks (id ``HOOK_ID``) on every group, those
 created later included. A collective that one of commlens' wrappers is recording already
-(``recorder.issuing``: the public ``torch.distributed`` API, eager functional collectives, DDP
+(``issuing.issuing``: the public ``torch.distributed`` API, eager functional collectives, DDP
 buckets) is left to it — they are cheaper per collective and know the exact op — so nothing is
 recorded twice; the rest is recorded here with the same pre-hooks, START record and c10d sequence
 number. The post-hook fires when the collective is queued: END comes from its work (future, or the
@@ -34,9 +34,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed.distributed_c10d as c10d
 
-from . import _issuing, extension, groups, recorder
+from . import _issuing, extension, groups, issuing, process_ring, recorder
 from .ops import OpName
 from .patch import Patches
+from .recorder import InFlight
 
 HOOK_ID = 0x434C4E53
 """'CLNS': below the ids of PyTorch's own hooks ('FREC', 'NANC', 'HEAL'), so that where they run in
@@ -67,12 +68,12 @@ class _GroupHooks:
     def __init__(self, pg: Any):
         self.pg = pg
         self.key = next(_keys)
-        self.pending: dict[int, recorder.InFlight] = {}
+        self.pending: dict[int, InFlight] = {}
         """The group's op id -> its collective, from the pre-hook to the post-hook."""
 
     def pre(self, args: Any) -> bool:
         """Record the collective unless a wrapper does; whether it waits for ``post``."""
-        if recorder.issuing():
+        if issuing.issuing():
             return False
         _settle_orphan()
         try:
@@ -89,9 +90,9 @@ class _GroupHooks:
                 op = _SINGLE[op]
             target = args.root if args.root >= 0 else None
         except Exception as error:
-            recorder.internal_error("native pre-hook", error)
+            process_ring.internal_error("native pre-hook", error)
             return False
-        flight = recorder.start(op, info, tensors, outputs, args.async_op, None if op.is_p2p else target,
+        flight = issuing.start(op, info, tensors, outputs, args.async_op, None if op.is_p2p else target,
                                 target if op.is_p2p else None)  # a propagating hook's error reaches the caller
         if flight is None:
             return False
@@ -103,13 +104,13 @@ class _GroupHooks:
         _last.op = None
         flight = self.pending.pop(args.op_id, None)
         if flight is not None:
-            recorder.settle(functools.partial(flight.issued, from_work=True), args.work)
+            issuing.settle(functools.partial(flight.issued, from_work=True), args.work)
 
     def abort(self) -> None:
         try:
             recorder.aborted(c10d._get_process_group_name(self.pg))
         except Exception as error:  # never into PyTorch's abort path
-            recorder.internal_error("native abort hook", error)
+            process_ring.internal_error("native abort hook", error)
 
 
 _last = threading.local()
@@ -127,7 +128,7 @@ def _settle_orphan() -> None:
     hooks, op_id = last
     flight = hooks.pending.pop(op_id, None)
     if flight is not None:
-        recorder.settle(flight.failed, RuntimeError("the collective raised before it was queued"))
+        issuing.settle(flight.failed, RuntimeError("the collective raised before it was queued"))
 
 
 def _capturing() -> bool:
@@ -227,7 +228,7 @@ def _attach(pg: Any) -> None:
             pg.register_post_hook(HOOK_ID, hooks.post)
     except Exception as error:
         _unregister(pg, hooks)
-        recorder.internal_error("process-group hooks", error)
+        process_ring.internal_error("process-group hooks", error)
         return
     _attached[pg] = hooks
     if getattr(pg, "supports_abort_hooks", True):  # 2.15 says; 2.14's gloo refuses

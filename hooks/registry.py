@@ -17,6 +17,8 @@ import collections
 import warnings
 from typing import Callable
 
+from . import process_ring
+
 Hook = Callable[..., None]
 
 
@@ -89,9 +91,7 @@ hook_errors: collections.Counter[str] = collections.Counter()
 def _report(kind: str, hook: Hook, error: Exception) -> None:
     name = getattr(hook, "__qualname__", None) or repr(hook)
     hook_errors[name] += 1
-    from .recorder import count_error  # here, not above: the recorder imports this module
-
-    count_error("hook")  # in the ring's header, where a pod sidecar reads it too
+    process_ring.count_error("hook")  # in the ring's header, where a pod sidecar reads it too
     if hook_errors[name] == 1:
         warnings.warn(f"commlens {kind}-hook {name} raised {error!r}; the collective went on, "
                       "and later errors of this hook are only counted", RuntimeWarning, stacklevel=2)

@@ -32,8 +32,7 @@ reader in another process resolves every published id, also after the writer has
 Example::
 
     ring = Ring(slots=1024)
-    t_ns = ring.write(START, 0, 0, ring.intern("0"), 1, 1, 16, 0, -1, 0)
-    # kind, op, flags, pg, op_id, seq, nbytes, sig, peer, aux; returns the record's timestamp
+    t_ns = record.start(ring.write, 0, ring.intern("0"), 1, 1, 16, 0, -1)   # hooks/record.py: the writers
     reader = RingReader(ring)
     [record] = reader.read()
 """

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import recorder
-from .ops import OpName
+from . import issuing, process_ring
+from .ops import OpName, PostHookArgs
+from .record import Group
+from .recorder import InFlight
+from .ring import ERROR, OK
 from .registry import _Hooks
 
 _ALIASES = {"all_gather_single": OpName.all_gather_into_tensor,
@@ -51,17 +54,16 @@ FLIGHTS_MAX = 65536
 
 
 class CommSource:
-    """One attached communicator: translates its callbacks into recorder calls."""
+    """One attached communicator: translates its callbacks into the issuing protocol's halves."""
 
     def __init__(self, comm: Any):
         self.comm = comm
         rank, size = int(comm.get_rank()), int(comm.get_size())
         name = str(comm.get_name()) if hasattr(comm, "get_name") else f"torchcomm-{id(comm):x}"
         backend = str(comm.get_backend()) if hasattr(comm, "get_backend") else "nccl"
-        self.group = recorder.Group(comm, name, name, list(range(size)), rank, backend)
+        self.group = Group(comm, name, name, list(range(size)), rank, backend)
         self.pre_hooks, self.post_hooks = _Hooks("pre"), _Hooks("post")
-        self.unrecognized = 0
-        self._flights: dict[Any, recorder.InFlight] = {}
+        self._flights: dict[Any, InFlight] = {}
         self._users = 0
         self._handles = [comm.register_pre_hook(self._pre), comm.register_post_hook(self._post),
                          comm.register_abort_hook(self._abort)]
@@ -69,14 +71,15 @@ class CommSource:
     def _pre(self, *callback: Any) -> None:
         name, op_id, args = (callback[0].name, callback[0].op_id, callback[0]) if len(callback) == 1 else callback
         op = _op_name(name)
-        if op is None:
-            self.unrecognized += 1
+        if op is None:  # not a collective commlens records (a split, a window)
             return
         inputs = _tensors(args, "input_tensors", "tensors", "input_tensor", "tensor")
         outputs = _tensors(args, "output_tensors", "output_tensor") or inputs
         target = getattr(args, "root", None) if not op.is_p2p else getattr(args, "peer", None)
-        flight = recorder.begin(op, self.group, inputs, outputs, bool(getattr(args, "async_op", False)),
-                                None if op.is_p2p else target, target if op.is_p2p else None)
+        flight = issuing.start(op, self.group, inputs, outputs, bool(getattr(args, "async_op", False)),
+                               None if op.is_p2p else target, target if op.is_p2p else None)
+        if flight is None:  # commlens could not record it: counted
+            return
         self._flights[op_id] = flight
         flights = self._flights  # one dict throughout: an abort on another thread may replace it
         if len(flights) > FLIGHTS_MAX:  # a post-hook that never came: bounded, completed and counted
@@ -85,8 +88,8 @@ class CommSource:
             except (StopIteration, KeyError, RuntimeError):  # emptied or changed meanwhile: nothing to let go
                 lost = None
             if lost is not None:
-                recorder.count_error("work_unjudged")
-                lost.complete(recorder.OK, None)
+                process_ring.count_error("work_unjudged")
+                lost.complete(OK, None)
         self.pre_hooks.call(flight)
 
     def _post(self, *callback: Any) -> None:
@@ -95,15 +98,18 @@ class CommSource:
         if flight is None:
             return
         flight.work = getattr(args, "work", None)
-        end = flight.complete(recorder.OK, None)
+        issuing.settle(self._completed, flight)
+
+    def _completed(self, flight: InFlight) -> None:
+        end = flight.complete(OK, None)
         if self.post_hooks.entries:
-            self.post_hooks.call(recorder.PostHookArgs(flight, flight.work, "ok", None, flight.t0, end))
+            self.post_hooks.call(PostHookArgs(flight, flight.work, "ok", None, flight.t0, end))
 
     def _abort(self, *_: Any) -> None:
         error = RuntimeError(f"torchcomms communicator {self.group.name!r} aborted")
         flights, self._flights = self._flights, {}
         for flight in flights.values():
-            flight.complete(recorder.ERROR, error)
+            flight.complete(ERROR, error)
 
     def detach(self) -> None:
         for handle in self._handles:

@@ -6,10 +6,12 @@ import copy
 import importlib.util
 import json
 import pathlib
+import re
 
 import pytest
 import yaml
 
+from commlens.exporters import names
 from monitoring import promtool
 
 DEPLOY = pathlib.Path(__file__).resolve().parent.parent / "deploy"
@@ -107,3 +109,15 @@ def test_the_pod_collectors_send_to_the_gateway_and_every_pipeline_uses_only_com
         for pipeline in config["service"]["pipelines"].values():
             for kind in ("receivers", "processors", "exporters"):
                 assert set(pipeline[kind]) <= set(config[kind]), (kind, pipeline)
+
+
+def test_the_rules_and_dashboards_query_only_series_commlens_serves():
+    """A metric renamed in ``exporters/names.py`` but not in a rule or a panel fails here, not in production."""
+    served = names.served()
+    files = [DEPLOY / "prometheus-rules.yaml", DEPLOY / "prometheus-long-term.yaml",
+             *sorted((DEPLOY.parent / "dashboards").glob("*.json"))]
+    texts = {path.name: path.read_text() for path in files}
+    queried = {name: set(re.findall(r"\bcommlens_[a-z_]+", text)) for name, text in texts.items()}
+    assert all(queried.values()), queried  # each file queries commlens' metrics: the check has something to check
+    unknown = {name: found - served for name, found in queried.items() if found - served}
+    assert not unknown, f"series no commlens endpoint serves: {unknown}"

@@ -11,8 +11,9 @@ import torch.distributed as dist
 import commlens.agent
 from commlens.agent import Config, ConfigError
 from ports import free_port
-from commlens.agent.sidecar import Collective
-from commlens.exporters.otlp import GrpcTransport, HttpTransport, SpanExporter
+from commlens.exporters.telemetry import Collective
+from commlens.exporters.otlp import GrpcSpanExporter, HttpSpanExporter, BatchSpanProcessor
+from opentelemetry.sdk.trace.export import SpanExportResult
 from receivers import GrpcReceiver, HttpReceiver, span_attributes, spans_of
 
 
@@ -86,7 +87,7 @@ def test_the_trace_files_json_is_protobufs_own_json_mapping_of_the_spans():
     every_field = _collective(7)._replace(status="error", nan=True, inf=True, hang=True, slow=True,
                                       busbw=float("inf"), bucket=2, last_bucket=True, wire_bytes=2048,
                                       module="model.0", phase="backward", gpu_start_ns=1, in_flight=True)
-    exporter = SpanExporter(_Kept(), {"service.name": "trainer", "commlens.rank": 0, "x": 0.5}, job="j")
+    exporter = BatchSpanProcessor(_Kept(), {"service.name": "trainer", "commlens.rank": 0, "x": 0.5}, job="j")
     collectives = (_collective(0), every_field, _collective(1)._replace(gpu_start_ns=1, module="m", phase="forward"))
     written = json.loads(exporter.json_request([exporter.builder.json(c) for c in collectives]))
     expected = MessageToDict(exporter.request(collectives), use_integers_for_enums=True)
@@ -121,12 +122,12 @@ def test_an_agent_started_again_in_the_process_exports_only_the_collectives_afte
 
 
 def test_beside_training_the_trace_file_gets_every_span(tmp_path):
-    from commlens.exporters.otlp import JsonLinesTransport
+    from commlens.exporters.otlp import JsonLinesSpanExporter
 
     path = tmp_path / "traces.jsonl"
-    exporter = SpanExporter(JsonLinesTransport(str(path)), {}, job="j", beside_training=True)
+    exporter = BatchSpanProcessor(JsonLinesSpanExporter(str(path)), {}, job="j", beside_training=True)
     for i in range(20):
-        exporter.offer(_collective(i))
+        exporter.queue(_collective(i))
     exporter.shutdown(10)
     lines = [json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"] for line in path.read_text().splitlines()]
     assert exporter.counts["exported"] == 20
@@ -135,18 +136,20 @@ def test_beside_training_the_trace_file_gets_every_span(tmp_path):
 
 
 class _Kept:
-    def send(self, request, within_s):
-        pass
+    form = "protobuf"
 
-    def close(self):
+    def export(self, request, within_s):
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self):
         pass
 
 
 def test_a_dead_collector_costs_counted_spans_and_never_blocks_the_producer():
-    exporter = SpanExporter(GrpcTransport(f"http://127.0.0.1:{free_port()}", timeout_s=1.0), {}, job="j",
+    exporter = BatchSpanProcessor(GrpcSpanExporter(f"http://127.0.0.1:{free_port()}", timeout_s=1.0), {}, job="j",
                             queue_size=100, batch_size=10)
     for i in range(300):
-        exporter.offer(_collective(i))
+        exporter.queue(_collective(i))
     exporter.shutdown(30)
     counts = exporter.counts
     assert counts["exported"] == 0 and counts["failed"] >= 1 and counts["failed"] + counts["dropped"] == 300
@@ -157,10 +160,10 @@ def test_a_collector_that_accepts_and_never_answers_costs_counted_spans():
     silent.bind(("127.0.0.1", 0))
     silent.listen(16)  # connections complete in the backlog; nothing ever answers
     try:
-        exporter = SpanExporter(HttpTransport(f"http://127.0.0.1:{silent.getsockname()[1]}/v1/traces",
+        exporter = BatchSpanProcessor(HttpSpanExporter(f"http://127.0.0.1:{silent.getsockname()[1]}/v1/traces",
                                               timeout_s=1.0), {}, job="j", queue_size=100, batch_size=10)
         for i in range(300):
-            exporter.offer(_collective(i))
+            exporter.queue(_collective(i))
         exporter.shutdown(30)
     finally:
         silent.close()

@@ -2,6 +2,8 @@
 
 import json
 import os
+import pickle
+import shutil
 import subprocess
 import time
 import urllib.request
@@ -20,6 +22,16 @@ def _hangs_reported(port):
     return any(line.startswith("commlens_hangs_total{") and not line.endswith(" 0.0") for line in text.splitlines())
 
 
+def _shows_the_hang(path):
+    """Whether the dump at ``path`` holds the 4th all_reduce, still started (a dump is renamed into place whole)."""
+    try:
+        with open(path, "rb") as f:
+            entries = pickle.load(f)["entries"]
+    except FileNotFoundError:
+        return False
+    return any(e["collective_seq_id"] == 4 and e["state"] == "started" for e in entries)
+
+
 def late_rank(rank, world_size, base_port, folder):
     os.environ["TORCHCOMM_FR_DUMP_TEMP_FILE"] = os.path.join(folder, "dumps", "rank_")
     agent = commlens.agent.start(Config.from_env({
@@ -35,6 +47,13 @@ def late_rank(rank, world_size, base_port, folder):
             assert time.monotonic() < deadline, "no hang reported by ranks 0 and 1 within 60 s"
             time.sleep(0.1)
         agent.snapshot("signal")  # what Kubernetes' SIGTERM would make it write
+        dumps = os.path.join(folder, "dumps")
+        while not all(_shows_the_hang(os.path.join(dumps, f"rank_{r}")) for r in (0, 1)):
+            assert time.monotonic() < deadline, "no hang dump from ranks 0 and 1 within 60 s"
+            time.sleep(0.1)
+        # the dumps as they stood during the hang, which the operator analyses: the ranks' later
+        # dumps, asked for by each other's hang (agent/job_dumps.py), may come once it has passed
+        shutil.copytree(dumps, os.path.join(folder, "dumps-during-the-hang"), ignore=shutil.ignore_patterns(".*"))
     dist.all_reduce(t)
     hangs = dict(agent.sidecar.stats.hangs)
     commlens.agent.stop()
@@ -64,5 +83,5 @@ def test_the_waiting_ranks_name_the_stuck_collective_and_the_analyzer_names_the_
         [span] = _hang_spans(tmp_path / f"spans-{rank}.jsonl")
         assert (span["commlens.op"], span["commlens.pg.name"], int(span["commlens.seq"])) == ("all_reduce", "0", 4)
         assert span["commlens.hang"] is True and THRESHOLD_S <= span["commlens.age_s"] <= THRESHOLD_S + 2
-    verdict = subprocess.run(["torchfrtrace", str(tmp_path / "dumps")], capture_output=True, text=True)
+    verdict = subprocess.run(["torchfrtrace", str(tmp_path / "dumps-during-the-hang")], capture_output=True, text=True)
     assert "missing ranks: {2}" in verdict.stdout + verdict.stderr, verdict.stdout + verdict.stderr

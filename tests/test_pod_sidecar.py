@@ -115,7 +115,7 @@ def test_a_rank_that_stops_and_starts_commlens_again_is_up_again(tmp_path):
         seen.append(pod.feeds[0].alive)
     pod.stop(timeout_s=5)
     assert seen == [True, False, True, False]
-    assert pod.feeds[0].stats.snapshots["exit"] == 0  # closed cleanly each time: no dump
+    assert pod.feeds[0].pipeline.stats.snapshots["exit"] == 0  # closed cleanly each time: no dump
 
 
 def _each_other_rank(sidecar: PodSidecar, culprit: int) -> dict[int, float] | None:

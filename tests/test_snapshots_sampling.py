@@ -1,7 +1,6 @@
 """Snapshots on the way down (SIGTERM, an unhandled exception), and sampling that agrees across ranks."""
 
 import collections
-import json
 import os
 import pickle
 import signal
@@ -12,9 +11,11 @@ import time
 import pytest
 
 from ports import free_port
-from commlens.agent.sidecar import Collective, Sidecar
-from commlens.exporters.otlp import SpanExporter
-from commlens.hooks.ring import END, ERROR, OK, START, Ring
+from commlens.agent.sidecar import Sidecar
+from commlens.exporters.otlp import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import SpanExportResult
+from commlens.hooks import record
+from commlens.hooks.ring import ERROR, NAN_HAS_NAN, OK, Ring
 
 JOB = """
 import os, sys, torch, torch.distributed as dist
@@ -49,38 +50,36 @@ def test_the_process_leaves_a_dump_and_ends_as_it_would_have(tmp_path, ending):
     assert (tmp_path / "spans.jsonl").read_text().count('"name":"all_reduce"') == 3  # pending spans flushed
 
 
-def _collective(seq, **anomaly):
-    fields = dict(nan=False, hang=False, slow=False, status="ok")
-    fields.update(anomaly)
-    return Collective("all_reduce", "0", 4, seq, False, seq, 0, 64, "Float", False, fields["status"], 1, 2, 1.0,
-                      fields["nan"], fields["hang"], fields["slow"], False)
-
-
 class _Nowhere:
-    def send(self, request, within_s):
+    form = "protobuf"
+
+    def export(self, request, within_s):
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self):
         pass
 
-    def close(self):
-        pass
+
+def _kept(spans: BatchSpanProcessor, seqs) -> set[int]:
+    """The seqs of group "0"'s ordinary collectives that ``spans`` keeps."""
+    seqs = list(seqs)
+    return {seqs[k] for k in spans.sampled("0", seqs, False)}
 
 
-def test_sampling_keeps_or_drops_a_collective_on_every_rank_together_and_always_keeps_anomalies():
-    ranks = [SpanExporter(_Nowhere(), {"commlens.rank": r}, job="job-7", sampler_ratio=0.3) for r in range(4)]
-    decisions = [[exporter.keeps(_collective(seq)) for seq in range(1, 2001)] for exporter in ranks]
+def test_sampling_keeps_or_drops_a_collective_on_every_rank_together():
+    ranks = [BatchSpanProcessor(_Nowhere(), {"commlens.rank": r}, job="job-7", sampler_ratio=0.3) for r in range(4)]
+    decisions = [_kept(exporter, range(1, 2001)) for exporter in ranks]
     assert all(d == decisions[0] for d in decisions)  # every rank decides the same, without talking
-    assert 0.25 < sum(decisions[0]) / 2000 < 0.35
-    dropped = [seq for seq, kept in enumerate(decisions[0], 1) if not kept]
-    for anomaly in ({"nan": True}, {"hang": True}, {"slow": True}, {"status": "timeout"}):
-        assert all(ranks[0].keeps(_collective(seq, **anomaly)) for seq in dropped)
-    off = SpanExporter(_Nowhere(), {}, job="job-7", sample_none=True)
-    assert not off.keeps(_collective(1)) and off.keeps(_collective(1, nan=True))
+    assert 0.25 < len(decisions[0]) / 2000 < 0.35
+    off = BatchSpanProcessor(_Nowhere(), {}, job="job-7", sample_none=True)
+    assert not _kept(off, [1]) and off.counts["sampled_out"] == 1
     for exporter in (*ranks, off):
         exporter.shutdown(5)
 
 
 def test_the_span_budget_bounds_spans_per_second_whatever_the_rate_and_ranks_keep_the_same_collectives():
     budget = 50
-    ranks = [SpanExporter(_Nowhere(), {"commlens.rank": r}, job="job-7", budget_per_s=budget) for r in range(2)]
+    ranks = [BatchSpanProcessor(_Nowhere(), {"commlens.rank": r}, job="job-7", budget_per_s=budget) for r in range(2)]
     kept: list[list[tuple[float, int]]] = [[], []]
     windows: list[collections.Counter] = [collections.Counter(), collections.Counter()]
     started = time.monotonic()
@@ -88,7 +87,7 @@ def test_the_span_budget_bounds_spans_per_second_whatever_the_rate_and_ranks_kee
     while time.monotonic() - started < 3.5:  # the workload: a job issuing collectives as fast as it can
         seq += 1
         for rank, exporter in enumerate(ranks):
-            if exporter.keeps(_collective(seq)):
+            if _kept(exporter, [seq]):
                 kept[rank].append((time.monotonic() - started, seq))
                 windows[rank][exporter._window_start] += 1  # the second it was kept in, as the exporter counts
     assert seq > 20 * budget  # far over the budget
@@ -97,40 +96,48 @@ def test_the_span_budget_bounds_spans_per_second_whatever_the_rate_and_ranks_kee
         assert len(found) >= budget  # it does keep spans, up to the budget
     later = [{s for t, s in found if t >= 1.1} for found in kept]  # once each rank has seen the rate
     assert len(later[0] & later[1]) >= 0.8 * max(len(later[0]), len(later[1])), later
-    assert all(exporter.keeps(_collective(seq + 1, nan=True)) for exporter in ranks)  # anomalies: over the budget
     for exporter in ranks:
         exporter.shutdown(5)
 
 
 class _Kept:
+    form = "protobuf"
+
     def __init__(self):
         self.names = []
 
-    def send(self, request, within_s):
+    def export(self, request, within_s):
         self.names += [(s.name, s.status.code) for rs in request.resource_spans for ss in rs.scope_spans
                        for s in ss.spans]
+        return SpanExportResult.SUCCESS
 
-    def close(self):
+    def shutdown(self):
         pass
 
 
 def test_the_sidecar_builds_only_the_collectives_the_sampler_keeps_and_every_anomaly():
-    transport = _Kept()
-    spans = SpanExporter(transport, {}, job="job-7", sampler_ratio=0.25)
+    exporter = _Kept()
+    spans = BatchSpanProcessor(exporter, {}, job="job-7", sampler_ratio=0.25)
+    reference = BatchSpanProcessor(_Nowhere(), {}, job="job-7", sampler_ratio=0.25)
+    sampled = _kept(reference, range(1, 201))
+    failed, nonfinite = [seq for seq in range(1, 201) if seq not in sampled][:2]  # anomalies the sampler would drop
     ring = Ring(slots=1024)
     sidecar = Sidecar(ring, rank=0, hang_threshold_s=60, on_collective=spans.queue, sample=spans.sampled)
-    group = ring.intern(json.dumps({"name": "0", "desc": "default_pg", "ranks": [0, 1], "rank": 0,
-                                    "backend": "gloo"}))
+    group = ring.intern(record.encode_group("0", "default_pg", [0, 1], 0, "gloo"))
     for seq in range(1, 201):  # collectives of 100 µs, one a millisecond: none slow
-        ring.write(START, 0, 0, group, seq, seq, 64, 0, -1, 0, 0, seq * 1_000_000)
-        ring.write(END, 0, ERROR if seq == 150 else OK, group, seq, seq, 64, 0, -1, 0, 0, seq * 1_000_000 + 100_000)
+        record.start(ring.write, 0, group, seq, seq, 64, 0, -1, t_ns=seq * 1_000_000)
+        if seq == nonfinite:
+            record.nan(ring.write, 0, group, seq, seq, 0, -1, 0, NAN_HAS_NAN, 1)
+        record.end(ring.write, 0, group, seq, seq, 64, 0, -1, status=ERROR if seq == failed else OK,
+                   t_ns=seq * 1_000_000 + 100_000)
     sidecar.drain()
     spans.shutdown(5)
+    reference.shutdown(5)
     counts = dict(spans.counts)
-    expected = [seq for seq in range(1, 201) if spans.keeps(_collective(seq)) or seq == 150]
-    assert len(transport.names) == len(expected) and 30 < len(expected) < 70, transport.names
-    assert transport.names.count(("all_reduce", 2)) == 1  # the failed one, kept whatever its trace id
-    assert counts == {"sampled_out": 200 - len(expected), "exported": len(expected)}, counts
+    expected = len(sampled) + 2
+    assert len(exporter.names) == expected and 30 < expected < 70, exporter.names
+    assert exporter.names.count(("all_reduce", 2)) == 2  # the failed and the NaN one, errors whatever their trace id
+    assert counts == {"sampled_out": 200 - expected, "exported": expected}, counts
     assert sum(sidecar.stats.completed.values()) == 200  # every collective in the metrics
 
 
@@ -141,14 +148,13 @@ def test_a_slow_outlier_is_judged_against_its_own_op_and_size_at_the_default_det
     ring = Ring(slots=1024)
     sidecar = Sidecar(ring, rank=0, hang_threshold_s=60, detail="group",
                       on_collective=lambda c: slow.append((c.op, c.seq)) if c.slow else None)
-    group = ring.intern(json.dumps({"name": "0", "desc": "default_pg", "ranks": [0, 1], "rank": 0,
-                                    "backend": "gloo"}))
+    group = ring.intern(record.encode_group("0", "default_pg", [0, 1], 0, "gloo"))
     small, large = CODE[OpName.all_reduce], CODE[OpName.all_gather_into_tensor]
     timeline = [(small, 256, 100_000)] * 40 + [(large, 1 << 30, 50_000_000)] * 3 + [(small, 256, 2_000_000)]
     t = 0
     for seq, (op, nbytes, duration_ns) in enumerate(timeline, 1):
-        ring.write(START, op, 0, group, seq, seq, nbytes, 0, -1, 0, 0, t)
-        ring.write(END, op, OK, group, seq, seq, nbytes, 0, -1, 0, 0, t + duration_ns)
+        record.start(ring.write, op, group, seq, seq, nbytes, 0, -1, t_ns=t)
+        record.end(ring.write, op, group, seq, seq, nbytes, 0, -1, t_ns=t + duration_ns)
         t += duration_ns + 1_000_000
     sidecar.drain()
     # the large all_gathers are as fast as such all_gathers go; the small all_reduce 20x its usual time is slow

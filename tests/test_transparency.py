@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import commlens.agent
 import commlens.hooks as ch
 from ports import free_ports
-from commlens.hooks import recorder
+from commlens.hooks import poller, process_ring
 from commlens.hooks.patch import PatchError
 
 SUITE = [  # every one runs on gloo, CPU, 2 ranks
@@ -168,14 +168,14 @@ def reduce_scatter_works_without_future(rank, world_size):
     dist.barrier()  # the collective itself completes on every rank ...
     del dropped  # ... and the work is dropped unwaited: it cannot be judged
     after_drop = list(done)
-    thread = recorder.poller._thread
+    thread = poller.poller._thread
     idle = _cpu_ticks(thread.native_id)
     time.sleep(0.5)  # not synchronisation: the interval over which the poller's CPU time is measured
     idle = _cpu_ticks(thread.native_id) - idle
     handle.remove()
     ch.uninstrument()
-    return {"waited": waited, "after_drop": after_drop, "pending": len(recorder.poller._pending),
-            "unjudged": recorder.ring().errors()["work_unjudged"], "idle_ticks": idle}
+    return {"waited": waited, "after_drop": after_drop, "pending": len(poller.poller._pending),
+            "unjudged": process_ring.ring().errors()["work_unjudged"], "idle_ticks": idle}
 
 
 def _cpu_ticks(tid):

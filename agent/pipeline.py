@@ -1,0 +1,87 @@
+"""One rank's telemetry from its ring to the exporters: drain → stats → spans and metrics, wired once.
+
+The in-process agent (agent/runtime.py) runs one pipeline for its own rank; the pod sidecar
+(agent/pod.py) one per local rank, which follows the rank from ring to ring as its process restarts
+(``follow``): its counters, spans and metrics outlive any one ring. The pipeline is the
+``RankTelemetry`` its metrics collector reads at each scrape. Imports no torch.
+
+Example::
+
+    pipeline = RankPipeline(config, info, on_hang=lambda: print("hang"))
+    pipeline.follow(ring).start(config.drain_interval_s)   # the sidecar thread
+    serve(pipeline.metrics, "0.0.0.0", 9464)
+    ...
+    pipeline.stop(timeout_s=5)                            # drains what is left, flushes spans
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from commlens.exporters.otlp import BatchSpanProcessor
+from commlens.exporters.prometheus import MetricsCollector
+from commlens.exporters.telemetry import GroupInFlight, StatsSnapshot
+from commlens.hooks.ring import ERRORS, Ring
+
+from .config import Config
+from .outputs import span_processor
+from .sidecar import Sidecar
+from .stats import DURATION_BUCKETS, Stats, exposed_buckets
+
+
+class RankPipeline:
+    """``info()`` gives ``commlens_info``'s labels; ``on_hang()`` runs once per drain that finds a
+    hang, ``on_snapshot(reason)`` for a writer's SNAPSHOT record. ``beside_training``: it runs in the
+    training process (the sidecar hands the GIL over while it builds spans)."""
+
+    def __init__(self, config: Config, info: Callable[[], Mapping[str, Any]], on_hang: Callable[[], None],
+                 on_snapshot: Callable[[str], None] = lambda reason: None, beside_training: bool = False):
+        self.config, self._info, self.beside_training = config, info, beside_training
+        self.on_hang, self.on_snapshot = on_hang, on_snapshot
+        self.stats = Stats()
+        self.spans: BatchSpanProcessor = span_processor(config, beside_training)
+        self.sidecar: Sidecar | None = None
+        self._dropped_before = 0
+        self._errors_before = dict.fromkeys(ERRORS, 0)
+        self.metrics = MetricsCollector(self, DURATION_BUCKETS, exposed_buckets(config.metrics_detail))
+
+    def follow(self, ring: Ring) -> Sidecar:
+        """Drain ``ring`` from now on, from its stored cursor (the rank's first ring, or a restarted
+        rank's new one: what the last one lost stays counted); returns its sidecar."""
+        if self.sidecar is not None:
+            self.sidecar.drain()
+            self._dropped_before += self.sidecar.reader.dropped
+            self._errors_before = dict(self.telemetry_errors())
+        c = self.config
+        self.sidecar = Sidecar(ring, c.rank, c.hang_threshold_s, c.slow_factor, on_collective=self.spans.queue,
+                               sample=self.spans.sampled, on_hang=lambda _: self.on_hang(),
+                               on_snapshot=self.on_snapshot, stats=self.stats, resume=True, detail=c.metrics_detail,
+                               beside_training=self.beside_training)
+        return self.sidecar
+
+    def stop(self, timeout_s: float) -> None:
+        """Stop the sidecar's thread, drain what is left, and send the spans queued, within ``timeout_s``."""
+        if self.sidecar is not None:
+            self.sidecar.stop(timeout_s)
+        self.spans.shutdown(timeout_s)
+
+    # -- RankTelemetry: what a scrape reads ---------------------------------------------------------
+
+    def stats_snapshot(self) -> StatsSnapshot:
+        return self.stats.snapshot()
+
+    def inflight_by_group(self) -> Mapping[str, GroupInFlight]:
+        return self.sidecar.inflight_by_group() if self.sidecar is not None else {}
+
+    def dropped(self) -> int:
+        return self._dropped_before + (self.sidecar.reader.dropped if self.sidecar is not None else 0)
+
+    def span_results(self) -> Mapping[str, int]:
+        return dict(self.spans.counts)
+
+    def telemetry_errors(self) -> Mapping[str, int]:
+        now = self.sidecar.ring.errors() if self.sidecar is not None else {}
+        return {kind: self._errors_before[kind] + now.get(kind, 0) for kind in ERRORS}
+
+    def info(self) -> Mapping[str, Any]:
+        return self._info()

@@ -1,0 +1,86 @@
+"""The names others depend on: metric families and span attributes (DESIGN.md, "Contracts").
+
+The exporters write these names, ``commlens diagnose`` and the timeline read them, and the tests
+check that the alert rules and dashboards query no other (``served()``). Change one on purpose,
+here, and everywhere it is read at once.
+
+Example::
+
+    from commlens.exporters import names
+    names.total(names.HANGS)            # "commlens_hangs_total": what Prometheus stores of the counter
+    span_attributes[names.SEQ]          # "commlens.seq"
+"""
+
+from __future__ import annotations
+
+# -- Prometheus metric families (every series also carries ``rank``) ---------------------------------
+
+COLLECTIVE_DURATION = "commlens_collective_duration_seconds"
+"""histogram (op, pg, size_class): time from issue to completion."""
+COLLECTIVES = "commlens_collectives"
+"""counter (op, pg, status): completed collectives."""
+COLLECTIVE_BYTES = "commlens_collective_bytes"
+"""counter (op, pg): payload bytes."""
+COLLECTIVE_BUS_BYTES = "commlens_collective_bus_bytes"
+"""counter (op, pg): bytes × the nccl-tests bus factor."""
+GPU_QUEUE = "commlens_collective_gpu_queue_seconds"
+"""counter (op, pg): collectives on CUDA tensors, from issue to their start on the GPU."""
+GPU_EXEC = "commlens_collective_gpu_exec_seconds"
+"""counter (op, pg): collectives on CUDA tensors, from their start on the GPU to their end."""
+LAST_SEQ = "commlens_collective_last_seq"
+"""gauge (pg, state): the last sequence number enqueued / completed."""
+INFLIGHT = "commlens_collective_inflight"
+"""gauge (pg): collectives issued and not completed."""
+INFLIGHT_OLDEST = "commlens_collective_inflight_oldest_seconds"
+"""gauge (pg): the age of the oldest collective in flight, 0 when none."""
+HUNG_SEQ = "commlens_collective_hung_seq"
+"""gauge (pg, op): the oldest collective in flight past the hang threshold; absent when none."""
+FAILED_SEQ = "commlens_collective_failed_seq"
+"""gauge (pg, op): the first collective that failed; absent when none."""
+HANGS = "commlens_hangs"
+"""counter (op, pg): collectives that crossed the hang threshold."""
+NAN_EVENTS = "commlens_nan_events"
+"""counter (op, pg, kind): collectives whose input or output held NaN or Inf."""
+NONFINITE_FIRST_SEQ = "commlens_nonfinite_first_seq"
+"""gauge (pg, op, kind): the first collective whose input held NaN or Inf on this rank."""
+ABORT_SNAPSHOTS = "commlens_abort_snapshots"
+"""counter (reason): flight-recorder snapshots written."""
+RING_RECORDS_DROPPED = "commlens_ring_records_dropped"
+"""counter: ring records overwritten before the sidecar read them."""
+SPANS_EXPORTED = "commlens_spans_exported"
+"""counter (result): spans handed to OTLP, by result."""
+TELEMETRY_ERRORS = "commlens_telemetry_errors"
+"""counter (kind): telemetry lost inside commlens."""
+INFO = "commlens_info"
+"""gauge = 1 (rank, local_rank, world_size, job, backend, version): who this is."""
+RANK_UP = "commlens_rank_up"
+"""gauge (rank), pod sidecar only: 1 while the rank's process lives."""
+
+HISTOGRAMS = (COLLECTIVE_DURATION,)
+COUNTERS = (COLLECTIVES, COLLECTIVE_BYTES, COLLECTIVE_BUS_BYTES, GPU_QUEUE, GPU_EXEC, HANGS, NAN_EVENTS,
+            ABORT_SNAPSHOTS, RING_RECORDS_DROPPED, SPANS_EXPORTED, TELEMETRY_ERRORS)
+GAUGES = (LAST_SEQ, INFLIGHT, INFLIGHT_OLDEST, HUNG_SEQ, FAILED_SEQ, NONFINITE_FIRST_SEQ, INFO, RANK_UP)
+
+
+def total(counter: str) -> str:
+    """The series name Prometheus stores for ``counter``."""
+    return f"{counter}_total"
+
+
+def served() -> set[str]:
+    """Every series name a commlens endpoint can serve: what a rule or a dashboard may query."""
+    return ({f"{h}_{suffix}" for h in HISTOGRAMS for suffix in ("bucket", "sum", "count")}
+            | {total(c) for c in COUNTERS} | set(GAUGES))
+
+
+# -- span attributes ---------------------------------------------------------------------------------
+
+JOB, WORLD_SIZE, RANK = "commlens.job", "commlens.world_size", "commlens.rank"
+OP, OP_ID, SEQ, P2P, ASYNC = "commlens.op", "commlens.op_id", "commlens.seq", "commlens.p2p", "commlens.async"
+PG_NAME, PG_SIZE = "commlens.pg.name", "commlens.pg.size"
+BYTES, DTYPE, BUSBW = "commlens.bytes", "commlens.dtype", "commlens.busbw_bytes_per_s"
+STATUS, IN_FLIGHT, AGE_S = "commlens.status", "commlens.in_flight", "commlens.age_s"
+NAN, INF, HANG, SLOW = "commlens.nan", "commlens.inf", "commlens.hang", "commlens.slow"
+MODULE, PHASE = "commlens.module", "commlens.phase"
+DDP_BUCKET, DDP_IS_LAST, DDP_WIRE_BYTES = "commlens.ddp.bucket", "commlens.ddp.is_last", "commlens.ddp.wire_bytes"
+GPU_QUEUE_S, GPU_EXEC_S = "commlens.gpu.queue_s", "commlens.gpu.exec_s"

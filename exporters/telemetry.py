@@ -1,0 +1,103 @@
+"""What the sidecar hands the exporters: each collective (for spans), and a rank's telemetry as a
+metrics collector reads it at each scrape (``RankTelemetry``). Plain types, no torch.
+
+Example::
+
+    class Source:                        # anything with RankTelemetry's methods
+        def stats_snapshot(self) -> StatsSnapshot: ...
+    MetricsCollector(Source(), DURATION_BUCKETS)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, NamedTuple, Protocol
+
+
+class Collective(NamedTuple):
+    """One collective on this rank as the exporters see it; times are Unix ns."""
+
+    op: str
+    pg: str
+    pg_size: int
+    seq: int
+    is_p2p: bool
+    op_id: int
+    rank: int
+    nbytes: int
+    dtype: str
+    async_op: bool
+    status: str
+    start_ns: int
+    end_ns: int
+    busbw: float
+    """Bytes per second, nccl-tests' bus bandwidth; 0 when unknown."""
+    nan: bool
+    """A tensor held NaN (``inf``: a tensor held Inf)."""
+    hang: bool
+    slow: bool
+    in_flight: bool
+    bucket: int = -1
+    """The DDP gradient bucket's index, -1 for other collectives."""
+    last_bucket: bool = False
+    wire_bytes: int = 0
+    """For a DDP bucket: bytes its hook's collectives carried, after compression."""
+    module: str = ""
+    """The module that issued it and the phase, when module attribution is on."""
+    phase: str = ""
+    inf: bool = False
+    gpu_start_ns: int = -1
+    """When it started on the GPU (Unix ns), for a collective on CUDA tensors; -1 otherwise:
+    issue -> GPU start is its queueing time, GPU start -> end its execution time."""
+
+
+class GroupInFlight(NamedTuple):
+    """One group's in-flight collectives at a moment."""
+
+    count: int
+    oldest_s: float
+    hung_op: str | None
+    """The oldest collective (not point-to-point) in flight past the hang threshold: its op and seq."""
+    hung_seq: int | None
+
+
+class StatsSnapshot(NamedTuple):
+    """A rank's counters at one moment (``Stats.snapshot()``), keyed as the metrics are labelled."""
+
+    durations: dict[tuple[str, str, str], tuple[list[int], list[tuple[int, float] | None], float]]
+    """(op, pg, size class) -> (count per latency bucket, its latest (seq, seconds) or None, seconds in all)."""
+    completed: dict[tuple[str, str, str], int]
+    """(op, pg, status) -> completed collectives."""
+    bytes: dict[tuple[str, str], float]
+    bus_bytes: dict[tuple[str, str], float]
+    last_seq: dict[tuple[str, str], int]
+    """(pg, state "enqueued" or "completed") -> the last sequence number."""
+    hangs: dict[tuple[str, str], int]
+    nans: dict[tuple[str, str, str], int]
+    """(op, pg, kind "nan" or "inf") -> collectives with a non-finite tensor."""
+    snapshots: dict[str, int]
+    first_nonfinite: dict[tuple[str, str], tuple[int, str]]
+    """(pg, kind) -> (seq, op): the first collective whose input held NaN or Inf."""
+    failed: dict[str, tuple[int, str]]
+    """pg -> (seq, op): the first collective that failed."""
+    gpu_queue: dict[tuple[str, str], float]
+    gpu_exec: dict[tuple[str, str], float]
+
+
+class RankTelemetry(Protocol):
+    """One rank's telemetry, read at each scrape (``agent.pipeline.RankPipeline``)."""
+
+    def stats_snapshot(self) -> StatsSnapshot: ...
+
+    def inflight_by_group(self) -> Mapping[str, GroupInFlight]: ...
+
+    def dropped(self) -> int:
+        """Ring records overwritten before they were read."""
+
+    def span_results(self) -> Mapping[str, int]:
+        """Spans by result (``SPAN_RESULTS``)."""
+
+    def telemetry_errors(self) -> Mapping[str, int]:
+        """Telemetry the writer lost, by ``ERRORS`` kind."""
+
+    def info(self) -> Mapping[str, Any]:
+        """``commlens_info``'s labels: rank, local_rank, world_size, job, backend, version."""

@@ -1,0 +1,82 @@
+"""The issuing protocol every source of collectives follows: start → issuing → call → failed or settle.
+
+``record()`` is the whole of it, for a source that issues the collective itself (the public API,
+the functional collectives, DDP's buckets). A source that sees a collective through two callbacks
+(PyTorch's process-group hooks, torchcomms' pre- and post-hooks) calls its halves: ``start()`` in
+the first, ``settle()`` in the second. Either way a propagating hook's error reaches the caller as
+it was raised, and a failure of commlens itself is counted and leaves the collective unrecorded.
+
+While a wrapper issues a collective, ``issuing()`` is true on its thread (``_issuing.c``: C, read
+by ``_pg_hooks.cpp``), so that PyTorch's own process-group hooks (``native.py``) step aside.
+
+Example::
+
+    result = issuing.record(OpName.all_reduce, group, (t,), (t,), False, None, None,
+                            torch_all_reduce, (t,), {})
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from . import _issuing, process_ring
+from .ops import OpName
+from .record import Group
+from .recorder import HookRaised, InFlight, all_tensors, begin
+
+issuing: Callable[[], bool] = _issuing.issuing
+"""True on a thread while one of commlens' wrappers issues a collective."""
+set_issuing: Callable[[bool], bool] = _issuing.set_issuing
+"""``set_issuing(on)`` sets ``issuing()`` and returns what it was."""
+
+
+def start(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async_op: bool,
+          root: int | None, peer: int | None, bucket: Any = None, inputs_finite: bool = False) -> InFlight | None:
+    """``recorder.begin()`` behind the error boundary: a propagating pre-hook's error is raised to
+    the caller as it is; a failure of commlens itself is counted and gives None (the op then goes
+    on unrecorded)."""
+    try:
+        return begin(op, group, tensors, output_tensors, async_op, root, peer, bucket, inputs_finite)
+    except HookRaised as raised:
+        raised.reraise()
+    except Exception as error:
+        if all_tensors(tensors, output_tensors):  # else the caller's mistake, which torch reports itself
+            process_ring.internal_error("begin", error)
+        return None
+
+
+def issue(flight: InFlight, call: Callable, /, *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)`` issuing ``flight``'s collective, with PyTorch's own hooks stepping aside; if it
+    raises, the op failed (END, abort hooks) and the error propagates."""
+    was = set_issuing(True)
+    try:
+        return call(*args, **kwargs)
+    except BaseException as error:
+        flight.failed(error)
+        raise
+    finally:
+        set_issuing(was)
+
+
+def settle(step: Callable[[Any], None], result: Any) -> None:
+    """``step(result)`` once the op is issued (``InFlight.issued`` or a source's own): as ``start()``
+    does, a propagating post-hook's error reaches the caller, a failure of commlens is counted."""
+    try:
+        step(result)
+    except HookRaised as raised:
+        raised.reraise()
+    except Exception as error:
+        process_ring.internal_error("issued", error)
+
+
+def record(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async_op: bool, root: int | None,
+           peer: int | None, call: Callable, args: tuple, kwargs: dict,
+           after: Callable[[InFlight, Any], None] = InFlight.issued) -> Any:
+    """``call(*args, **kwargs)`` recorded as ``op``: ``start``, ``issue``, then ``settle`` with
+    ``after(flight, result)``; unrecorded when ``start`` could not record it."""
+    flight = start(op, group, tensors, output_tensors, async_op, root, peer)
+    if flight is None:
+        return call(*args, **kwargs)
+    result = issue(flight, call, *args, **kwargs)
+    settle(lambda result: after(flight, result), result)
+    return result

@@ -1,0 +1,130 @@
+"""Completion of async works that have no future, without anyone blocking on ``wait()``.
+
+Example::
+
+    poller.watch(work, flight)      # flight.complete(...) once work says it completed, or is waited for
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable, Protocol
+
+from . import process_ring
+from .record import status_of
+from .ring import OK
+
+
+class InFlight(Protocol):
+    """What the poller completes (``recorder.InFlight``)."""
+
+    work: Any
+
+    def complete(self, status: int, error: BaseException | None) -> Any: ...
+
+
+class CompletionPoller:
+    """Completes async works that have no future (gloo point-to-point, gloo reduce_scatter), so the
+    post-hook fires at completion without anyone blocking on ``wait()``:
+
+    * ``wait()`` returning completes the op at once (``waited`` wraps ``Work.wait``);
+    * a daemon thread polls ``is_completed()``, backing off from 0.5 ms to 50 ms while nothing
+      completes, and sleeping while nothing is watched — it never spins on a work;
+    * a work the caller drops without waiting, and that never said it completed (gloo's
+      reduce_scatter reports ``is_completed() == False`` for good), cannot be judged: it is completed
+      when dropped and counted (the ring's ``work_unjudged`` error), never left to look like a hang.
+
+    Works are held by weak reference, so watching one never keeps it alive.
+    """
+
+    FIRST_PERIOD_S, LAST_PERIOD_S = 0.0005, 0.05
+
+    def __init__(self) -> None:
+        self._pending: dict[int, tuple[weakref.ref, InFlight]] = {}
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.RLock()  # a weak reference's callback may run while it is held
+
+    def watch(self, work: Any, call: InFlight) -> None:
+        key = id(work)
+        with self._lock:
+            self._pending[key] = (weakref.ref(work, lambda _, key=key: self._dropped(key)), call)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="commlens-completion", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def _take(self, key: int) -> InFlight | None:
+        with self._lock:
+            entry = self._pending.pop(key, None)
+        return None if entry is None else entry[1]
+
+    def waited(self, work: Any, error: BaseException | None) -> None:
+        """``work.wait()`` returned (or raised ``error``): its op has completed."""
+        call = self._take(id(work))
+        if call is not None:
+            call.work = work
+            call.complete(status_of(error), error)
+            call.work = None
+
+    def _dropped(self, key: int) -> None:
+        call = self._take(key)
+        if call is not None:
+            process_ring.count_error("work_unjudged")
+            call.complete(OK, None)
+
+    def _run(self) -> None:
+        period = self.FIRST_PERIOD_S
+        while True:
+            if not self._pending:
+                self._wake.wait()
+                period = self.FIRST_PERIOD_S
+            self._wake.clear()
+            period = self.FIRST_PERIOD_S if self._poll() else min(period * 2, self.LAST_PERIOD_S)
+            if self._pending:
+                self._wake.wait(period)
+
+    def _poll(self) -> bool:
+        """Complete the watched works that say they completed; True if any did. Holds no work after."""
+        with self._lock:
+            pending = list(self._pending.items())
+        completed = False
+        for key, (ref, _) in pending:
+            work = ref()
+            if work is None:
+                continue
+            try:
+                if not work.is_completed():
+                    continue
+                error = None if work.is_success() else (work.exception() or RuntimeError("work failed"))
+            except Exception as raised:  # a work that cannot say: it failed, as far as anyone can tell
+                error = raised
+            completed = True
+            call = self._take(key)
+            if call is not None:
+                call.work = work
+                call.complete(status_of(error), error)
+                call.work = None
+        return completed
+
+
+poller = CompletionPoller()
+
+
+def waited(original: Callable) -> Callable:
+    """``Work.wait`` that tells the poller when a watched work has been waited for."""
+
+    def wait(work, *args, **kwargs):
+        if not poller._pending:
+            return original(work, *args, **kwargs)
+        try:
+            result = original(work, *args, **kwargs)
+        except BaseException as error:
+            poller.waited(work, error)
+            raise
+        poller.waited(work, None)
+        return result
+
+    wait.__wrapped__ = original
+    return wait

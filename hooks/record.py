@@ -1,0 +1,196 @@
+"""The record: how one collective is written into the ring, and the strings its records refer to.
+
+The one module that writes records (``ring.py`` holds their layout and codes; ``Ring.write`` is
+positional and C). Every record of one op carries the op's fields, always in this order:
+
+* ``op``: its code (``ops.OPS``), ``pg``: the string id of its group (``encode_group``),
+* ``op_id``: unique in the process, ``seq``: its number in the group (``Group``: c10d's formula),
+* ``nbytes``: its payload, ``sig``: the string id of its tensors' shapes and dtypes
+  (``encode_signature``), ``peer``: its root or peer as a group rank (-1: none).
+
+The strings are JSON, and every reader decodes them here (``decode_group``, ``decode_signature``).
+Nothing here imports torch: the pod sidecar reads through this module.
+
+Example::
+
+    write = ring.write
+    t0 = record.start(write, op, pg, op_id, seq, nbytes, sig, -1)
+    record.end(write, op, pg, op_id, seq, nbytes, sig, -1, status=record.status_of(error))
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any, Callable, NamedTuple
+
+from . import process_ring
+from .ring import END, ERROR, GPU_START, NAN, OK, REASONS, SNAPSHOT, START, TIMEOUT
+
+Write = Callable[..., int]
+"""``Ring.write``: (kind, op, flags, pg, op_id, seq, nbytes, sig, peer, aux, where=0, t_ns=now) -> t_ns."""
+
+new_op_id: Callable[[], int] = itertools.count(1).__next__
+"""A fresh op id: larger than every id issued so far, smaller than every later one (C, no frame)."""
+
+where: Callable[[], int] | None = None
+"""Set by ``attribution.enable()``: the ``(module string id << 8) | phase`` of a collective issued now."""
+
+
+def writer() -> Write:
+    """This process's ring's ``write``."""
+    return (process_ring.current or process_ring.ring()).write
+
+
+def start(write: Write, op: int, pg: int, op_id: int, seq: int, nbytes: int, sig: int, peer: int,
+          flags: int = 0, bucket: int = 0, t_ns: int | None = None) -> int:
+    """START: the op is about to be issued (``flags``: ``FLAG_*``; ``bucket``: a DDP bucket's index + 1);
+    returns its time."""
+    at = 0 if where is None else where()
+    if t_ns is None:
+        return write(START, op, flags, pg, op_id, seq, nbytes, sig, peer, bucket, at)
+    return write(START, op, flags, pg, op_id, seq, nbytes, sig, peer, bucket, at, t_ns)
+
+
+def end(write: Write, op: int, pg: int, op_id: int, seq: int, nbytes: int, sig: int, peer: int,
+        status: int = OK, wire_bytes: int = 0, t_ns: int | None = None) -> int:
+    """END: the op completed with ``status`` (``wire_bytes``: what a DDP bucket's hook sent); returns its time."""
+    if t_ns is None:
+        return write(END, op, status, pg, op_id, seq, nbytes, sig, peer, wire_bytes)
+    return write(END, op, status, pg, op_id, seq, nbytes, sig, peer, wire_bytes, 0, t_ns)
+
+
+def end_args(op: int, pg: int, op_id: int, seq: int, nbytes: int, sig: int, peer: int, status: int = OK,
+             wire_bytes: int = 0) -> tuple[int, ...]:
+    """END's arguments to ``Ring.write`` (``where`` included), for a writer in C++ (``_ddp_hook.cpp``)."""
+    return END, op, status, pg, op_id, seq, nbytes, sig, peer, wire_bytes, 0
+
+
+def end_on_gpu(write: Write, op: int, pg: int, op_id: int, seq: int, nbytes: int, sig: int, peer: int,
+               status: int, wire_bytes: int, gpu_start_ns: int, gpu_end_ns: int) -> int:
+    """GPU_START and END: the op ran on the GPU from ``gpu_start_ns`` to ``gpu_end_ns`` (monotonic clock)."""
+    write(GPU_START, op, 0, pg, op_id, seq, nbytes, sig, peer, 0, 0, gpu_start_ns)
+    return write(END, op, status, pg, op_id, seq, nbytes, sig, peer, wire_bytes, 0, gpu_end_ns)
+
+
+def nan(write: Write, op: int, pg: int, op_id: int, seq: int, sig: int, peer: int, index: int, flags: int,
+        count: int) -> int:
+    """NAN: tensor ``index`` of the op held ``count`` non-finite elements (``flags``: ``NAN_*``)."""
+    return write(NAN, op, flags, pg, op_id, seq, count, sig, peer, index)
+
+
+def snapshot(write: Write, reason: str) -> int:
+    """SNAPSHOT: the writer asks its reader for a flight-recorder dump, for ``reason`` (``REASONS``)."""
+    return write(SNAPSHOT, 0, REASONS.index(reason), 0, 0, 0, 0, 0, -1, 0)
+
+
+def status_of(error: BaseException | None) -> int:
+    """The END status of an op that raised ``error`` (None: it did not)."""
+    if error is None:
+        return OK
+    return TIMEOUT if "timed out" in str(error).lower() or "timeout" in type(error).__name__.lower() else ERROR
+
+
+class GroupDescription(NamedTuple):
+    """A group as its records describe it: ``name``, ``desc``, global ``ranks``, the writer's ``rank``."""
+
+    name: str
+    desc: str
+    ranks: list[int]
+    rank: int
+    backend: str
+
+    @property
+    def own_rank(self) -> int:
+        """The writer's rank in the group (-1: not in it)."""
+        return self.ranks.index(self.rank) if self.rank in self.ranks else -1
+
+
+def encode_group(name: str, desc: str, ranks: list[int], rank: int, backend: str) -> str:
+    return json.dumps({"name": name, "desc": desc, "ranks": ranks, "rank": rank, "backend": backend})
+
+
+def decode_group(text: str) -> GroupDescription | None:
+    """The group ``encode_group`` described; None for text that is not one."""
+    try:
+        found = json.loads(text)
+        return GroupDescription(str(found["name"]), str(found.get("desc", "")), [int(r) for r in found["ranks"]],
+                                int(found.get("rank", -1)), str(found.get("backend", "")))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+class Signature(NamedTuple):
+    """An op's tensors as its ``sig`` string gives them: shapes and c10 dtype names ("Float")."""
+
+    in_sizes: list[list[int]]
+    in_dtypes: list[str]
+    out_sizes: list[list[int]]
+    out_dtypes: list[str]
+
+    @property
+    def dtype(self) -> str:
+        """The op's dtype: its first input's, else its first output's ("" when it has no tensors)."""
+        return (self.in_dtypes or self.out_dtypes or [""])[0]
+
+
+NO_SIGNATURE = Signature([], [], [], [])
+
+
+def encode_signature(inputs: list[tuple[list[int], str]], outputs: list[tuple[list[int], str]]) -> str:
+    """The ``sig`` string of an op whose inputs and outputs have these (shape, dtype name) pairs."""
+    return json.dumps([[s for s, _ in inputs], [d for _, d in inputs], [s for s, _ in outputs], [d for _, d in outputs]])
+
+
+def decode_signature(text: str) -> Signature:
+    """The signature ``encode_signature`` wrote; ``NO_SIGNATURE`` for text that is not one."""
+    try:
+        in_sizes, in_dtypes, out_sizes, out_dtypes = json.loads(text)
+    except (ValueError, TypeError):
+        return NO_SIGNATURE
+    return Signature(in_sizes, in_dtypes, out_sizes, out_dtypes)
+
+
+class Group:
+    """A process group or communicator as the records see it: its string id, and its ops' numbers.
+
+    ``seq_source`` is c10d's ``_get_sequence_number_for_group``, where there is one: collective
+    sequence numbers then equal c10d's even for collectives issued from C++ (DDP's reducer). Some
+    backends (gloo) count point-to-point ops in that number too; ``p2p_in_source`` counts the p2p
+    ops this process saw it absorb, so that the collective number stays equal across ranks and
+    equal to the ``collective_seq_id`` of c10d's own flight recorder.
+    """
+
+    __slots__ = ("handle", "name", "desc", "ranks", "rank", "own_rank", "backend", "sid", "seq_source",
+                 "p2p_in_source", "collective_seq", "p2p_seq", "_group_rank")
+
+    def __init__(self, handle: Any, name: str, desc: str, ranks: list[int], rank: int, backend: str,
+                 seq_source: Callable[[], int] | None = None):
+        self.handle, self.name, self.desc, self.ranks, self.rank = handle, name, desc, ranks, rank
+        self.backend, self.seq_source = backend, seq_source
+        self.p2p_in_source = self.collective_seq = self.p2p_seq = 0
+        self._group_rank = {g: i for i, g in enumerate(ranks)}
+        self.own_rank = self._group_rank.get(rank, rank)
+        """This process's rank within the group."""
+        self.sid = process_ring.ring().intern(encode_group(name, desc, ranks, rank, backend))
+
+    def next_collective_seq(self) -> int:
+        """The number of the collective about to be issued (c10d's, where the group has a ``seq_source``)."""
+        if self.seq_source is not None:
+            return self.seq_source() + 1 - self.p2p_in_source
+        self.collective_seq += 1
+        return self.collective_seq
+
+    def next_p2p_seq(self) -> tuple[int, int | None]:
+        """The number of the point-to-point op about to be issued, and ``seq_source`` now (or None):
+        ``p2p_issued`` takes it back once the op is issued."""
+        self.p2p_seq += 1
+        return self.p2p_seq, None if self.seq_source is None else self.seq_source()
+
+    def p2p_issued(self, source_before: int | None) -> None:
+        """A point-to-point op was issued: what it added to ``seq_source`` was not a collective."""
+        if source_before is not None:
+            self.p2p_in_source += self.seq_source() - source_before
+
+    def group_rank(self, global_rank: int | None) -> int | None:
+        return None if global_rank is None else self._group_rank.get(global_rank, global_rank)

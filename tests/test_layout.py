@@ -1,0 +1,65 @@
+"""The code's shape (docs/architecture.md): imports point one way, with no circle, and records are
+written only through the record module."""
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = {"hooks": "commlens.hooks", "agent": "commlens.agent", "exporters": "commlens.exporters"}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {f"{package}.{path.stem}": path for folder, package in PACKAGES.items()
+            for path in sorted((ROOT / folder).glob("*.py"))}
+
+
+def _imports(name: str, path: pathlib.Path) -> set[str]:
+    """The commlens modules ``name`` imports, at any depth of its code (lazy imports too)."""
+    package = name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package if node.level else (node.module or "")
+            if node.level and node.module:
+                base = f"{package}.{node.module}"
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}")
+                found.add(base)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    modules = _modules()
+    return {module for module in found if module in modules and module != name}
+
+
+def test_imports_point_one_way_and_never_in_a_circle():
+    modules = _modules()
+    graph = {name: _imports(name, path) for name, path in modules.items()}
+    assert graph["commlens.agent.runtime"] >= {"commlens.agent.pipeline", "commlens.hooks.process_ring"}, graph
+    for name, imported in graph.items():  # hooks import neither; exporters only the record types of hooks
+        if name.startswith("commlens.hooks."):
+            assert all(m.startswith("commlens.hooks.") for m in imported), (name, imported)
+        if name.startswith("commlens.exporters."):
+            assert imported <= {m for m in modules if m.startswith("commlens.exporters.")} | {
+                "commlens.hooks.ring", "commlens.hooks.record", "commlens.hooks.ops"}, (name, imported)
+    visiting, done = [], set()
+
+    def visit(name):
+        assert name not in visiting, f"an import circle: {' -> '.join(visiting[visiting.index(name):] + [name])}"
+        if name in done:
+            return
+        visiting.append(name)
+        for other in graph[name]:
+            visit(other)
+        visiting.pop()
+        done.add(name)
+
+    for name in graph:
+        visit(name)
+
+
+def test_records_are_written_only_through_the_record_module():
+    positional = re.compile(r"\bwrite\((START|END|GPU_START|NAN|SNAPSHOT)\b")
+    writers = [path.relative_to(ROOT) for folder in ("hooks", "agent", "exporters", "bench")
+               for path in sorted((ROOT / folder).glob("*.py")) if positional.search(path.read_text())]
+    assert writers == [pathlib.Path("hooks/record.py")], writers
