@@ -33,7 +33,8 @@ from typing import Iterable, Iterator, NamedTuple
 
 from commlens.exporters import names
 
-from .diagnose import findings, from_files
+from .detectors import findings
+from .readers import from_files
 
 
 class Slice(NamedTuple):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from commlens.agent.diagnose import spans_in
+from commlens.agent.readers import spans_in
 from monitoring import TrainingJob
 
 WORLD = 4

@@ -1,0 +1,191 @@
+"""The detectors: ``findings()`` turns ranks' facts into verdicts, the same way whatever the source
+(diagnose.py says what each detector finds and why).
+
+Example::
+
+    for finding in findings(readers.from_files("./commlens-out/job-7")):
+        print(finding.line())
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from typing import Iterable
+
+from .facts import Finding, GroupFacts, RankFacts
+
+STRAGGLER_MIN_S = 0.005
+"""A straggler arrives at least this much later, on average, than the group's first rank ..."""
+STRAGGLER_RATIO = 0.5
+"""... and waits less than this fraction of what the group's longest waiter waits (live) ..."""
+STRAGGLER_EVIDENCE = 30
+"""After the fact, a straggler is only named from at least this many collectives seen by every rank."""
+STRAGGLER_LEAD = 1.5
+"""... or, after the fact, arrives later on average than this many times the next latest rank (a rank
+that waits on the straggler inherits part of its lateness: a broadcast's root, say)."""
+
+
+def findings(facts: Iterable[RankFacts]) -> list[Finding]:
+    """Every verdict the facts support, most severe first; [] for a healthy job."""
+    facts = list(facts)
+    found: list[Finding] = []
+    for pg in sorted({pg for f in facts for pg in f.groups}):
+        members = [f for f in facts if pg in f.groups or pg == "0"]
+        found += _nan_origin(pg, members)
+        stuck = _hang(pg, members)
+        if not any(f.kind == "desync" for f in stuck):
+            stuck += _mismatch(pg, members)
+        found += stuck
+        if not stuck:
+            found += _straggler(pg, members)
+    order = ("nan_origin", "lost_rank", "desync", "late_rank", "hang", "straggler")
+    return sorted(found, key=lambda f: order.index(f.kind))
+
+
+def _nan_origin(pg: str, members: list[RankFacts]) -> list[Finding]:
+    seen = [(f.groups[pg].nonfinite, f.rank) for f in members if pg in f.groups and f.groups[pg].nonfinite]
+    if not seen:
+        return []
+    first = min(seq for (seq, _, _), _ in seen)
+    origin = sorted(rank for (seq, _, _), rank in seen if seq == first)
+    (_, op, kind), _ = next(item for item in seen if item[0][0] == first)
+    later = sorted(rank for (seq, _, _), rank in seen if seq > first)
+    evidence = f"its input held {'NaN' if kind == 'nan' else 'Inf'} at seq {first}" + (
+        f"; ranks {later} saw non-finite inputs only later" if later else "; no other rank saw any")
+    return [Finding("nan_origin", tuple(origin), pg, op, first, evidence)]
+
+
+def _hang(pg: str, members: list[RankFacts]) -> list[Finding]:
+    """Late, missing and desynced ranks around the collective others hang in."""
+    live = {f.rank: f.groups[pg].hung or f.groups[pg].failed for f in members
+            if pg in f.groups and (f.groups[pg].hung or f.groups[pg].failed)}
+    if live:
+        seq = collections.Counter(s for _, s in live.values()).most_common(1)[0][0]
+        ops = {rank: op for rank, (op, s) in live.items() if s == seq}
+    else:  # after the fact: a hang that resolved, known from the spans of the ranks that waited
+        waited = {s for f in members if pg in f.groups for s in f.groups[pg].hangs_seen}
+        if not waited:
+            return []
+        seq = min(waited)  # the first: later waits follow from it (a broadcast's root waits on a late receiver,
+        # then the others wait on both in the next collective)
+        ops = {f.rank: f.groups[pg].arrivals[seq][0] for f in members
+               if pg in f.groups and seq in f.groups[pg].hangs_seen and seq in f.groups[pg].arrivals}
+        if not ops:
+            return []
+    majority, count = collections.Counter(ops.values()).most_common(1)[0]
+    waiting = sorted(rank for rank, op in ops.items() if op == majority)
+    lost = sorted(f.rank for f in members if f.lost)
+    if lost:
+        others = [rank for rank in sorted(ops) if rank not in lost]
+        own = [f.groups[pg] for f in members if f.rank == lost[0] and pg in f.groups]
+        if own and 0 < own[0].issued <= seq:  # the collective it died in: its last (others may have finished it)
+            majority = own[0].hung[0] if own[0].hung and own[0].hung[1] == own[0].issued else majority
+            seq = own[0].issued
+        return [Finding("lost_rank", tuple(lost), pg, majority, seq,
+                        "its process ended without a signal or an exception (SIGKILL, the OOM killer, a crash)"
+                        + (f"; ranks {others} waited in or failed in seq {seq}" if others else ""))]
+    found = []
+    wrong = sorted(rank for rank, op in ops.items() if op != majority)
+    if wrong and count > len(wrong):
+        found.append(_desync(pg, seq, {r: ops[r] for r in wrong}, waiting, majority))
+    starts = [f.groups[pg].arrivals[seq][1] for f in members if f.rank in waiting and seq in f.groups[pg].arrivals]
+    thresholds = [f.groups[pg].threshold_s for f in members if pg in f.groups and f.groups[pg].threshold_s]
+    late = {f.rank: why for f in members if f.rank not in ops
+            and (why := _late(f, pg, seq, bool(live), min(starts, default=None), min(thresholds, default=0.0)))
+            is not None}
+    if late:
+        how = "failed in" if live and all(not f.groups[pg].hung for f in members if f.rank in ops) else \
+            "waited past the hang threshold in"
+        evidence = "; ".join([f"ranks {waiting} {how} {majority} seq {seq}",
+                              *(f"rank {rank} {why}" for rank, why in sorted(late.items()))])
+        found.append(Finding("late_rank", tuple(sorted(late)), pg, majority, seq, evidence))
+    if not found and live:
+        found.append(Finding("hang", tuple(waiting), pg, majority, seq,
+                             f"ranks {waiting} wait in seq {seq} and no rank is behind: look at the network "
+                             "or the backend"))
+    return found
+
+
+def _late(f: RankFacts, pg: str, seq: int, live: bool, first_wait_ns: int | None, threshold_s: float) -> str | None:
+    """Why rank ``f`` is one the others waited for in ``seq``; None if it is not. After the fact, a
+    rank is late when it issued ``seq`` once the first waiting rank had waited the hang threshold."""
+    group = f.groups.get(pg)
+    if f.gone and (group is None or group.issued < seq):
+        return f"stopped reporting, last at seq {group.issued if group else 0}"
+    if group is None:
+        return "never issued a collective in this group"
+    if seq not in group.arrivals:
+        return f"had issued only up to seq {group.issued}" if group.issued < seq else None
+    if live:
+        return None
+    start = group.arrivals[seq][1]
+    if first_wait_ns is not None and (start - first_wait_ns) / 1e9 >= threshold_s > 0:
+        return f"issued it {(start - first_wait_ns) / 1e9:.1f} s after the first waiting rank"
+    return None
+
+
+def _desync(pg: str, seq: int, wrong: dict[int, str], others: list[int], op: str) -> Finding:
+    theirs = ", ".join(sorted(set(wrong.values())))
+    return Finding("desync", tuple(sorted(wrong)), pg, theirs, seq,
+                   f"issued {theirs} at seq {seq} where ranks {others} issued {op}")
+
+
+def _mismatch(pg: str, members: list[RankFacts]) -> list[Finding]:
+    """After the fact: the first sequence number at which ranks issued different ops."""
+    by_seq: dict[int, dict[int, str]] = collections.defaultdict(dict)
+    for f in members:
+        for seq, (op, _) in f.groups.get(pg, GroupFacts()).arrivals.items():
+            by_seq[seq][f.rank] = op
+    for seq in sorted(by_seq):
+        ops = by_seq[seq]
+        majority, count = collections.Counter(ops.values()).most_common(1)[0]
+        wrong = {rank: op for rank, op in ops.items() if op != majority}
+        if wrong and count > len(wrong):
+            return [_desync(pg, seq, wrong, sorted(r for r, op in ops.items() if op == majority), majority)]
+    return []
+
+
+def _straggler(pg: str, members: list[RankFacts]) -> list[Finding]:
+    groups = {f.rank: f.groups[pg] for f in members if pg in f.groups and not f.gone}
+    if len(groups) < 2:
+        return []
+    waits = {rank: g.wait_s for rank, g in groups.items() if g.wait_s is not None}
+    if len(waits) == len(groups):  # live: lateness from waits
+        longest = max(waits.values())
+        rank = min(waits, key=waits.get)
+        lateness = longest - waits[rank]
+        if lateness > STRAGGLER_MIN_S and waits[rank] < STRAGGLER_RATIO * longest:
+            return [Finding("straggler", (rank,), pg, "all", None,
+                            f"it waits {waits[rank] * 1e3:.1f} ms per collective where the group's longest waiter "
+                            f"waits {longest * 1e3:.1f} ms: it arrives about {lateness * 1e3:.1f} ms after the others")]
+        return []
+    common = set.intersection(*(set(g.arrivals) for g in groups.values()))
+    if len(common) < STRAGGLER_EVIDENCE:  # too few collectives seen by every rank to tell
+        return []
+    late: dict[int, list[float]] = collections.defaultdict(list)
+    last = collections.Counter()
+    for seq in common:  # per collective: how long after the first rank each rank arrived
+        starts = {rank: g.arrivals[seq][1] for rank, g in groups.items()}
+        first = min(starts.values())
+        for rank, start in starts.items():
+            late[rank].append((start - first) / 1e9)
+        last[max(starts, key=starts.get)] += 1
+    mean = {rank: _trimmed_mean(values) for rank, values in late.items()}
+    rank, *others = sorted(mean, key=mean.get, reverse=True)
+    runner_up = max((mean[r] for r in others), default=0.0)
+    if mean[rank] > STRAGGLER_MIN_S and mean[rank] > STRAGGLER_LEAD * runner_up:
+        return [Finding("straggler", (rank,), pg, "all", None,
+                        f"over {len(common)} collectives it arrived on average {mean[rank] * 1e3:.1f} ms after the "
+                        f"first rank (the next latest rank: {runner_up * 1e3:.1f} ms), last in {last[rank]}")]
+    return []
+
+
+def _trimmed_mean(values: list[float]) -> float:
+    """The mean without the highest and lowest tenth: a warm-up step's spikes do not make a straggler."""
+    values = sorted(values)
+    cut = len(values) // 10
+    return statistics.fmean(values[cut:len(values) - cut])
+
+
+# -- sources: metrics endpoints ---------------------------------------------------------------------

@@ -1,0 +1,62 @@
+"""What the verdict is drawn from: each rank's facts about each of its groups, and a finding.
+
+Readers (``readers.py``) fill ``RankFacts`` from metrics, Prometheus or a job's files; detectors
+(``detectors.py``) turn them into ``Finding``s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class GroupFacts:
+    """What one rank shows of one process group."""
+
+    issued: int = 0
+    """The last collective sequence number it issued."""
+    hung: tuple[str, int] | None = None
+    """(op, seq) of its oldest collective in flight past the hang threshold."""
+    failed: tuple[str, int] | None = None
+    """(op, seq) of its first collective that failed (gloo fails at once where a peer's process ended)."""
+    nonfinite: tuple[int, str, str] | None = None
+    """(seq, op, kind) of the first collective whose input held NaN ("nan") or Inf ("inf")."""
+    wait_s: float | None = None
+    """Mean seconds per collective over the window (live)."""
+    arrivals: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    """seq -> (op, start ns) of each collective seen (offline)."""
+    hangs_seen: set[int] = dataclasses.field(default_factory=set)
+    """Sequence numbers it waited on past the hang threshold, resolved or not (offline)."""
+    threshold_s: float | None = None
+    """The hang threshold, as the age at which its first hang was reported (offline)."""
+
+
+@dataclasses.dataclass
+class RankFacts:
+    rank: int
+    groups: dict[str, GroupFacts] = dataclasses.field(default_factory=dict)
+    gone: bool = False
+    """It no longer reports (its process ended or its endpoint is unreachable)."""
+    lost: bool = False
+    """Its process ended without a signal or an exception (killed, crashed), as a pod sidecar saw."""
+
+    def group(self, pg: str) -> GroupFacts:
+        return self.groups.setdefault(pg, GroupFacts())
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    kind: str
+    """nan_origin, lost_rank, late_rank, desync, straggler or hang."""
+    ranks: tuple[int, ...]
+    pg: str
+    op: str
+    seq: int | None
+    evidence: str
+
+    def line(self) -> str:
+        who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {', '.join(map(str, self.ranks))}"
+        where = f"{self.op} (group {self.pg}" + (f", seq {self.seq})" if self.seq is not None else ")")
+        title = {"nan_origin": "NaN/Inf entered on", "lost_rank": "killed or crashed:", "late_rank": "late or missing:", "desync": "desync:",
+                 "straggler": "straggler:", "hang": "hang: all waiting,"}[self.kind]
+        return f"{title} {who} in {where} — {self.evidence}"

@@ -1,0 +1,262 @@
+"""The readers: ranks' facts (``facts.RankFacts``) from their metrics endpoints, from Prometheus, or
+from a job's trace files and flight-recorder dumps.
+
+Example::
+
+    facts = from_endpoints(["http://node1:9464/metrics", "http://node1:9465/metrics"])
+    jobs = from_prometheus("http://prometheus:9090")     # job -> its ranks' facts
+    facts = from_files("./commlens-out/job-7")
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import pickle
+import time
+import urllib.parse
+import urllib.request
+from typing import Callable, Iterable, Iterator
+
+from commlens.exporters import names
+
+from .facts import RankFacts
+
+DURATION_SUM, DURATION_COUNT = f"{names.COLLECTIVE_DURATION}_sum", f"{names.COLLECTIVE_DURATION}_count"
+
+
+def from_metrics_texts(first: Iterable[str], second: Iterable[str] | None = None) -> list[RankFacts]:
+    """Facts from the Prometheus text of each rank's endpoint, as the ``first`` scrape found them; with
+    a ``second`` scrape of each, taken later, waits come from what happened between the two (else
+    from the whole run), and a rank that no longer answers is gone."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples(text: str):
+        return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+    ranks: dict[int, RankFacts] = {}
+    totals: dict[tuple[int, str], list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
+    reporting: list[set[int]] = [set(), set()]
+    down: set[int] = set()  # a pod sidecar's rank whose process has ended
+    endings: dict[int, set[str]] = collections.defaultdict(set)  # snapshot reasons seen, by rank
+    world_size = 0
+    for index, texts in enumerate((first, second or ())):
+        for text in texts:
+            for s in samples(text):
+                rank = int(s.labels.get("rank", -1))
+                if rank < 0:
+                    continue
+                reporting[index].add(rank)
+                facts = ranks.setdefault(rank, RankFacts(rank))
+                pg = s.labels.get("pg")
+                if s.name == DURATION_SUM:
+                    totals[(rank, pg)][2 * index] += s.value
+                elif s.name == DURATION_COUNT:
+                    totals[(rank, pg)][2 * index + 1] += s.value
+                elif s.name == names.INFO:
+                    world_size = max(world_size, int(s.labels.get("world_size", 0)))
+                elif s.name == names.RANK_UP and s.value == 0:
+                    down.add(rank)
+                elif s.name == names.total(names.ABORT_SNAPSHOTS) and s.value > 0:
+                    endings[rank].add(s.labels["reason"])
+                elif index == 0:  # the state as first seen: a hang may resolve during the window
+                    _metric_fact(facts, s.name, s.labels, s.value)
+    for (rank, pg), (sum0, count0, sum1, count1) in totals.items():
+        seconds, count = (sum1 - sum0, count1 - count0) if second is not None else (sum0, count0)
+        if count > 0:
+            ranks[rank].group(pg).wait_s = seconds / count
+    for rank in range(world_size):  # a rank no endpoint answered for
+        ranks.setdefault(rank, RankFacts(rank))
+    for rank, facts in ranks.items():
+        facts.gone = rank not in reporting[1 if second is not None else 0] or rank in down
+        facts.lost = _lost(endings[rank])
+    return [ranks[rank] for rank in sorted(ranks)]
+
+
+def _metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> None:
+    pg = labels.get("pg")
+    if name == names.LAST_SEQ and labels.get("state") == "enqueued":
+        facts.group(pg).issued = int(value)
+    elif name == names.HUNG_SEQ:
+        facts.group(pg).hung = (labels["op"], int(value))
+    elif name == names.FAILED_SEQ:
+        facts.group(pg).failed = (labels["op"], int(value))
+    elif name == names.NONFINITE_FIRST_SEQ:
+        group = facts.group(pg)
+        if group.nonfinite is None or value < group.nonfinite[0]:
+            group.nonfinite = (int(value), labels["op"], labels["kind"])
+
+
+def _lost(reasons: set[str]) -> bool:
+    """Snapshot reasons of a rank that ended without a signal or an exception."""
+    return "exit" in reasons and not reasons & {"signal", "exception"}
+
+
+def from_endpoints(urls: list[str], window_s: float = 5.0, timeout_s: float = 5.0) -> list[RankFacts]:
+    """Scrape each rank's metrics endpoint twice, ``window_s`` apart. An endpoint that does not
+    answer is left out (its rank is then missing from every group)."""
+    def scrape() -> list[str]:
+        texts = []
+        for url in urls:
+            try:
+                with urllib.request.urlopen(url, timeout=timeout_s) as response:
+                    texts.append(response.read().decode())
+            except OSError:
+                continue
+        return texts
+
+    first = scrape()
+    time.sleep(window_s)  # the window over which waits are measured
+    return from_metrics_texts(first, scrape())
+
+
+# -- sources: Prometheus ----------------------------------------------------------------------------
+
+
+def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> dict[str, list[RankFacts]]:
+    """Facts for each job Prometheus knows (or only ``job``), from instant queries of its HTTP API."""
+    selector = f'job="{job}"' if job else ""
+
+    def query(expr: str) -> list[dict]:
+        address = url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(address, timeout=10) as response:
+            body = json.load(response)
+        if body.get("status") != "success":
+            raise RuntimeError(f"Prometheus at {url} refused {expr!r}: {body.get('error')}")
+        return body["data"]["result"]
+
+    jobs: dict[str, dict[int, RankFacts]] = collections.defaultdict(dict)
+
+    def each(expr: str):
+        for item in query(expr):
+            labels, value = item["metric"], float(item["value"][1])
+            facts = jobs[labels.get("job", "")].setdefault(int(labels["rank"]), RankFacts(int(labels["rank"])))
+            yield facts, labels, value
+
+    enqueued = f'{names.LAST_SEQ}{{state="enqueued"{"," + selector if selector else ""}}}'
+    hung = f"{names.HUNG_SEQ}{{{selector}}}"
+    for facts, labels, value in each(f"last_over_time({enqueued}[15m])"):
+        facts.group(labels["pg"]).issued = int(value)
+    # while a group had a hang in the last minute: what each rank had issued (a late rank may have
+    # caught up since), and the hang itself
+    for facts, labels, value in each(f"min_over_time(({enqueued} and on (job, pg) {hung})[1m:1s])"):
+        facts.group(labels["pg"]).issued = int(value)
+    live = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(enqueued)}
+    for name, expr in ((names.HUNG_SEQ, f"max_over_time({hung}[1m])"),
+                       (names.NONFINITE_FIRST_SEQ, f"{names.NONFINITE_FIRST_SEQ}{{{selector}}}"),
+                       (names.FAILED_SEQ, f"last_over_time({names.FAILED_SEQ}{{{selector}}}[5m])")):
+        for facts, labels, value in each(expr):
+            _metric_fact(facts, name, labels, value)
+    by = "sum by (job, pg, rank)"
+    for facts, labels, value in each(f"{by} (rate({DURATION_SUM}{{{selector}}}[{window}])) / "
+                                     f"{by} (rate({DURATION_COUNT}{{{selector}}}[{window}]))"):
+        facts.group(labels["pg"]).wait_s = value
+    down = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(f"{names.RANK_UP}{{{selector}}} == 0")}
+    endings: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
+    for _, labels, _ in each(f"{names.total(names.ABORT_SNAPSHOTS)}{{{selector}}} > 0"):
+        endings[(labels.get("job", ""), int(labels["rank"]))].add(labels["reason"])
+    for name, ranks in jobs.items():
+        for rank, facts in ranks.items():
+            facts.gone = (name, rank) not in live or (name, rank) in down
+            facts.lost = _lost(endings[(name, rank)])
+    return {name: [ranks[r] for r in sorted(ranks)] for name, ranks in jobs.items()}
+
+
+# -- sources: trace files and dumps -----------------------------------------------------------------
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Admits plain containers and scalars only: reading a dump never runs code."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"refused {module}.{name}: a flight-recorder dump holds plain data only")
+
+
+def load_dump(path: str) -> dict:
+    """A flight-recorder dump, read without running code; a clear error for anything else."""
+    with open(path, "rb") as f:
+        try:
+            data = _PlainUnpickler(f).load()
+        except Exception as error:
+            raise ValueError(f"{path} is not a flight-recorder dump: {error}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+        raise ValueError(f"{path} is not a flight-recorder dump: no list of entries")
+    return data
+
+
+def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = None) -> list[RankFacts]:
+    """Facts from the OTLP JSON-lines trace files (``*.jsonl``) and flight-recorder dumps in ``folder``;
+    ``each_span(span, attributes)`` sees every span as it is read, for a caller that needs them too."""
+    ranks: dict[int, RankFacts] = {}
+    completed: set[tuple[int, str, int]] = set()
+    for span, attributes in spans_in(folder):
+        _span_fact(ranks, span, attributes, completed)
+        if each_span is not None:
+            each_span(span, attributes)
+    for f in ranks.values():  # a hang that the spans show resolved is no longer in flight
+        for pg, group in f.groups.items():
+            if group.hung is not None and (f.rank, pg, group.hung[1]) in completed:
+                group.hung = None
+    for path in sorted(glob.glob(os.path.join(folder, "*"))):
+        digits = len(path) - len(path.rstrip("0123456789"))
+        if not digits or os.path.isdir(path) or path.endswith((".json", ".jsonl")):
+            continue
+        try:
+            dump = load_dump(path)
+        except ValueError:
+            continue
+        _dump_fact(ranks.setdefault(int(path[-digits:]), RankFacts(int(path[-digits:]))), dump)
+    return [ranks[rank] for rank in sorted(ranks)]
+
+
+def spans_in(folder: str) -> Iterator[tuple[dict, dict]]:
+    """Every span of the OTLP JSON-lines trace files (``*.jsonl``) in ``folder``, with its attributes."""
+    for path in sorted(glob.glob(os.path.join(folder, "*.jsonl"))):
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                for resource_spans in json.loads(line).get("resourceSpans", ()):
+                    for scope_spans in resource_spans.get("scopeSpans", ()):
+                        for span in scope_spans.get("spans", ()):
+                            yield span, {item["key"]: _value(item) for item in span.get("attributes", ())}
+
+
+def _value(attribute: dict):
+    value = attribute["value"]
+    for key in ("intValue", "doubleValue", "boolValue", "stringValue"):
+        if key in value:
+            return int(value[key]) if key == "intValue" else value[key]
+    return None
+
+
+def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[tuple[int, str, int]]) -> None:
+    if a.get(names.P2P) or names.RANK not in a:
+        return
+    rank, seq, op, pg = int(a[names.RANK]), int(a[names.SEQ]), a[names.OP], str(a[names.PG_NAME])
+    group = ranks.setdefault(rank, RankFacts(rank)).group(pg)
+    if not a.get(names.IN_FLIGHT):
+        completed.add((rank, pg, seq))
+        if a.get(names.STATUS) in ("error", "timeout") and (group.failed is None or seq < group.failed[1]):
+            group.failed = (op, seq)
+    group.arrivals[seq] = (op, int(span["startTimeUnixNano"]))
+    group.issued = max(group.issued, seq)
+    if a.get(names.HANG):
+        group.hangs_seen.add(seq)
+        if a.get(names.IN_FLIGHT):
+            group.hung = (op, seq)
+            age = float(a.get(names.AGE_S, 0.0))
+            group.threshold_s = age if group.threshold_s is None else min(group.threshold_s, age)
+    for kind, attribute in (("nan", names.NAN), ("inf", names.INF)):
+        if a.get(attribute) and (group.nonfinite is None or seq < group.nonfinite[0]):
+            group.nonfinite = (seq, op, kind)
+
+
+def _dump_fact(facts: RankFacts, dump: dict) -> None:
+    for entry in dump["entries"]:
+        if entry.get("is_p2p"):
+            continue
+        group = facts.group(str(entry["process_group"][0]))
+        group.issued = max(group.issued, int(entry["collective_seq_id"]))
