@@ -70,7 +70,8 @@ hook issued no collective (``noop_hook``); it is no collective, and readers of t
 PHASES = ("", "other", "forward", "backward", "optimizer")
 """A record's ``phase``: where in the training step the op was issued (module attribution)."""
 
-from ._producer import Producer, claim, fold_run, publish, published, read_whole
+from ._fold import fold_run
+from ._producer import Producer, claim, publish, published, read_whole
 
 _HEADER = struct.Struct("<8sIIIII")  # magic, version, slots, record size, string bytes, alignment
 _HEADER_SIZE = 128
