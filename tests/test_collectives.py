@@ -225,32 +225,17 @@ def test_registering_bad_hooks_fails_at_once_with_a_clear_error():
     ch.register_post_hook(hook).remove()
 
 
-EXIT_RIGHT_AFTER_A_COLLECTIVE = """
-import os, sys, time
-import torch, torch.distributed as dist
-import commlens.hooks as ch
-
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
-ch.instrument()
-
-def slow_post_hook(args):  # runs on gloo's thread while the main thread goes on to exit
-    time.sleep(0.3)
-    open({done!r}, "w").close()
-
-ch.register_post_hook(slow_post_hook)
-dist.all_reduce(torch.ones(4), async_op=True).get_future().wait()  # as DDP waits: wakes before the callbacks run
-"""
-
-
 def test_a_rank_that_exits_while_a_completion_callback_runs_exits_cleanly(tmp_path):
     """The callback runs on gloo's C++ thread; the process must not end under it (std::terminate, SIGABRT)."""
+    import pathlib
     import subprocess
     import sys
 
     from ports import free_port
 
     done = tmp_path / "post-hook-finished"
-    script = EXIT_RIGHT_AFTER_A_COLLECTIVE.format(port=free_port(), done=str(done))
-    ended = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    child = pathlib.Path(__file__).resolve().parent / "children" / "exit_right_after_a_collective.py"
+    ended = subprocess.run([sys.executable, str(child), str(free_port()), str(done)], capture_output=True, text=True,
+                           timeout=60)
     assert ended.returncode == 0 and not ended.stderr.strip(), (ended.returncode, ended.stderr)
     assert done.exists()  # the post-hook ran to its end before the process did

@@ -1,6 +1,7 @@
 """``commlens run -- torchrun …``: an unmodified script gets metrics and traces for all its ranks."""
 
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -11,27 +12,12 @@ import pytest
 
 from ports import free_port, free_ports
 
-TRAIN = """
-import os, sys, time, torch, torch.distributed as dist
-dist.init_process_group("gloo")
-for _ in range(5):
-    dist.all_reduce(torch.ones(8))
-dist.barrier()
-folder = sys.argv[1]
-open(os.path.join(folder, f"ready-{dist.get_rank()}"), "w").close()
-while not os.path.exists(os.path.join(folder, "done")):  # the test scrapes our metrics meanwhile
-    time.sleep(0.05)
-dist.destroy_process_group()
-"""
-
-
 def _commlens(*args, **kwargs):
     return subprocess.Popen([sys.executable, "-m", "commlens.agent.cli", *args], **kwargs)
 
 
 def test_an_unmodified_torchrun_job_is_instrumented_in_every_rank(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN)
+    script = pathlib.Path(__file__).resolve().parent / "children" / "launch_train.py"
     base = free_ports(2)
     job = _commlens("run", "--metrics-port", str(base), "--metrics-addr", "127.0.0.1", "--job-id", "zero-code",
                     "--metrics-detail", "op",

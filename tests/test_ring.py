@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import struct
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import pytest
 
 from commlens.hooks import END, START, Ring, RingReader
 from commlens.hooks.ring import GPU_START, NAN
+
+CHILDREN = pathlib.Path(__file__).resolve().parent / "children"
 
 
 def write(ring, op_id, kind=START):
@@ -214,21 +217,10 @@ def test_creating_a_ring_again_leaves_a_reader_of_the_old_one_whole(tmp_path):
     assert reader.string(sid) == "before the restart" and Ring.attach(path).string(sid) == ""
 
 
-WRITER = """
-import sys
-from commlens.hooks import Ring, START, END
-ring = Ring(slots=64, path=sys.argv[1])
-sid = ring.intern("group 0")
-for i in range(100):
-    ring.write(START if i % 2 == 0 else END, 1, 0, sid, i, i, 4 * i, 0, -1, 0, 0, i)
-print("written", flush=True)
-sys.stdin.read()  # stay alive while the other process reads
-"""
-
 
 def test_another_process_reads_the_shared_ring(tmp_path):
     path = str(tmp_path / "ring")
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, path], stdin=subprocess.PIPE,
+    writer = subprocess.Popen([sys.executable, str(CHILDREN / "ring_writer.py"), path], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
         assert writer.stdout.readline().strip() == "written"
@@ -243,24 +235,11 @@ def test_another_process_reads_the_shared_ring(tmp_path):
         writer.communicate("")
 
 
-KILLED_WITH_A_CHILD = """
-import os, signal, sys
-from commlens.hooks import Ring
-ring = Ring(slots=64, path=sys.argv[1])
-child_ready, ready = os.pipe()
-if os.fork() == 0:  # a data-loader worker: it outlives the writer
-    os.write(ready, b"!")  # its at-fork handlers have run (they closed its copy of the ring's flock)
-    sys.stdin.read()
-    os._exit(0)
-os.read(child_ready, 1)  # a writer killed before then would leave the flock with a child not yet run
-print("forked", flush=True)
-os.kill(os.getpid(), signal.SIGKILL)
-"""
-
 
 def test_a_killed_writer_is_seen_dead_while_its_forked_child_lives_and_a_closed_one_reopens(tmp_path):
     path = str(tmp_path / "ring")
-    writer = subprocess.Popen([sys.executable, "-c", KILLED_WITH_A_CHILD, path], stdin=subprocess.PIPE,
+    writer = subprocess.Popen([sys.executable, str(CHILDREN / "ring_killed_with_a_child.py"), path],
+                              stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
         assert writer.stdout.readline() == "forked\n"
@@ -304,23 +283,11 @@ def test_attaching_something_else_is_refused(tmp_path):
 
 
 BURST = 1_000_000
-BURST_WRITER = """
-import sys
-from commlens.hooks.ring import Ring, START
-ring = Ring(slots=1024, path=sys.argv[1])
-print("ready", flush=True)
-sys.stdin.readline()
-write = ring.write
-for i in range(%d):
-    write(START, i & 0xFF, 0, i & 0xFFFF, i, 3 * i, 7 * i, i & 0xFFFFFFFF, -1, (5 * i) & 0xFFFFFFFF)
-print("done", flush=True)
-sys.stdin.read()
-""" % BURST
-
 
 def test_a_reader_in_another_process_never_accepts_a_torn_record_and_counts_every_drop(tmp_path):
     path = str(tmp_path / "ring")
-    writer = subprocess.Popen([sys.executable, "-c", BURST_WRITER, path], stdin=subprocess.PIPE,
+    writer = subprocess.Popen([sys.executable, str(CHILDREN / "ring_burst_writer.py"), path, str(BURST)],
+                              stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
         assert writer.stdout.readline().strip() == "ready"

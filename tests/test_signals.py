@@ -2,6 +2,7 @@
 is blocked in a collective, the process ends as it would have, and a storm of them deadlocks nothing."""
 
 import os
+import pathlib
 import pickle
 import signal
 import subprocess
@@ -14,83 +15,7 @@ import pytest
 from ports import free_port
 
 TIMEOUT_S = 5
-
-RANK = """
-import os, signal, sys, torch, torch.distributed as dist
-import commlens.agent
-
-rank, mode = int(os.environ["RANK"]), sys.argv[1]
-dist.init_process_group("gloo")
-if rank == 1:  # joins the first all_reduce; the second only when the test writes a line to its stdin
-    dist.all_reduce(torch.ones(4))
-    if sys.stdin.readline():
-        dist.all_reduce(torch.ones(4))
-    os._exit(0)
-if mode == "user":
-    def on_sigterm(signum, frame):
-        with open(sys.argv[2], "w") as f:
-            f.write("handled")
-        dist.destroy_process_group()  # torch 2.13's gloo may abort a process that exits with a live group
-        sys.exit(3)
-    signal.signal(signal.SIGTERM, on_sigterm)
-commlens.agent.start()
-dist.all_reduce(torch.ones(4))
-agent = commlens.agent.current()
-if mode == "in-snapshot":  # as if interrupted inside agent.snapshot() ...
-    agent._snapshot_lock.acquire()
-if mode in ("in-snapshot", "in-drain"):  # ... or inside sidecar.drain(), on this thread
-    agent.sidecar._draining.acquire()
-    agent.sidecar.stats.lock.acquire()
-print("ready", flush=True)
-while mode in ("python", "in-snapshot", "in-drain"):
-    pass
-dist.all_reduce(torch.ones(4))  # rank 1 is not there
-print("returned", flush=True)
-"""
-
-STORM = """
-import signal, sys, threading, torch, torch.distributed as dist
-import commlens.agent
-
-handled = 0
-def count(signum, frame):
-    global handled
-    handled += 1
-signal.signal(signal.SIGTERM, count)
-dist.init_process_group("gloo")
-agent = commlens.agent.start()
-stop = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-t, steps = torch.ones(16), 0
-while not stop.is_set():
-    for _ in range(10):
-        dist.all_reduce(t)
-    agent.sidecar.drain()  # from the main thread too: a signal may come while it holds the sidecar's locks
-    steps += 1
-    print(steps, flush=True)
-print("handled", handled, "snapshots", agent.sidecar.stats.snapshots["signal"], flush=True)
-commlens.agent.stop()
-"""
-
-FORK = """
-import os, signal, torch, torch.distributed as dist
-import commlens.agent
-
-dist.init_process_group("gloo")
-agent = commlens.agent.start()
-dist.all_reduce(torch.ones(4))
-ready, told = os.pipe()
-child = os.fork()
-if child == 0:  # a DataLoader worker, say: the parent's socket is shared, the thread is not
-    os.write(told, b"!")
-    signal.pause()
-    os._exit(0)
-os.read(ready, 1)
-os.kill(child, signal.SIGTERM)
-_, status = os.waitpid(child, 0)
-commlens.agent.stop()  # the thread reads what is in its socket before it ends
-print(os.WIFSIGNALED(status) and os.WTERMSIG(status), agent.sidecar.stats.snapshots["signal"], flush=True)
-"""
+CHILDREN = pathlib.Path(__file__).resolve().parent / "children"
 
 
 def _ranks(tmp_path, script, world_size, *args):
@@ -101,7 +26,7 @@ def _ranks(tmp_path, script, world_size, *args):
     jobs = []
     for rank in range(world_size):
         with open(tmp_path / f"stderr-{rank}", "w") as stderr:
-            jobs.append(subprocess.Popen([sys.executable, "-c", script, *args],
+            jobs.append(subprocess.Popen([sys.executable, str(script), *args],
                                          env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True))
     return jobs
@@ -135,7 +60,7 @@ def _stuck(rank0, dump):
 
 
 def test_sigterm_inside_a_collective_writes_the_snapshot_and_ends_the_process_as_sigterm_does(tmp_path):
-    rank0, rank1 = _ranks(tmp_path, RANK, 2, "collective")
+    rank0, rank1 = _ranks(tmp_path, CHILDREN / "signals_rank.py", 2, "collective")
     dump = tmp_path / "rank_0"
     try:
         _stuck(rank0, dump)
@@ -149,7 +74,7 @@ def test_sigterm_inside_a_collective_writes_the_snapshot_and_ends_the_process_as
 
 @pytest.mark.parametrize("mode", ["python", "in-snapshot", "in-drain"])
 def test_sigterm_in_python_writes_the_snapshot_and_ends_the_process_as_sigterm_does(tmp_path, mode):
-    rank0, rank1 = _ranks(tmp_path, RANK, 2, mode)
+    rank0, rank1 = _ranks(tmp_path, CHILDREN / "signals_rank.py", 2, mode)
     try:
         assert rank0.stdout.readline() == "ready\n"
         rank0.send_signal(signal.SIGTERM)
@@ -163,7 +88,7 @@ def test_sigterm_in_python_writes_the_snapshot_and_ends_the_process_as_sigterm_d
 
 def test_the_users_own_handler_runs_once_the_collective_returns_after_the_snapshot(tmp_path):
     handled = tmp_path / "handled"
-    rank0, rank1 = _ranks(tmp_path, RANK, 2, "user", str(handled))
+    rank0, rank1 = _ranks(tmp_path, CHILDREN / "signals_rank.py", 2, "user", str(handled))
     dump = tmp_path / "rank_0"
     try:
         _stuck(rank0, dump)
@@ -180,7 +105,7 @@ def test_the_users_own_handler_runs_once_the_collective_returns_after_the_snapsh
 
 
 def test_a_sigterm_storm_during_collectives_deadlocks_nothing(tmp_path):
-    [job] = _ranks(tmp_path, STORM, 1)
+    [job] = _ranks(tmp_path, CHILDREN / "signals_storm.py", 1)
     watchdog = threading.Timer(120, job.kill)  # a deadlock fails the test instead of hanging it
     watchdog.start()
     try:
@@ -199,6 +124,6 @@ def test_a_sigterm_storm_during_collectives_deadlocks_nothing(tmp_path):
 
 
 def test_a_forked_childs_sigterm_is_its_own(tmp_path):
-    [job] = _ranks(tmp_path, FORK, 1)
+    [job] = _ranks(tmp_path, CHILDREN / "signals_fork.py", 1)
     out, _ = job.communicate(timeout=120)
     assert job.returncode == 0 and out.split() == [str(int(signal.SIGTERM)), "0"], out

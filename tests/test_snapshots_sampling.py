@@ -2,6 +2,7 @@
 
 import collections
 import os
+import pathlib
 import pickle
 import signal
 import subprocess
@@ -17,25 +18,13 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from commlens.hooks import record
 from commlens.hooks.ring import ERROR, NAN_HAS_NAN, OK, Ring
 
-JOB = """
-import os, sys, torch, torch.distributed as dist
-import commlens.agent
-dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:{port}")
-agent = commlens.agent.start()
-for _ in range(3):
-    dist.all_reduce(torch.ones(4))
-print("trained", flush=True)
-if sys.argv[1] == "exception":
-    raise RuntimeError("the training loop broke")
-sys.stdin.read()  # wait for SIGTERM, as a pod does
-"""
-
+CHILDREN = pathlib.Path(__file__).resolve().parent / "children"
 
 @pytest.mark.parametrize("ending", ["sigterm", "exception"])
 def test_the_process_leaves_a_dump_and_ends_as_it_would_have(tmp_path, ending):
     env = {**os.environ, "TORCHCOMM_FR_DUMP_TEMP_FILE": str(tmp_path / "rank_"), "COMMLENS_METRICS_PORT": "0",
            "COMMLENS_TRACE_FILE": str(tmp_path / "spans.jsonl")}
-    job = subprocess.Popen([sys.executable, "-c", JOB.format(port=free_port()), ending], env=env,
+    job = subprocess.Popen([sys.executable, str(CHILDREN / "snapshot_job.py"), ending, str(free_port())], env=env,
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert job.stdout.readline() == "trained\n"
     if ending == "sigterm":
