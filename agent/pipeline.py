@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Mapping
 
 from commlens.exporters.otlp import BatchSpanProcessor
@@ -60,10 +61,11 @@ class RankPipeline:
         return self.sidecar
 
     def stop(self, timeout_s: float) -> None:
-        """Stop the sidecar's thread, drain what is left, and send the spans queued, within ``timeout_s``."""
+        """Stop the sidecar's thread, drain what is left, and send the spans queued: all within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
         if self.sidecar is not None:
             self.sidecar.stop(timeout_s)
-        self.spans.shutdown(timeout_s)
+        self.spans.shutdown(max(0.0, deadline - time.monotonic()))
 
     # -- RankTelemetry: what a scrape reads ---------------------------------------------------------
 

@@ -174,7 +174,12 @@ class PodSidecar:
     def __exit__(self, *exc) -> None:
         if self.process.poll() is None:
             self.process.terminate()
-            self.process.wait(60)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:  # it ignored SIGTERM: a failure, but it must not outlive the test
+                self.process.kill()
+                self.process.wait()
+                raise
         self.log.close()
 
 
