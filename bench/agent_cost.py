@@ -319,9 +319,11 @@ def main() -> int:
             print(f"{workload:<20}NaN check: +{check * 1e6:.1f} µs per collective "
                   f"({min(checks) * 1e6:.1f} - {max(checks) * 1e6:.1f}); one torch.sum over the payload: "
                   f"{one_sum * 1e6:.1f} µs; ratio {check / one_sum:.2f} (goal <= 1.2)")
-    print("\nCPU per iteration in the timed trials: rank 0's process (every thread) over the no-commlens trial of "
-          "the same repeat, in µs and as a ratio, and commlens' own threads, in µs; medians")
-    print(f"{'workload':<20}{'config':<14}{'process over none':>18}{'ratio min - median - max':>26}{'commlens threads':>18}")
+    print("\nCPU per iteration in the timed trials (2 ranks), by thread of rank 0: its process (every thread) over "
+          "the no-commlens trial of the same repeat, in µs and as a ratio; of that, the training thread's share; "
+          "commlens' own threads, in µs; medians")
+    print(f"{'workload':<20}{'config':<14}{'process over none':>18}{'ratio min - median - max':>26}"
+          f"{'training thread':>17}{'commlens threads':>18}")
     for workload in args.workloads:
         baseline = results[(workload, "none")]
         for config in list(CONFIGS)[1:]:
@@ -329,8 +331,11 @@ def main() -> int:
             per = [(run["process_cpu_s"] / run["iterations"], base["process_cpu_s"] / base["iterations"])
                    for run, base in zip(runs, baseline)]
             over = statistics.median(on - off for on, off in per) * 1e6
+            training = statistics.median((run["training_cpu_s"] - base["training_cpu_s"]) / run["iterations"]
+                                         for run, base in zip(runs, baseline)) * 1e6
             threads = statistics.median(run["commlens_cpu_s"] / run["iterations"] for run in runs) * 1e6
-            print(f"{workload:<20}{config:<14}{over:>18.1f}{_spread([on / off for on, off in per]):>26}{threads:>18.1f}")
+            print(f"{workload:<20}{config:<14}{over:>18.1f}{_spread([on / off for on, off in per]):>26}"
+                  f"{training:>17.1f}{threads:>18.1f}")
     print(f"\nCPU per collective, µs: one rank, {collectives:,} all_reduces of 4 KiB per configuration, "
           f"medians of {len(cpu['none'])} interleaved jobs (total: their sum)")
     print(f"{'config':<16}{'commlens threads':>18}{'+training thread':>18}{'pod sidecar':>13}{'total':>8}")

@@ -80,7 +80,8 @@ CONFIGS = {"none": None, "floor": Floor, "wrappers": Wrappers, "nan-check": lamb
            **({"no-pg-hooks": lambda: Wrappers(pg_hooks=False)} if native.AVAILABLE else {})}
 
 
-def _quartiles(values: list[float]) -> str:
+def quartiles(values: list[float]) -> str:
+    """The median and quartiles of ``values``, as the tables print them."""
     q1, median, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
     return f"{median:7.2f} ({q1:.2f} - {q3:.2f})"
 
@@ -118,7 +119,7 @@ def main() -> int:
     for name in CONFIGS:
         extra_cpu = [c - n for c, n in zip(cpu[name], cpu["none"])]
         extra_wall = [w - n for w, n in zip(wall[name], wall["none"])]
-        print(f"{name:13s}  {_quartiles(extra_cpu)}  {_quartiles(extra_wall)}  "
+        print(f"{name:13s}  {quartiles(extra_cpu)}  {quartiles(extra_wall)}  "
               f"{statistics.median(cpu['none']):.2f} {statistics.median(wall['none']):.2f}")
     return 0
 

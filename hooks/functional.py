@@ -17,7 +17,6 @@ Dynamo traces: on torch >= 2.14 PyTorch's own process-group hooks record those (
 
 from __future__ import annotations
 
-import functools
 import threading
 from typing import Any, Callable
 
@@ -188,7 +187,7 @@ def _wait_tensor(original: Callable) -> Callable:
         except BaseException as error:
             _finish(key, error)
             raise
-        issuing.settle(functools.partial(_finish, key), None)
+        issuing.settle(_finish, key, None)
         return out
 
     wait_tensor.__wrapped__ = original

@@ -58,11 +58,11 @@ def issue(flight: InFlight, call: Callable, /, *args: Any, **kwargs: Any) -> Any
         set_issuing(was)
 
 
-def settle(step: Callable[[Any], None], result: Any) -> None:
-    """``step(result)`` once the op is issued (``InFlight.issued`` or a source's own): as ``start()``
+def settle(step: Callable[..., None], *args: Any) -> None:
+    """``step(*args)`` once the op is issued (``InFlight.issued`` or a source's own): as ``start()``
     does, a propagating post-hook's error reaches the caller, a failure of commlens is counted."""
     try:
-        step(result)
+        step(*args)
     except HookRaised as raised:
         raised.reraise()
     except Exception as error:
@@ -78,5 +78,5 @@ def record(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, asyn
     if flight is None:
         return call(*args, **kwargs)
     result = issue(flight, call, *args, **kwargs)
-    settle(lambda result: after(flight, result), result)
+    settle(after, flight, result)
     return result

@@ -104,7 +104,7 @@ class _GroupHooks:
         _last.op = None
         flight = self.pending.pop(args.op_id, None)
         if flight is not None:
-            issuing.settle(functools.partial(flight.issued, from_work=True), args.work)
+            issuing.settle(flight.issued, args.work, True)
 
     def abort(self) -> None:
         try:

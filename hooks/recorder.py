@@ -87,13 +87,12 @@ class InFlight(PreHookArgs):
         if gpu_ns is None and self.gpu is not None:  # completed without its GPU events (failed, or functional)
             cuda.tracker().release(self.gpu)
             self.gpu = None
-        wire = 0 if self.bucket is None else min(self.bucket.wire_bytes, 0xFFFFFFFF)
         if gpu_ns is None:
             end = record.end(record.writer(), self.code, self.sid, self.op_id, self.seq, self.nbytes, self.sig,
-                             self.wire_peer, status, wire)
+                             self.wire_peer, status, self._wire_bytes())
         else:
             end = record.end_on_gpu(record.writer(), self.code, self.sid, self.op_id, self.seq, self.nbytes, self.sig,
-                                    self.wire_peer, status, wire, *gpu_ns)
+                                    self.wire_peer, status, self._wire_bytes(), *gpu_ns)
         if error is not None and abort_hooks.entries:
             abort_hooks.call(AbortHookArgs(self, error, STATUS[status]))
         if post_hooks.entries:
@@ -106,8 +105,12 @@ class InFlight(PreHookArgs):
     def end_args(self) -> tuple[int, ...]:
         """This op's END (status ok) as ``Ring.write``'s arguments, for a writer in C++; ``aux``: the
         bucket's bytes on the wire."""
-        wire = 0 if self.bucket is None else min(self.bucket.wire_bytes, 0xFFFFFFFF)
-        return record.end_args(self.code, self.sid, self.op_id, self.seq, self.nbytes, self.sig, self.wire_peer, OK, wire)
+        return record.end_args(self.code, self.sid, self.op_id, self.seq, self.nbytes, self.sig, self.wire_peer, OK,
+                               self._wire_bytes())
+
+    def _wire_bytes(self) -> int:
+        """END's aux: a DDP bucket's bytes on the wire (0 for any other op)."""
+        return 0 if self.bucket is None else min(self.bucket.wire_bytes, 0xFFFFFFFF)
 
     def gpu_end(self, future: Any) -> None:
         """Complete this op on a CUDA device when the GPU has finished it (``future``: an async op's)."""

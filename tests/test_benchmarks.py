@@ -2,6 +2,7 @@
 judged here: the figures come from full runs, reported in the README)."""
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -34,8 +35,9 @@ def test_the_agent_cost_benchmark_measures_every_configuration_on_every_workload
     for config in (YARDSTICK, "none-again"):  # no commlens in them
         assert cpu[config][0] == cpu[config][2] == 0.0, cpu
     assert all(abs(row[0] + row[1] + row[2] - row[3]) < 0.15 for row in cpu.values()), cpu
-    # CPU per iteration of the timed trials: over none (µs), the ratio's min - median - max, commlens' threads
-    per_iteration = {(" ".join(row[:-8]), row[-8]): row[-7:] for row in
+    # CPU per iteration of the timed trials: over none (µs), the ratio's min - median - max, the training
+    # thread over none (µs), commlens' threads
+    per_iteration = {(" ".join(row[:-9]), row[-9]): row[-8:] for row in
                      (line.split() for line in iteration_table.splitlines()[2:])}
     assert set(per_iteration) == {(w, c) for w in WORKLOADS for c in CONFIGS if c != "none"}, sorted(per_iteration)
     assert all(float(row[-1]) == 0.0 for (_, config), row in per_iteration.items() if config == "none-again")
@@ -77,6 +79,27 @@ def test_the_hot_path_loop_benchmark_pairs_every_configuration_with_no_commlens_
     assert list(rows) == list(CONFIGS), rows
     assert float(rows["none"][0]) == float(rows["none"][4]) == 0.0  # each none slice paired with itself
     assert all(float(row[-1]) > 0 for row in rows.values()), rows  # none's own wall time per collective
+
+
+def test_the_latency_loop_benchmark_pairs_both_ranks_configurations_with_no_commlens_in_one_job():
+    done = subprocess.run([sys.executable, str(BENCH.parent / "latency_loop.py"), "--slices", "2",
+                           "--collectives", "100"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+
+    def numbers(line: str) -> list[float]:
+        return [float(n) for n in re.findall(r"-?\d+\.\d+", line)]
+
+    header = lines.index(next(line for line in lines if line.startswith("config ")))
+    over = {line.split()[0]: numbers(line) for line in lines[header + 1:header + 4]}  # 5 columns: median, q1, q3
+    assert list(over) == ["none", "hooks", "agent"] and all(len(row) == 15 for row in over.values()), lines
+    assert over["none"] == [0.0] * 15, lines  # each none slice paired with itself
+    assert over["hooks"][12:] == [0.0] * 3, lines  # the hot path alone: no thread of commlens'
+    header = lines.index(next(line for line in lines if line.startswith("config ") and "p99.9" in line))
+    times = {line.split()[0]: numbers(line) for line in lines[header + 1:header + 4]}  # mean, p10 ... p99.9
+    assert list(times) == ["none", "hooks", "agent"], lines
+    assert all(0 < row[1] <= row[2] <= row[3] <= row[4] <= row[5] for row in times.values()), lines
+    assert re.fullmatch(r"wall over none, median ratio: hooks \d+\.\d{3}, agent \d+\.\d{3}", lines[-1]), lines
 
 
 @pytest.mark.parametrize("workload", ["DDP step", "all_reduce 4 KiB"])
