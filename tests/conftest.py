@@ -40,18 +40,26 @@ def _rank_main(rank, fn, world_size, port, result_dir, timeout_s, backend, kwarg
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    # No rank runs until every rank's connections are up: a rank with nothing to do (returns at once)
-    # would tear its side down while a peer's init still reads from it ("Connection closed by peer").
-    # Through the store, so that the groups' sequence numbers stay the tests' own.
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"initialized/{rank}", "1")
-    store.wait([f"initialized/{r}" for r in range(world_size)])
+    everyone_here("initialized", rank, world_size)
     try:
         result = fn(rank, world_size, **kwargs)
     finally:
         dist.destroy_process_group()
     with open(os.path.join(result_dir, f"result_{rank}"), "wb") as f:
         pickle.dump(result, f)
+
+
+def everyone_here(point: str, rank: int, world_size: int) -> None:
+    """Wait until every rank has come to ``point``, through the job's store: no collective, so that the
+    groups' sequence numbers stay the tests' own.
+
+    After a process group is created: a rank with nothing to do in it (returns, destroys it) would tear
+    its side down while a peer is still connecting ("Connection closed by peer" in the peer's init)."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{point}/{rank}", "1")
+    store.wait([f"{point}/{r}" for r in range(world_size)])
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import commlens.hooks as ch
 from commlens.hooks.nan_check import FLAG_INF, FLAG_NAN
+from conftest import everyone_here
 
 
 def nan_report(rank, world_size):
@@ -138,6 +139,7 @@ def refused_then_let_go(rank, world_size):
         with ch.NanCheckHook(mode="raise"):
             t = torch.full((4,), float("nan"))  # on every rank: no rank issues it
             tensor, group = weakref.ref(t), weakref.ref(dist.new_group([0, 1]))
+            everyone_here("group created", rank, world_size)  # no rank uses it: none destroys it too soon
             try:
                 dist.all_reduce(t, group=group())
             except RuntimeError:
