@@ -157,6 +157,7 @@ def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faul
                                  else max([300] + [fault.s + 60 for fault in faults]))
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
     agent = commlens.agent.start()  # with the NaN/Inf check, on by default
+    _wait_for_all("started", rank, world_size, timeout)
     pg = dist.distributed_c10d._get_default_group()
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(
@@ -201,7 +202,7 @@ def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faul
     agent.sidecar.stop()
     agent.flight_recorder.dump_file(rank)
     _write_result(out_dir, rank, agent, step_seqs, model)
-    _wait_for_all(rank, world_size, timeout)
+    _wait_for_all("done", rank, world_size, timeout)
     if serving is not None:  # --keep-serving: until the launcher, on SIGTERM or Ctrl-C, sets the event
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches every rank: the launcher decides
         sys.stdout.write(f"rank {rank}: serving metrics until SIGTERM or Ctrl-C\n")  # one write: lines stay whole
@@ -238,13 +239,16 @@ def _write_result(out_dir: str, rank: int, agent, step_seqs: list[int], model) -
         json.dump(result, f)
 
 
-def _wait_for_all(rank: int, world_size: int, timeout: datetime.timedelta) -> None:
-    """Keep every rank's connections open until all have written their results, so that a stopped
-    rank is seen as missing from a collective (a timeout) rather than as a closed connection."""
+def _wait_for_all(point: str, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+    """Wait, through the job's store (no collective, nothing recorded), until every rank has come to
+    ``point``: "started", so that the ranks' start-up (imports, the agent) on a busy machine is not
+    taken for a late rank in the first collective; "done", to keep every rank's connections open until
+    all have written their results, so that a stopped rank is seen as missing from a collective (a
+    timeout) rather than as a closed connection."""
     store = dist.distributed_c10d._get_default_store()
-    store.set(f"commlens/done/{rank}", "1")
+    store.set(f"commlens/{point}/{rank}", "1")
     try:
-        store.wait([f"commlens/done/{r}" for r in range(world_size)], timeout * 3)
+        store.wait([f"commlens/{point}/{r}" for r in range(world_size)], timeout * 3)
     except RuntimeError:  # a rank died first: nothing more to wait for
         pass
 
