@@ -2,8 +2,9 @@
 
 ``load(source)`` returns the module built from ``source`` (a file next to this one): from the cache,
 ``$XDG_CACHE_HOME/commlens`` (default ``~/.cache/commlens``), else built into it by
-``torch.utils.cpp_extension`` (about 15 s, once per machine, torch and source; it needs a C++ compiler
-and ninja on PATH). A failure raises, the compiler's whole output in the error. ``load_or_warn`` is
+``torch.utils.cpp_extension`` (about 25 s, once per machine, torch and source; it needs a C++ compiler
+and ninja on PATH). One process builds while the others that need it (the ranks of a node) wait for
+it, under a file lock that the kernel releases if the builder dies. A failure raises, the compiler's whole output in the error. ``load_or_warn`` is
 what the hooks call: None where it fails, and a one-line warning that says what commlens does instead.
 
     hook = extension.load_or_warn("_ddp_hook.cpp", "C++ hook", "records ... with a Python hook",
@@ -12,6 +13,7 @@ what the hooks call: None where it fails, and a one-line warning that says what 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -36,17 +38,24 @@ def load(source: str) -> ModuleType:
     cached = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "commlens",
                           name + ".so")
     if not os.path.exists(cached):
-        from torch.utils import cpp_extension
-
-        with tempfile.TemporaryDirectory() as build:  # a directory of its own: no lock shared with other ranks
-            cpp_extension.load(name, [path], extra_cflags=CFLAGS, build_directory=build)
-            os.makedirs(os.path.dirname(cached), exist_ok=True)
-            shutil.copyfile(os.path.join(build, name + ".so"), f"{cached}.{os.getpid()}")
-            os.replace(f"{cached}.{os.getpid()}", cached)  # whole or absent, whichever rank is first
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        with open(cached + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.exists(cached):  # not built meanwhile by the process that held the lock
+                _build(name, path, cached)
     spec = importlib.util.spec_from_file_location(name, cached)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _build(name: str, path: str, cached: str) -> None:
+    from torch.utils import cpp_extension
+
+    with tempfile.TemporaryDirectory() as build:  # torch's lock file in a shared one outlives a killed builder
+        cpp_extension.load(name, [path], extra_cflags=CFLAGS, build_directory=build)
+        shutil.copyfile(os.path.join(build, name + ".so"), f"{cached}.{os.getpid()}")
+        os.replace(f"{cached}.{os.getpid()}", cached)  # whole or absent
 
 
 def load_or_warn(source: str, what: str, instead: str, init: Callable[[ModuleType], None]) -> ModuleType | None:

@@ -234,8 +234,8 @@ def hooks_registered_on_first_use(rank, world_size, cache, compiler):
     handle.remove()
     ch.uninstrument()
     return {"seen": seen, "issued": issued, "warnings": [str(w.message) for w in caught],
-            "cached": sorted(os.listdir(os.path.join(cache, "commlens"))) if os.path.isdir(
-                os.path.join(cache, "commlens")) else []}
+            "cached": sorted(name for name in os.listdir(os.path.join(cache, "commlens")) if name.endswith(".so"))
+            if os.path.isdir(os.path.join(cache, "commlens")) else []}  # not the build's lock files
 
 
 def _each_collective_once(result):
