@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import dataclasses
 import statistics
 from typing import Iterable
 
@@ -27,19 +28,35 @@ that waits on the straggler inherits part of its lateness: a broadcast's root, s
 
 
 def findings(facts: Iterable[RankFacts]) -> list[Finding]:
-    """Every verdict the facts support, most severe first; [] for a healthy job."""
+    """Every verdict the facts support, most severe first; [] for a healthy job.
+
+    A job runs several groups at once, and a rank held up in one group is late in the others: the
+    waits form a graph (the ranks waiting in a collective wait on those of its group that have not
+    issued it). A rank late in a group while it waits itself in another is a link of a chain, not
+    its end: it is named as evidence, and the culprits are the ranks at the chains' ends, late and
+    waiting nowhere. When every late rank waits elsewhere, the waits go round: a deadlock."""
     facts = list(facts)
     found: list[Finding] = []
+    links: list[Finding] = []
     for pg in sorted({pg for f in facts for pg in f.groups}):
         members = [f for f in facts if pg in f.groups or pg == "0"]
         found += _nan_origin(pg, members)
-        stuck = _hang(pg, members)
+        stuck = _hang(pg, members, facts)
+        links += [f for f in stuck if f.kind == "deadlock"]
+        stuck = [f for f in stuck if f.kind != "deadlock"]
         if not any(f.kind == "desync" for f in stuck):
             stuck += _mismatch(pg, members)
         found += stuck
-        if not stuck:
-            found += _straggler(pg, members)
-    order = ("nan_origin", "lost_rank", "desync", "late_rank", "hang", "straggler")
+        if not stuck and not any(f.pg == pg for f in links):
+            found += _straggler(pg, members, facts)
+    if links and not any(f.kind in ("lost_rank", "desync", "late_rank") for f in found):
+        found.append(Finding("deadlock", tuple(sorted({r for f in links for r in f.ranks})), links[0].pg,
+                             links[0].op, links[0].seq, "; ".join(f.evidence for f in links)))
+    else:  # each culprit's finding shows who else its lateness holds up, through the ranks waiting on it
+        found = [dataclasses.replace(f, evidence="; ".join([f.evidence, *(
+            f"held up through them: {link.evidence}" for link in links if f.pg in link.waits_in)]))
+            if f.kind == "late_rank" else f for f in found]
+    order = ("nan_origin", "lost_rank", "desync", "late_rank", "deadlock", "hang", "straggler")
     return sorted(found, key=lambda f: order.index(f.kind))
 
 
@@ -56,8 +73,9 @@ def _nan_origin(pg: str, members: list[RankFacts]) -> list[Finding]:
     return [Finding("nan_origin", tuple(origin), pg, op, first, evidence)]
 
 
-def _hang(pg: str, members: list[RankFacts]) -> list[Finding]:
-    """Late, missing and desynced ranks around the collective others hang in."""
+def _hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:
+    """Late, missing and desynced ranks around the collective others hang in; a "deadlock" link when
+    every rank behind waits itself in another group (``findings`` follows the chain)."""
     live = {f.rank: f.groups[pg].hung or f.groups[pg].failed for f in members
             if pg in f.groups and (f.groups[pg].hung or f.groups[pg].failed)}
     if live:
@@ -91,15 +109,24 @@ def _hang(pg: str, members: list[RankFacts]) -> list[Finding]:
         found.append(_desync(pg, seq, {r: ops[r] for r in wrong}, waiting, majority))
     starts = [f.groups[pg].arrivals[seq][1] for f in members if f.rank in waiting and seq in f.groups[pg].arrivals]
     thresholds = [f.groups[pg].threshold_s for f in members if pg in f.groups and f.groups[pg].threshold_s]
+    first_wait = min(starts, default=None)
     late = {f.rank: why for f in members if f.rank not in ops
-            and (why := _late(f, pg, seq, bool(live), min(starts, default=None), min(thresholds, default=0.0)))
-            is not None}
+            and (why := _late(f, pg, seq, bool(live), first_wait, min(thresholds, default=0.0))) is not None}
+    elsewhere = {rank: where for rank in late if (where := _waiting_elsewhere(
+        next(f for f in everyone if f.rank == rank), pg, bool(live), first_wait)) is not None}
+    waits_in = tuple(sorted({group for group, _ in elsewhere.values()}))
+    elsewhere = {rank: why for rank, (_, why) in elsewhere.items()}
+    how = "failed in" if live and all(not f.groups[pg].hung for f in members if f.rank in ops) else \
+        "waited past the hang threshold in"
+    waits = f"ranks {waiting} {how} {majority} (group {pg}) seq {seq}"
+    if elsewhere and len(elsewhere) == len(late):  # held up by another group: its finding names the culprit
+        return found + [Finding("deadlock", tuple(sorted(elsewhere)), pg, majority, seq, "; ".join(
+            [waits, *(f"rank {rank} {where}" for rank, where in sorted(elsewhere.items()))]), waits_in)]
     if late:
-        how = "failed in" if live and all(not f.groups[pg].hung for f in members if f.rank in ops) else \
-            "waited past the hang threshold in"
-        evidence = "; ".join([f"ranks {waiting} {how} {majority} seq {seq}",
-                              *(f"rank {rank} {why}" for rank, why in sorted(late.items()))])
-        found.append(Finding("late_rank", tuple(sorted(late)), pg, majority, seq, evidence))
+        culprits = {rank: why for rank, why in late.items() if rank not in elsewhere}
+        evidence = "; ".join([waits, *(f"rank {rank} {why}" for rank, why in sorted(culprits.items())),
+                              *(f"rank {rank} is behind too, but {where}" for rank, where in sorted(elsewhere.items()))])
+        found.append(Finding("late_rank", tuple(sorted(culprits)), pg, majority, seq, evidence))
     if not found and live:
         found.append(Finding("hang", tuple(waiting), pg, majority, seq,
                              f"ranks {waiting} wait in seq {seq} and no rank is behind: look at the network "
@@ -125,6 +152,23 @@ def _late(f: RankFacts, pg: str, seq: int, live: bool, first_wait_ns: int | None
     return None
 
 
+def _waiting_elsewhere(f: RankFacts, pg: str, live: bool, first_wait_ns: int | None) -> tuple[str, str] | None:
+    """(the group, why) where rank ``f``, behind in group ``pg``, waits itself past the hang threshold
+    (live: or its collective there failed); None if it waits nowhere else. After the fact: a wait that
+    went on after the first rank began waiting for it in ``pg``."""
+    for other, group in sorted(f.groups.items()):
+        if other == pg:
+            continue
+        if group.hung is not None:
+            return other, f"waits itself in {group.hung[0]} (group {other}) seq {group.hung[1]}"
+        if group.failed is not None and live:
+            return other, f"failed itself in {group.failed[0]} (group {other}) seq {group.failed[1]}"
+        for held, (start, end) in sorted(group.hangs_seen.items()):
+            if first_wait_ns is not None and (end is None or end > first_wait_ns) and held in group.arrivals:
+                return other, f"waited itself in {group.arrivals[held][0]} (group {other}) seq {held}"
+    return None
+
+
 def _desync(pg: str, seq: int, wrong: dict[int, str], others: list[int], op: str) -> Finding:
     theirs = ", ".join(sorted(set(wrong.values())))
     return Finding("desync", tuple(sorted(wrong)), pg, theirs, seq,
@@ -146,7 +190,7 @@ def _mismatch(pg: str, members: list[RankFacts]) -> list[Finding]:
     return []
 
 
-def _straggler(pg: str, members: list[RankFacts]) -> list[Finding]:
+def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:
     groups = {f.rank: f.groups[pg] for f in members if pg in f.groups and not f.gone}
     if len(groups) < 2:
         return []
@@ -155,7 +199,11 @@ def _straggler(pg: str, members: list[RankFacts]) -> list[Finding]:
         longest = max(waits.values())
         rank = min(waits, key=waits.get)
         lateness = longest - waits[rank]
-        if lateness > STRAGGLER_MIN_S and waits[rank] < STRAGGLER_RATIO * longest:
+        # arriving last in this group because it waited in another is not straggling: a straggler
+        # waits less than the others in all its groups together, its own compute holds them up
+        waited = {f.rank: sum(g.waited_s or 0.0 for g in f.groups.values()) for f in everyone if f.rank in groups}
+        if lateness > STRAGGLER_MIN_S and waits[rank] < STRAGGLER_RATIO * longest and \
+                waited[rank] < STRAGGLER_RATIO * max(waited.values()):
             return [Finding("straggler", (rank,), pg, "all", None,
                             f"it waits {waits[rank] * 1e3:.1f} ms per collective where the group's longest waiter "
                             f"waits {longest * 1e3:.1f} ms: it arrives about {lateness * 1e3:.1f} ms after the others")]

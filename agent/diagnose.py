@@ -17,11 +17,17 @@ in PromQL) share this reasoning:
   while its group hangs in or fails in a collective: that rank is the culprit, not the network.
 * **Late or missing rank** — ranks wait past the hang threshold in collective ``seq``; the rank(s)
   that have not issued ``seq`` (or stopped reporting) are the culprits; the waiting ranks are evidence.
+  Across groups the waits form chains: a rank behind in one group while it waits itself in another
+  (a tensor-parallel partner of the late rank, held up in their pair) is a link, named as evidence
+  ("held up through them: ..."), and the culprits are the ranks at the chains' ends.
+* **Deadlock** — every rank behind waits itself in another group: the waits go round.
 * **Desync** — at the same ``seq`` the ranks issued different ops: the minority issued the wrong one.
 * **Straggler** — in a synchronous collective a rank waits for the last to arrive, so the time rank
   ``r`` spends in its collectives is ``(last arrival - r's arrival) + transfer``. The rank that waits
   least arrives last; how much less it waits than the group's longest waiter is how much later it
-  arrives (no clock alignment needed). Offline, arrivals are read directly from span start times.
+  arrives (no clock alignment needed) — unless it waited in its other groups meanwhile: a straggler
+  spends less than half the time in collectives, all its groups together, of the member that spends
+  most. Offline, arrivals are read directly from span start times.
 * **Hang** with no rank behind and no desync: every rank waits in the same collective.
 
 The facts are ``facts.py``'s, the readers ``readers.py``, the detectors ``detectors.py``; this

@@ -23,10 +23,14 @@ class GroupFacts:
     """(seq, op, kind) of the first collective whose input held NaN ("nan") or Inf ("inf")."""
     wait_s: float | None = None
     """Mean seconds per collective over the window (live)."""
+    waited_s: float | None = None
+    """Seconds spent in its collectives over the window, or per second of it (live; the same window
+    for every rank)."""
     arrivals: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
     """seq -> (op, start ns) of each collective seen (offline)."""
-    hangs_seen: set[int] = dataclasses.field(default_factory=set)
-    """Sequence numbers it waited on past the hang threshold, resolved or not (offline)."""
+    hangs_seen: dict[int, tuple[int, int | None]] = dataclasses.field(default_factory=dict)
+    """seq -> (start ns, end ns, None while in flight) of each collective it waited in past the hang
+    threshold, resolved or not (offline)."""
     threshold_s: float | None = None
     """The hang threshold, as the age at which its first hang was reported (offline)."""
 
@@ -47,16 +51,19 @@ class RankFacts:
 @dataclasses.dataclass(frozen=True)
 class Finding:
     kind: str
-    """nan_origin, lost_rank, late_rank, desync, straggler or hang."""
+    """nan_origin, lost_rank, late_rank, desync, straggler, hang or deadlock."""
     ranks: tuple[int, ...]
     pg: str
     op: str
     seq: int | None
     evidence: str
+    waits_in: tuple[str, ...] = ()
+    """A deadlock link's: the groups its ranks wait in (where the chain goes on)."""
 
     def line(self) -> str:
         who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {', '.join(map(str, self.ranks))}"
         where = f"{self.op} (group {self.pg}" + (f", seq {self.seq})" if self.seq is not None else ")")
-        title = {"nan_origin": "NaN/Inf entered on", "lost_rank": "killed or crashed:", "late_rank": "late or missing:", "desync": "desync:",
-                 "straggler": "straggler:", "hang": "hang: all waiting,"}[self.kind]
+        title = {"nan_origin": "NaN/Inf entered on", "lost_rank": "killed or crashed:", "late_rank": "late or missing:",
+                 "desync": "desync:", "straggler": "straggler:", "hang": "hang: all waiting,",
+                 "deadlock": "deadlock: waiting on each other,"}[self.kind]
         return f"{title} {who} in {where} — {self.evidence}"

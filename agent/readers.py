@@ -67,6 +67,7 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str] | None = None
         seconds, count = (sum1 - sum0, count1 - count0) if second is not None else (sum0, count0)
         if count > 0:
             ranks[rank].group(pg).wait_s = seconds / count
+            ranks[rank].group(pg).waited_s = seconds
     for rank in range(world_size):  # a rank no endpoint answered for
         ranks.setdefault(rank, RankFacts(rank))
     for rank, facts in ranks.items():
@@ -153,6 +154,8 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
     for facts, labels, value in each(f"{by} (rate({DURATION_SUM}{{{selector}}}[{window}])) / "
                                      f"{by} (rate({DURATION_COUNT}{{{selector}}}[{window}]))"):
         facts.group(labels["pg"]).wait_s = value
+    for facts, labels, value in each(f"{by} (rate({DURATION_SUM}{{{selector}}}[{window}]))"):
+        facts.group(labels["pg"]).waited_s = value
     down = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(f"{names.RANK_UP}{{{selector}}} == 0")}
     endings: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
     for _, labels, _ in each(f"{names.total(names.ABORT_SNAPSHOTS)}{{{selector}}} > 0"):
@@ -244,8 +247,10 @@ def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[
     group.arrivals[seq] = (op, int(span["startTimeUnixNano"]))
     group.issued = max(group.issued, seq)
     if a.get(names.HANG):
-        group.hangs_seen.add(seq)
-        if a.get(names.IN_FLIGHT):
+        in_flight = bool(a.get(names.IN_FLIGHT))
+        if seq not in group.hangs_seen or not in_flight:  # the span of its end, once there is one
+            group.hangs_seen[seq] = (int(span["startTimeUnixNano"]), None if in_flight else int(span["endTimeUnixNano"]))
+        if in_flight:
             group.hung = (op, seq)
             age = float(a.get(names.AGE_S, 0.0))
             group.threshold_s = age if group.threshold_s is None else min(group.threshold_s, age)

@@ -96,17 +96,20 @@ class Demo:
         _end_session(self.process, 60)
 
 
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faulty_train.py")
+PARALLEL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "parallel_train.py")
+
+
 class TrainingJob:
     """``commlens run -- torchrun`` of ``tests/faulty_train.py`` (an ordinary training script with a
     fault written into it) in its own process group: metrics on ``base + rank``, traces and dumps in
     ``out``; the wall time of the fault in ``out/fault_time``."""
 
-    SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faulty_train.py")
-
     def __init__(self, tmp_path, world: int, fault: str, rank: int = 1, step: int = 100, steps: int = 1000,
-                 hang_threshold_s: float = 3, extra=(), pod: bool = False, ring_dir=None):
+                 hang_threshold_s: float = 3, extra=(), pod: bool = False, ring_dir=None, script: str = SCRIPT):
         """``pod``: with ``commlens run --sidecar`` (one metrics target); ``ring_dir``: the ranks write
-        their rings there for a ``PodSidecar`` the test runs (and serve no metrics themselves)."""
+        their rings there for a ``PodSidecar`` the test runs (and serve no metrics themselves);
+        ``script``: another training script that takes the same options (``tests/parallel_train.py``)."""
         self.world, self.base, self.out = world, free_ports(world), tmp_path / "job"
         self.log = tmp_path / "job.log"
         self.out.mkdir(exist_ok=True)
@@ -118,7 +121,7 @@ class TrainingJob:
         command = [sys.executable, "-m", "commlens.agent.cli", "run", "--hang-threshold", str(hang_threshold_s),
                    "--metrics-port", str(self.base), "--metrics-addr", "127.0.0.1", "--job-id", "verdict-test",
                    "--trace-file", str(self.out / "traces-{rank}.jsonl"), *options, "--",
-                   torchrun, "--nproc-per-node", str(world), "--master-port", str(free_ports(1)), self.SCRIPT,
+                   torchrun, "--nproc-per-node", str(world), "--master-port", str(free_ports(1)), script,
                    "--fault", fault, "--rank", str(rank), "--step", str(step), "--steps", str(steps), *extra]
         self.process = subprocess.Popen(
             command, env={**os.environ, "TORCHCOMM_FR_DUMP_TEMP_FILE": str(self.out / "rank_"),

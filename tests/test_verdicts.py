@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from monitoring import Alertmanager, Prometheus, TrainingJob, Webhook, wait_for
+from monitoring import PARALLEL_SCRIPT, Alertmanager, Prometheus, TrainingJob, Webhook, wait_for
 
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
 WORLD, CULPRIT = 3, 1
@@ -23,9 +23,9 @@ CULPRIT_ALERTS = ("CommlensNaNOrigin", "CommlensRankLate", "CommlensCollectiveDe
 
 
 @contextlib.contextmanager
-def _stack(tmp_path, fault, **job):
+def _stack(tmp_path, fault, world=WORLD, **job):
     with Webhook() as webhook, Alertmanager(tmp_path, webhook.url) as alertmanager, \
-            TrainingJob(tmp_path, WORLD, fault, rank=CULPRIT, **job) as training, \
+            TrainingJob(tmp_path, world, fault, rank=CULPRIT, **job) as training, \
             Prometheus(tmp_path, training.targets, [RULES], alertmanager.address) as prometheus:
         yield webhook, training, prometheus
 
@@ -100,6 +100,30 @@ def test_the_alert_and_diagnose_name_the_faulty_rank_and_only_it(tmp_path, fault
             assert "COLLECTIVE_TYPE_MISMATCH" in report, report
         elif fault == "leave":
             assert f"{{{CULPRIT}}}" in report, report  # its process ended without a dump: "missing ... {1}"
+
+
+@EXPORTERS
+def test_a_rank_late_in_its_tensor_parallel_pair_is_named_and_the_ranks_held_up_by_it_are_not(tmp_path, pod):
+    """4 ranks, three kinds of group at once (``tests/parallel_train.py``). Rank 1 comes late to its
+    pair's all_reduce: rank 0 waits for it there, rank 2 then waits for rank 0 in their data-parallel
+    group, and rank 3 for rank 1 in theirs. Rank 0 is behind in its data-parallel group only because
+    it waits in the pair: naming it would cordon a healthy node."""
+    with _stack(tmp_path, "late", world=4, step=30, steps=200, script=PARALLEL_SCRIPT, pod=pod) as (
+            webhook, training, prometheus):
+        wait_for(lambda: webhook.firing("CommlensRankLate"), "CommlensRankLate at the webhook", timeout_s=90,
+                 explain=lambda: _evidence(prometheus, training))
+        wait_for(lambda: prometheus.query('commlens_collective_hung_seq{rank="2"}'), "rank 2 waiting for rank 0",
+                 explain=lambda: _evidence(prometheus, training))
+        live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
+        assert training.wait(120) == 0, training.log.read_text()[-3000:]  # the late rank catches up
+        fired = {(a["labels"]["alertname"], a["labels"]["rank"], a["labels"].get("pg")) for a in webhook.alerts
+                 if a["labels"]["alertname"] in CULPRIT_ALERTS and a["status"] == "firing"}
+    assert {rank for _, rank, _ in fired} == {"1"}, fired
+    assert "late or missing: rank 1 " in live and _culprits(live) == {1}, live
+    assert "held up through them: ranks [2] waited past the hang threshold in all_reduce (group 3)" in live, live
+    assert "rank 0 waits itself in all_reduce (group 1)" in live, live
+    offline = _diagnose(str(training.out))
+    assert "late or missing: rank 1 " in offline and _culprits(offline) == {1}, offline
 
 
 @pytest.mark.long

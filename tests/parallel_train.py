@@ -1,0 +1,60 @@
+"""An ordinary 2-D parallel training script with a fault written into it, for the end-to-end verdict
+tests: 4 ranks in tensor-parallel pairs (0, 1) and (2, 3), data-parallel over the pairs (DDP in groups
+(0, 2) and (1, 3)), and the loss averaged over the whole job now and then.
+
+It knows nothing of commlens: the tests run it under ``commlens run -- torchrun``.
+
+    torchrun --nproc-per-node 4 parallel_train.py --fault late --rank 1 --step 30
+
+Faults, on rank ``--rank`` at step ``--step`` (``--fault none`` for a healthy run):
+
+    late     the rank sleeps ``--late-s`` seconds before its tensor-parallel all_reduce: its pair
+             partner waits for it there, and the partner's data-parallel peer waits for the partner
+"""
+
+import argparse
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fault", default="none")
+    parser.add_argument("--rank", type=int, default=1)
+    parser.add_argument("--step", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--step-ms", type=float, default=20, help="compute time of a step")
+    parser.add_argument("--late-s", type=float, default=8)
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == 4, "2 tensor-parallel pairs x 2 data-parallel replicas"
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in one order
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tensor_parallel, data_parallel = pairs[rank // 2], replicas[rank % 2]
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64), process_group=data_parallel)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(rank)
+    for step in range(args.steps):
+        time.sleep(args.step_ms / 1000)
+        out = model(torch.randn(32, 64, generator=data))
+        shard = out.detach().clone()
+        if rank == args.rank and step == args.step and args.fault == "late":
+            time.sleep(args.late_s)
+        dist.all_reduce(shard, group=tensor_parallel)  # the pair's partial results summed
+        loss = (out - shard / 2).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()  # DDP: the gradients all_reduced over the data-parallel group
+        optimizer.step()
+        if step % 10 == 0:
+            total = loss.detach().clone()
+            dist.all_reduce(total)  # the job's loss, for the log
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
