@@ -58,13 +58,14 @@ def _nan_origin(pg: str, members: list[RankFacts]) -> list[Finding]:
 
 def _hang(pg: str, members: list[RankFacts]) -> list[Finding]:
     """Late, missing and desynced ranks around the collective others hang in."""
-    live = {f.rank: f.groups[pg].hung or f.groups[pg].failed for f in members
-            if pg in f.groups and (f.groups[pg].hung or f.groups[pg].failed)}
+    stop = _waits_of_the_stop(pg, members)
+    live = {f.rank: state for f in members if pg in f.groups and (state := next(
+        (s for s in (f.groups[pg].hung, f.groups[pg].failed) if s is not None and s[1] not in stop), None))}
     if live:
         seq = collections.Counter(s for _, s in live.values()).most_common(1)[0][0]
         ops = {rank: op for rank, (op, s) in live.items() if s == seq}
     else:  # after the fact: a hang that resolved, known from the spans of the ranks that waited
-        waited = {s for f in members if pg in f.groups for s in f.groups[pg].hangs_seen}
+        waited = {s for f in members if pg in f.groups for s in f.groups[pg].hangs_seen} - stop
         if not waited:
             return []
         seq = min(waited)  # the first: later waits follow from it (a broadcast's root waits on a late receiver,
@@ -105,6 +106,25 @@ def _hang(pg: str, members: list[RankFacts]) -> list[Finding]:
                              f"ranks {waiting} wait in seq {seq} and no rank is behind: look at the network "
                              "or the backend"))
     return found
+
+
+def _waits_of_the_stop(pg: str, members: list[RankFacts]) -> set[int]:
+    """The seqs whose waits were the job being stopped, not a fault (after the fact): every rank that
+    had not issued the collective was signalled to stop (SIGTERM) before the first rank waiting in
+    it had waited the hang threshold. Stopped together, a rank held in its signal handler (writing
+    its snapshot) keeps the ranks blocked in a collective with it waiting until the job ends."""
+    if not any(f.signalled_ns for f in members):
+        return set()
+    thresholds = [f.groups[pg].threshold_s for f in members if pg in f.groups and f.groups[pg].threshold_s]
+    threshold_ns = min(thresholds, default=0.0) * 1e9
+    stop = set()
+    for seq in {s for f in members if pg in f.groups for s in f.groups[pg].hangs_seen}:
+        starts = [f.groups[pg].arrivals[seq][1] for f in members if pg in f.groups and seq in f.groups[pg].arrivals]
+        behind = [f for f in members if pg not in f.groups or f.groups[pg].issued < seq]
+        if starts and behind and all(f.signalled_ns is not None and f.signalled_ns < min(starts) + threshold_ns
+                                     for f in behind):
+            stop.add(seq)
+    return stop
 
 
 def _late(f: RankFacts, pg: str, seq: int, live: bool, first_wait_ns: int | None, threshold_s: float) -> str | None:

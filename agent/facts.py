@@ -39,6 +39,8 @@ class RankFacts:
     """It no longer reports (its process ended or its endpoint is unreachable)."""
     lost: bool = False
     """Its process ended without a signal or an exception (killed, crashed), as a pod sidecar saw."""
+    signalled_ns: int | None = None
+    """When its process was signalled to stop (SIGTERM), wall-clock ns, from its dump (offline)."""
 
     def group(self, pg: str) -> GroupFacts:
         return self.groups.setdefault(pg, GroupFacts())

@@ -32,6 +32,7 @@ import threading
 import time
 from typing import Callable
 
+from commlens.exporters import names
 from commlens.exporters.prometheus import MetricsCollector, PodCollector, serve
 from commlens.hooks.flight_recorder import dump_ring, write_dump
 from commlens.hooks.ring import RING_FILES, Ring
@@ -56,6 +57,8 @@ class RankFeed:
         self.pipeline = RankPipeline(config, self._info, lambda: on_hang(self), on_snapshot=self.dump)
         self.inode = 0
         self.alive = False
+        self.signalled_ns: int | None = None
+        """When the rank's SIGTERM snapshot record was read, in its dumps from then on."""
 
     @property
     def sidecar(self) -> Sidecar | None:
@@ -84,8 +87,13 @@ class RankFeed:
     def dump(self, reason: str) -> str | None:
         """Write this rank's flight-recorder dump from its ring and count it; the path, or None."""
         ring = self.sidecar.ring
+        if reason == "signal" and self.signalled_ns is None:
+            self.signalled_ns = time.time_ns()
         try:
-            path = write_dump(dump_ring(ring, min(2048, ring.slots // 2)), self.rank)
+            dump = dump_ring(ring, min(2048, ring.slots // 2))
+            if self.signalled_ns is not None:
+                dump[names.DUMP_SIGNALLED] = self.signalled_ns
+            path = write_dump(dump, self.rank)
         except (OSError, ValueError) as error:
             print(f"commlens sidecar: no {reason} snapshot of rank {self.rank}: {error}", file=sys.stderr)
             path = None

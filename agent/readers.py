@@ -255,6 +255,8 @@ def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[
 
 
 def _dump_fact(facts: RankFacts, dump: dict) -> None:
+    if isinstance(dump.get(names.DUMP_SIGNALLED), int):
+        facts.signalled_ns = dump[names.DUMP_SIGNALLED]
     for entry in dump["entries"]:
         if entry.get("is_p2p"):
             continue

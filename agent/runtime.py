@@ -22,9 +22,11 @@ import threading
 import time
 from typing import Any
 
+from commlens.exporters import names
 from commlens.exporters.prometheus import serve
 from commlens.hooks import (FlightRecorderHook, cuda, NanCheckHook, attribution, instrument, process_ring, record,
                             register_abort_hook, uninstrument)
+from commlens.hooks.flight_recorder import write_dump
 from commlens.hooks.ring import ring_file
 
 from .config import Config, ConfigError
@@ -54,6 +56,8 @@ class Agent:
         self.metrics_pusher = None
         self._gpu_poller: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._signalled_ns: int | None = None
+        """When SIGTERM came, in this process's dumps from then on (``names.DUMP_SIGNALLED``)."""
         if config.ring_dir is not None:
             ring.open()
             ring.describe({"rank": config.rank, "local_rank": config.local_rank, "world_size": config.world_size,
@@ -122,6 +126,8 @@ class Agent:
             record.snapshot(process_ring.ring().write, reason)
             return None
         deadline = time.monotonic() + self.config.snapshot_timeout_s
+        if reason == "signal" and self._signalled_ns is None:
+            self._signalled_ns = time.time_ns()
         if reason in ("hang", "abort"):
             self.job_dumps.request()
         owner = self._snapshot_lock.acquire(blocking=False)
@@ -132,7 +138,10 @@ class Agent:
             return None
         try:
             try:
-                path = self.flight_recorder.dump_file(self.config.rank)
+                dump = self.flight_recorder.dump()
+                if self._signalled_ns is not None:
+                    dump[names.DUMP_SIGNALLED] = self._signalled_ns
+                path = write_dump(dump, self.config.rank)
             except (OSError, ValueError) as error:
                 print(f"commlens: no {reason} snapshot: {error}", file=sys.stderr)
                 path = None

@@ -9,20 +9,23 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 
-from ports import free_port
+from commlens.agent.readers import spans_in
+from commlens.exporters import names
+from ports import free_port, free_ports
 
 TIMEOUT_S = 5
 CHILDREN = pathlib.Path(__file__).resolve().parent / "children"
 
 
-def _ranks(tmp_path, script, world_size, *args):
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
-           "COMMLENS_METRICS_PORT": "0", "COMMLENS_TRACE_FILE": str(tmp_path / "spans-{rank}.jsonl"),
+def _ranks(tmp_path, script, world_size, *args, metrics_port=0, hang_threshold_s=0.5):
+    env = {**os.environ, "COMMLENS_METRICS_ADDR": "127.0.0.1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
+           "COMMLENS_METRICS_PORT": str(metrics_port), "COMMLENS_TRACE_FILE": str(tmp_path / "spans-{rank}.jsonl"),
            "TORCHCOMM_FR_DUMP_TEMP_FILE": str(tmp_path / "rank_"), "COMMLENS_SNAPSHOT_TIMEOUT_S": str(TIMEOUT_S),
-           "COMMLENS_HANG_THRESHOLD_S": "0.5"}
+           "COMMLENS_HANG_THRESHOLD_S": str(hang_threshold_s)}
     jobs = []
     for rank in range(world_size):
         with open(tmp_path / f"stderr-{rank}", "w") as stderr:
@@ -70,6 +73,35 @@ def test_sigterm_inside_a_collective_writes_the_snapshot_and_ends_the_process_as
         _end(rank0, rank1)
     assert _states(dump) == [("gloo:all_reduce", "completed"), ("gloo:all_reduce", "started")]
     assert (tmp_path / "spans-0.jsonl").read_text().count('"name":"all_reduce"') == 2  # done, and in flight
+
+
+def test_a_job_stopped_while_a_rank_waits_in_a_collective_names_no_rank(tmp_path):
+    """Kubernetes and torchrun stop every rank at once. A rank held in its SIGTERM snapshot keeps the
+    ranks in a collective with it waiting past the hang threshold until the job ends: that wait is
+    the stop's, and the verdict from the job's files names no rank late (it named the one that
+    stopped first). The ranks are scraped once, so that each snapshot waits TIMEOUT_S for the next
+    scrape: longer than the hang threshold."""
+    port = free_ports(2)
+    job = _ranks(tmp_path, CHILDREN / "stopped_rank.py", 2, metrics_port=port, hang_threshold_s=2)
+    try:
+        for rank in job:
+            assert rank.stdout.readline() == "serving\n"
+        for rank in range(2):
+            urllib.request.urlopen(f"http://127.0.0.1:{port + rank}/metrics", timeout=10).close()
+        for rank in job:
+            rank.stdin.write("\n")
+            rank.stdin.flush()
+        assert job[0].stdout.readline() == "issued\n"
+        for rank in job:
+            rank.send_signal(signal.SIGTERM)
+        assert [rank.wait(TIMEOUT_S + 10) for rank in job] == [-signal.SIGTERM] * 2
+    finally:
+        _end(*job)
+    hangs = [attributes[names.SEQ] for _, attributes in spans_in(str(tmp_path)) if attributes.get(names.HANG)]
+    assert hangs == [2], hangs  # rank 0 waited past the threshold in its second all_reduce as the job stopped
+    report = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "diagnose", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert "nothing wrong found" in report.stdout, report.stdout + report.stderr
 
 
 @pytest.mark.parametrize("mode", ["python", "in-snapshot", "in-drain"])
