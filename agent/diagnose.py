@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         print(f"commlens diagnose: cannot read the telemetry: {error}", file=sys.stderr)
         return 2
+    if args.folder is not None and not jobs[""]:
+        print(f"commlens diagnose: no telemetry in {args.folder}: no trace file (*.jsonl) with commlens spans and "
+              "no flight-recorder dump (<prefix><rank>)", file=sys.stderr)
+        return 2
     wrong = False
     for job, facts in sorted(jobs.items()):
         lines = report(facts)

@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import pickle
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -189,13 +190,24 @@ def load_dump(path: str) -> dict:
     return data
 
 
-def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = None) -> list[RankFacts]:
+def _skipped(problem: str) -> None:
+    print(f"commlens: skipped {problem}", file=sys.stderr)
+
+
+def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = None,
+               on_problem: Callable[[str], None] = _skipped) -> list[RankFacts]:
     """Facts from the OTLP JSON-lines trace files (``*.jsonl``) and flight-recorder dumps in ``folder``;
-    ``each_span(span, attributes)`` sees every span as it is read, for a caller that needs them too."""
+    ``each_span(span, attributes)`` sees every span as it is read, for a caller that needs them too.
+    What cannot be read (a corrupt line, a file of the wrong shape) is skipped, the rest still used,
+    and ``on_problem`` gets one line naming it and what was wrong (default: printed to stderr)."""
     ranks: dict[int, RankFacts] = {}
     completed: set[tuple[int, str, int]] = set()
-    for span, attributes in spans_in(folder):
-        _span_fact(ranks, span, attributes, completed)
+    for span, attributes in spans_in(folder, on_problem):
+        try:
+            _span_fact(ranks, span, attributes, completed)
+        except (KeyError, TypeError, ValueError) as error:
+            on_problem(f"a span {span.get('name')!r} of {folder}: no valid {error} attribute")
+            continue
         if each_span is not None:
             each_span(span, attributes)
     for f in ranks.values():  # a hang that the spans show resolved is no longer in flight
@@ -208,23 +220,31 @@ def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = Non
             continue
         try:
             dump = load_dump(path)
-        except ValueError:
+        except ValueError as error:
+            on_problem(str(error))
             continue
         _dump_fact(ranks.setdefault(int(path[-digits:]), RankFacts(int(path[-digits:]))), dump)
     return [ranks[rank] for rank in sorted(ranks)]
 
 
-def spans_in(folder: str) -> Iterator[tuple[dict, dict]]:
-    """Every span of the OTLP JSON-lines trace files (``*.jsonl``) in ``folder``, with its attributes."""
+def spans_in(folder: str, on_problem: Callable[[str], None] = _skipped) -> Iterator[tuple[dict, dict]]:
+    """Every span of the OTLP JSON-lines trace files (``*.jsonl``) in ``folder``, with its attributes;
+    a line that is not OTLP JSON is skipped, and ``on_problem`` gets one line naming it."""
     for path in sorted(glob.glob(os.path.join(folder, "*.jsonl"))):
         with open(path) as f:
-            for line in f:
+            for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                for resource_spans in json.loads(line).get("resourceSpans", ()):
-                    for scope_spans in resource_spans.get("scopeSpans", ()):
-                        for span in scope_spans.get("spans", ()):
-                            yield span, {item["key"]: _value(item) for item in span.get("attributes", ())}
+                try:
+                    spans = [(span, {item["key"]: _value(item) for item in span.get("attributes", ())})
+                             for resource_spans in json.loads(line).get("resourceSpans", ())
+                             for scope_spans in resource_spans.get("scopeSpans", ())
+                             for span in scope_spans.get("spans", ())]
+                except (AttributeError, KeyError, TypeError, ValueError) as error:
+                    on_problem(f"{path}, line {number}: not an OTLP JSON line of spans ({type(error).__name__}: "
+                               f"{str(error)[:100]})")
+                    continue
+                yield from spans
 
 
 def _value(attribute: dict):

@@ -126,6 +126,8 @@ def events(folder: str, last_s: float | None = None, steps: tuple[int, int] | No
     """The trace events of the job in ``folder`` (see the module's docstring), as they are made,
     and the document's ``otherData``."""
     found, verdicts = read(folder)
+    if not found:
+        raise ValueError(f"no telemetry in {folder}: no trace file (*.jsonl) with commlens spans")
     offsets = clock_offsets(found)
     found = sorted((s._replace(start_ns=s.start_ns - offsets.get(s.rank, 0), end_ns=s.end_ns - offsets.get(s.rank, 0))
                     for s in found), key=lambda s: s.start_ns)

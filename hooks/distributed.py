@@ -284,7 +284,7 @@ def instrument() -> None:
 
 
 def build_extensions() -> None:
-    """Load commlens' C++ extensions for this torch, building them on first use (about 15 s each):
+    """Load commlens' C++ extensions for this torch, building them on first use (about 25 s each):
     before a job's ranks start, which would otherwise each build them while their peers' hang
     clocks run (``commlens run``, ``commlens demo``)."""
     native.forwarder()

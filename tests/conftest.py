@@ -13,6 +13,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from ports import free_port  # noqa: E402
 from commlens.hooks import distributed  # noqa: E402
 
+mp.set_forkserver_preload(["torch", "torch.distributed", "commlens.agent"])  # imported once for run_ranks' ranks
+
 
 def pytest_sessionstart(session):
     """Build commlens' C++ extensions (the DDP hook; the forwarder of PyTorch's process-group hooks on
@@ -26,14 +28,14 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
-def _rank_main(rank, fn, world_size, port, result_dir, timeout_s, backend, kwargs):
+def _rank_main(rank, fn, world_size, port, result_dir, timeout_s, backend, environ, kwargs):
     import faulthandler
 
     import torch.distributed as dist
 
     faulthandler.enable(all_threads=True)  # a rank that aborts says where each of its threads was
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+    os.environ.clear()  # the test's environment now, not the forkserver's when it started
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
     if backend == "nccl":
         import torch
 
@@ -65,11 +67,13 @@ def everyone_here(point: str, rank: int, world_size: int) -> None:
 @pytest.fixture
 def run_ranks(tmp_path):
     """Run ``fn(rank, world_size, **kwargs)`` in ``world_size`` processes (gloo; "nccl": one GPU
-    each); return their results."""
+    each); return their results. The ranks are forked from a forkserver that imported torch and
+    commlens once per worker (a spawned rank imported them again: ~2 s of CPU each), with the test's
+    environment as it is at the call."""
 
     def run(fn, world_size, timeout_s=60, backend="gloo", **kwargs):
-        mp.start_processes(_rank_main, args=(fn, world_size, free_port(), str(tmp_path), timeout_s, backend, kwargs),
-                           nprocs=world_size, start_method="spawn")
+        mp.start_processes(_rank_main, args=(fn, world_size, free_port(), str(tmp_path), timeout_s, backend,
+                                             dict(os.environ), kwargs), nprocs=world_size, start_method="forkserver")
         results = []
         for rank in range(world_size):
             with open(tmp_path / f"result_{rank}", "rb") as f:

@@ -90,3 +90,32 @@ def test_a_bad_window_is_refused_naming_what_is_accepted(tmp_path, argv, error):
     done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "timeline", str(tmp_path), *argv],
                           capture_output=True, text=True)
     assert done.returncode == 2 and error in done.stderr, done.stderr
+
+
+def test_damaged_files_are_named_and_skipped_and_a_folder_without_telemetry_is_refused(tmp_path):
+    """A corrupt trace line and a file that is no dump: each named in one line, the rest still read,
+    so the verdict stands. A folder with no telemetry: both commands say so and exit 2, never
+    "nothing wrong found". (One 4-rank job of 30 steps, ~20 s.)"""
+    with TrainingJob(tmp_path, WORLD, "nan", rank=1, step=5, steps=30) as training:
+        assert training.wait(120) == 0
+    [first, *_] = sorted(training.out.glob("*.jsonl"))
+    with open(first, "a") as f:
+        f.write('{"resourceSpans": [{"scopeSpans": [{"spans": [{"attributes": 7}]}]}]}\n{"cut off\n')
+    (training.out / "rank_9").write_bytes(b"not a pickle")
+    lines = {}
+    for command in ("diagnose", "timeline"):
+        done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", command, str(training.out)],
+                              capture_output=True, text=True, timeout=120)
+        lines[command] = done.stdout
+        skipped = [line for line in done.stderr.splitlines() if line.startswith("commlens: skipped ")]
+        assert len(skipped) == 3 and all(str(training.out) in line for line in skipped), done.stderr
+        assert [line for line in skipped if f"{first}, line " in line and "not an OTLP JSON line" in line]
+        assert [line for line in skipped if "rank_9 is not a flight-recorder dump" in line]
+    assert lines["diagnose"].startswith("NaN/Inf entered on rank 1 in all_reduce"), lines
+    assert lines["timeline"].startswith("timeline: "), lines
+    (tmp_path / "empty").mkdir()
+    for command in ("diagnose", "timeline"):
+        done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", command, str(tmp_path / "empty")],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and f"no telemetry in {tmp_path / 'empty'}" in done.stderr, done
+        assert "nothing wrong" not in done.stdout and not (tmp_path / "empty" / "timeline.json").exists()

@@ -1,0 +1,39 @@
+"""The documentation cannot drift from the code: every variable the code reads is in the
+configuration reference with its default, and every relative link in the README and docs/ resolves."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+VARIABLE = re.compile(r'"((?:COMMLENS|OTEL|TORCHCOMM|TORCHELASTIC)_[A-Z0-9_]+)"')
+ROW = re.compile(r"^\| (.+?) \| (.*?) \|", re.M)
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_every_variable_the_code_reads_is_in_the_configuration_reference_with_its_default():
+    read = {name for folder in ("agent", "hooks", "exporters") for path in (ROOT / folder).rglob("*.py")
+            for name in VARIABLE.findall(path.read_text())}
+    defaults = {name: default.strip() for names, default in ROW.findall((ROOT / "docs/configuration.md").read_text())
+                for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", names)}
+    assert read - set(defaults) == set(), "not in docs/configuration.md"
+    assert [name for name in read if not defaults[name]] == [], "without a default in docs/configuration.md"
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings."""
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+            for heading in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def test_every_relative_link_of_the_readme_and_the_docs_resolves():
+    broken = []
+    for doc in DOCS:
+        for target in LINK.findall(doc.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists() or anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text()):
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert broken == []
