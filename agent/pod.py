@@ -32,7 +32,6 @@ import threading
 import time
 from typing import Callable
 
-from commlens.exporters import names
 from commlens.exporters.prometheus import MetricsCollector, PodCollector, serve
 from commlens.hooks.flight_recorder import dump_ring, write_dump
 from commlens.hooks.ring import RING_FILES, Ring
@@ -90,10 +89,7 @@ class RankFeed:
         if reason == "signal" and self.signalled_ns is None:
             self.signalled_ns = time.time_ns()
         try:
-            dump = dump_ring(ring, min(2048, ring.slots // 2))
-            if self.signalled_ns is not None:
-                dump[names.DUMP_SIGNALLED] = self.signalled_ns
-            path = write_dump(dump, self.rank)
+            path = write_dump(dump_ring(ring, min(2048, ring.slots // 2)), self.rank, self.signalled_ns)
         except (OSError, ValueError) as error:
             print(f"commlens sidecar: no {reason} snapshot of rank {self.rank}: {error}", file=sys.stderr)
             path = None

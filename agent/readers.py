@@ -22,6 +22,7 @@ import urllib.request
 from typing import Callable, Iterable, Iterator
 
 from commlens.exporters import names
+from commlens.hooks.flight_recorder import DUMP_SIGNALLED
 
 from .facts import RankFacts
 
@@ -280,8 +281,8 @@ def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[
 
 
 def _dump_fact(facts: RankFacts, dump: dict) -> None:
-    if isinstance(dump.get(names.DUMP_SIGNALLED), int):
-        facts.signalled_ns = dump[names.DUMP_SIGNALLED]
+    if isinstance(dump.get(DUMP_SIGNALLED), int):
+        facts.signalled_ns = dump[DUMP_SIGNALLED]
     for entry in dump["entries"]:
         if entry.get("is_p2p"):
             continue

@@ -22,7 +22,6 @@ import threading
 import time
 from typing import Any
 
-from commlens.exporters import names
 from commlens.exporters.prometheus import serve
 from commlens.hooks import (FlightRecorderHook, cuda, NanCheckHook, attribution, instrument, process_ring, record,
                             register_abort_hook, uninstrument)
@@ -57,7 +56,7 @@ class Agent:
         self._gpu_poller: threading.Thread | None = None
         self._stopping = threading.Event()
         self._signalled_ns: int | None = None
-        """When SIGTERM came, in this process's dumps from then on (``names.DUMP_SIGNALLED``)."""
+        """When SIGTERM came, in this process's dumps from then on (``flight_recorder.DUMP_SIGNALLED``)."""
         if config.ring_dir is not None:
             ring.open()
             ring.describe({"rank": config.rank, "local_rank": config.local_rank, "world_size": config.world_size,
@@ -138,10 +137,7 @@ class Agent:
             return None
         try:
             try:
-                dump = self.flight_recorder.dump()
-                if self._signalled_ns is not None:
-                    dump[names.DUMP_SIGNALLED] = self._signalled_ns
-                path = write_dump(dump, self.config.rank)
+                path = write_dump(self.flight_recorder.dump(), self.config.rank, self._signalled_ns)
             except (OSError, ValueError) as error:
                 print(f"commlens: no {reason} snapshot: {error}", file=sys.stderr)
                 path = None

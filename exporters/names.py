@@ -84,9 +84,3 @@ NAN, INF, HANG, SLOW = "commlens.nan", "commlens.inf", "commlens.hang", "commlen
 MODULE, PHASE = "commlens.module", "commlens.phase"
 DDP_BUCKET, DDP_IS_LAST, DDP_WIRE_BYTES = "commlens.ddp.bucket", "commlens.ddp.is_last", "commlens.ddp.wire_bytes"
 GPU_QUEUE_S, GPU_EXEC_S = "commlens.gpu.queue_s", "commlens.gpu.exec_s"
-
-# -- flight-recorder dumps: commlens' one key beside PyTorch's schema (its analyzer does not read it) -----
-
-DUMP_SIGNALLED = "commlens_signalled_ns"
-"""The wall-clock time (ns) at which the writer's process was signalled to stop (SIGTERM), in every
-dump written from then on. ``commlens diagnose`` reads it: the waits the stop causes are no fault."""

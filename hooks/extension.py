@@ -4,7 +4,8 @@
 ``$XDG_CACHE_HOME/commlens`` (default ``~/.cache/commlens``), else built into it by
 ``torch.utils.cpp_extension`` (about 25 s, once per machine, torch and source; it needs a C++ compiler
 and ninja on PATH). One process builds while the others that need it (the ranks of a node) wait for
-it, under a file lock that the kernel releases if the builder dies. A failure raises, the compiler's whole output in the error. ``load_or_warn`` is
+it, under a file lock that the kernel releases if the builder dies. A failure raises, the compiler's
+whole output in the error. ``load_or_warn`` is
 what the hooks call: None where it fails, and a one-line warning that says what commlens does instead.
 
     hook = extension.load_or_warn("_ddp_hook.cpp", "C++ hook", "records ... with a Python hook",

@@ -28,6 +28,11 @@ from .ops import OPS, OpName
 from .record import GroupDescription, decode_group, decode_signature, new_op_id
 from .ring import END, NOT_ISSUED, START, STATUS
 
+DUMP_SIGNALLED = "commlens_signalled_ns"
+"""commlens' one key beside PyTorch's schema (its analyzer does not read it): the wall-clock time (ns)
+at which the writer's process was signalled to stop (SIGTERM), in every dump written from then on.
+``commlens diagnose`` reads it: the waits the stop causes are no fault."""
+
 VERSION = "2.10"
 DUMP_PREFIX_ENV = "TORCHCOMM_FR_DUMP_TEMP_FILE"
 DEFAULT_DUMP_PREFIX = os.path.join("~", ".cache", "torchcomm_fr_trace_")
@@ -179,14 +184,15 @@ def _dump(found: list[dict], pg_config: dict, pg_status: dict, comm_lib_version:
             "pg_status": pg_status, "entries": found}
 
 
-def write_dump(dump: dict, rank: int) -> str:
+def write_dump(dump: dict, rank: int, signalled_ns: int | None = None) -> str:
     """Write ``dump`` as a pickle named ``<prefix><rank>`` (the prefix from
-    ``TORCHCOMM_FR_DUMP_TEMP_FILE``) and return its path. The file appears whole or not at all."""
+    ``TORCHCOMM_FR_DUMP_TEMP_FILE``) and return its path. The file appears whole or not at all.
+    ``signalled_ns``: when the writer's process was signalled to stop, kept as ``DUMP_SIGNALLED``."""
     if not isinstance(rank, int) or rank < 0:
         raise ValueError(f"dump_file(rank={rank!r}) is not accepted: rank must be an integer >= 0")
     prefix = os.path.expanduser(os.environ.get(DUMP_PREFIX_ENV) or DEFAULT_DUMP_PREFIX)
     path = f"{prefix}{rank}"
-    data = pickle.dumps(dump)
+    data = pickle.dumps(dump if signalled_ns is None else {**dump, DUMP_SIGNALLED: signalled_ns})
     folder = os.path.dirname(path) or "."
     try:
         os.makedirs(folder, exist_ok=True)
