@@ -148,6 +148,7 @@ def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faul
            serving: multiprocessing.synchronize.Event | None, environment: dict[str, str]) -> None:
     import commlens.agent
 
+    launcher = os.getppid()
     os.environ.update(environment)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
@@ -204,10 +205,15 @@ def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faul
     _write_result(out_dir, rank, agent, step_seqs, model)
     _wait_for_all("done", rank, world_size, timeout)
     if serving is not None:  # --keep-serving: until the launcher, on SIGTERM or Ctrl-C, sets the event
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches every rank: the launcher decides
+        # A terminal's Ctrl-C, or a SIGTERM to the process group, reaches every rank: the launcher decides.
+        # (A rank ended by it inside the event's wait left the event's lock held, and the launcher's
+        # handler waited on it for ever.)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
         sys.stdout.write(f"rank {rank}: serving metrics until SIGTERM or Ctrl-C\n")  # one write: lines stay whole
         sys.stdout.flush()
-        serving.wait()
+        while not serving.wait(1) and os.getppid() == launcher:
+            pass  # a launcher killed outright (SIGKILL) ends the serving too
     commlens.agent.stop()
     dist.destroy_process_group()
 
