@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch.distributed.distributed_c10d as c10d
 
-from . import ddp, finite, functional, groups, issuing, native, poller, process_ring, record, recorder, registry, signatures
+from . import ddp, extension, finite, functional, groups, issuing, native, poller, process_ring, record, recorder, registry, signatures
 from .issuing import set_issuing
 from .ops import CODE, OpName
 from .patch import Patches, PatchError
@@ -286,9 +286,9 @@ def instrument() -> None:
 def build_extensions() -> None:
     """Load commlens' C++ extensions for this torch, building them on first use (about 25 s each):
     before a job's ranks start, which would otherwise each build them while their peers' hang
-    clocks run (``commlens run``, ``commlens demo``)."""
-    native.forwarder()
-    ddp.cpp_hook()
+    clocks run (``commlens run``, ``commlens demo``); marked ready where every one loads."""
+    if (native.forwarder() is not None or not native.AVAILABLE) and ddp.cpp_hook() is not None:
+        extension.mark_ready()
 
 
 def uninstrument() -> None:
