@@ -22,6 +22,7 @@ import bisect
 import dataclasses
 import datetime
 import json
+import multiprocessing.forkserver
 import multiprocessing.synchronize
 import os
 import random
@@ -145,10 +146,13 @@ class _Stopped(Exception):
 
 
 def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faults: tuple[Fault, ...],
-           serving: multiprocessing.synchronize.Event | None, environment: dict[str, str]) -> None:
+           serving: multiprocessing.synchronize.Event | None, environment: dict[str, str], launcher: int) -> None:
+    """One rank, forked from a server that imported torch once (not once per rank), with the
+    launcher's whole environment (``environment``), not the server's."""
     import commlens.agent
 
-    launcher = os.getppid()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a spawned rank's, not the server's
+    os.environ.clear()
     os.environ.update(environment)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
@@ -212,10 +216,18 @@ def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faul
             signal.signal(signum, signal.SIG_IGN)
         sys.stdout.write(f"rank {rank}: serving metrics until SIGTERM or Ctrl-C\n")  # one write: lines stay whole
         sys.stdout.flush()
-        while not serving.wait(1) and os.getppid() == launcher:
+        while not serving.wait(1) and _alive(launcher):
             pass  # a launcher killed outright (SIGKILL) ends the serving too
     commlens.agent.stop()
     dist.destroy_process_group()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _progress(done: int, total: int) -> None:
@@ -280,9 +292,18 @@ def run(world_size: int, steps: int, out_dir: str, faults: tuple[Fault, ...] = (
     _handed_out.update(range(metrics, metrics + world_size))  # the store's port is not one the ranks serve on
     store = free_port()
     distributed.build_extensions()
-    serving = mp.get_context("spawn").Event() if keep_serving else None
-    ranks = mp.start_processes(_train, args=(world_size, steps, out_dir, store, faults, serving, environment),
-                               nprocs=world_size, start_method="spawn", join=False)
+    forkserver = mp.get_context("forkserver")
+    # imported once, not once per rank (DDP's constructor imports dynamo: 2 s of CPU)
+    forkserver.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "commlens.agent"])
+    ignored = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:  # the server ignores SIGTERM (a SIGTERM to the process group is for the launcher and the ranks)
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, ignored)
+    serving = forkserver.Event() if keep_serving else None
+    ranks = mp.start_processes(_train, args=(world_size, steps, out_dir, store, faults, serving,
+                                             {**os.environ, **environment}, os.getpid()),
+                               nprocs=world_size, start_method="forkserver", join=False)
     previous = {signum: signal.signal(signum, lambda *_: serving.set()) for signum in (signal.SIGTERM, signal.SIGINT)
                 if serving is not None}
     try:  # with --keep-serving, SIGTERM or Ctrl-C ends the serving; every rank stops cleanly, then the summary
