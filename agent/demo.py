@@ -2,8 +2,8 @@
 
 Every rank runs ``commlens.agent.start()``: collectives are recorded, metrics served on
 ``COMMLENS_METRICS_PORT + rank`` (default: free ports, on 127.0.0.1), spans written to
-``OUT/traces-rank<R>.jsonl`` unless an OTLP endpoint is configured, and flight-recorder dumps to
-``OUT/rank_<R>``. At the end the launcher prints a summary (per op: count, p50/p99 latency, busbw;
+``traces-rank<R>.jsonl`` in its output folder unless an OTLP endpoint is configured, and flight-recorder dumps as
+``rank_<R>`` beside them. At the end the launcher prints a summary (per op: count, p50/p99 latency, busbw;
 per rank: NaN events, hangs, time spent in collectives), the verdict of ``commlens diagnose`` on
 those files, and PyTorch's analyzer's verdict on the dumps. Faults can be injected to see what commlens catches:
 

@@ -9,7 +9,7 @@ call them); FSDP2 issues its collectives through them. ``instrument()`` also cov
 communication hooks (``ddp``), the functional collectives of DTensor (``functional``) and, on torch
 >= 2.14, whatever else a process group issues — compiled collectives, C++-issued ones — through
 PyTorch's own process-group hooks (``native``). The wrappers stay for the public API: they know the
-exact op, complete synchronous ops without a future, and cost less per collective (README).
+exact op, complete synchronous ops without a future, and cost less per collective (docs/performance.md).
 ``uninstrument()`` restores everything. Both are safe to repeat.
 
 Example::
@@ -196,7 +196,7 @@ def _all_reduce_in_one_frame(original: Callable, general: Callable) -> Callable:
 
     In a loop the training thread pays several times a wrapper's isolated cost for each frame and
     each repacked ``*args``: in a loop of 4 KiB gloo all_reduces this path adds about two thirds of
-    the CPU the general one adds (README, "The hot path in the loop")."""
+    the CPU the general one adds (docs/performance.md, "The hot path in the loop")."""
     parameters = inspect.signature(original).parameters
     if list(parameters) != ["tensor", "op", "group", "async_op"]:  # another torch's all_reduce: no shortcut
         return general
