@@ -2,8 +2,8 @@
 
 Every rank runs ``commlens.agent.start()``: collectives are recorded, metrics served on
 ``COMMLENS_METRICS_PORT + rank`` (default: free ports, on 127.0.0.1), spans written to
-``OUT/traces-rank<R>.jsonl`` unless an OTLP endpoint is configured, and flight-recorder dumps to
-``OUT/rank_<R>``. At the end the launcher prints a summary (per op: count, p50/p99 latency, busbw;
+``traces-rank<R>.jsonl`` in its output folder unless an OTLP endpoint is configured, and flight-recorder dumps as
+``rank_<R>`` beside them. At the end the launcher prints a summary (per op: count, p50/p99 latency, busbw;
 per rank: NaN events, hangs, time spent in collectives), the verdict of ``commlens diagnose`` on
 those files, and PyTorch's analyzer's verdict on the dumps. Faults can be injected to see what commlens catches:
 
@@ -22,6 +22,7 @@ import bisect
 import dataclasses
 import datetime
 import json
+import multiprocessing.forkserver
 import multiprocessing.synchronize
 import os
 import random
@@ -145,9 +146,13 @@ class _Stopped(Exception):
 
 
 def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faults: tuple[Fault, ...],
-           serving: multiprocessing.synchronize.Event | None, environment: dict[str, str]) -> None:
+           serving: multiprocessing.synchronize.Event | None, environment: dict[str, str], launcher: int) -> None:
+    """One rank, forked from a server that imported torch once (not once per rank), with the
+    launcher's whole environment (``environment``), not the server's."""
     import commlens.agent
 
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a spawned rank's, not the server's
+    os.environ.clear()
     os.environ.update(environment)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
@@ -204,12 +209,25 @@ def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faul
     _write_result(out_dir, rank, agent, step_seqs, model)
     _wait_for_all("done", rank, world_size, timeout)
     if serving is not None:  # --keep-serving: until the launcher, on SIGTERM or Ctrl-C, sets the event
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches every rank: the launcher decides
+        # A terminal's Ctrl-C, or a SIGTERM to the process group, reaches every rank: the launcher decides.
+        # (A rank ended by it inside the event's wait left the event's lock held, and the launcher's
+        # handler waited on it for ever.)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
         sys.stdout.write(f"rank {rank}: serving metrics until SIGTERM or Ctrl-C\n")  # one write: lines stay whole
         sys.stdout.flush()
-        serving.wait()
+        while not serving.wait(1) and _alive(launcher):
+            pass  # a launcher killed outright (SIGKILL) ends the serving too
     commlens.agent.stop()
     dist.destroy_process_group()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _progress(done: int, total: int) -> None:
@@ -274,9 +292,18 @@ def run(world_size: int, steps: int, out_dir: str, faults: tuple[Fault, ...] = (
     _handed_out.update(range(metrics, metrics + world_size))  # the store's port is not one the ranks serve on
     store = free_port()
     distributed.build_extensions()
-    serving = mp.get_context("spawn").Event() if keep_serving else None
-    ranks = mp.start_processes(_train, args=(world_size, steps, out_dir, store, faults, serving, environment),
-                               nprocs=world_size, start_method="spawn", join=False)
+    forkserver = mp.get_context("forkserver")
+    # imported once, not once per rank (DDP's constructor imports dynamo: 2 s of CPU)
+    forkserver.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "commlens.agent"])
+    ignored = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:  # the server ignores SIGTERM (a SIGTERM to the process group is for the launcher and the ranks)
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, ignored)
+    serving = forkserver.Event() if keep_serving else None
+    ranks = mp.start_processes(_train, args=(world_size, steps, out_dir, store, faults, serving,
+                                             {**os.environ, **environment}, os.getpid()),
+                               nprocs=world_size, start_method="forkserver", join=False)
     previous = {signum: signal.signal(signum, lambda *_: serving.set()) for signum in (signal.SIGTERM, signal.SIGINT)
                 if serving is not None}
     try:  # with --keep-serving, SIGTERM or Ctrl-C ends the serving; every rank stops cleanly, then the summary

@@ -139,17 +139,20 @@ def _waits_of_the_stop(pg: str, members: list[RankFacts]) -> set[int]:
     """The seqs whose waits were the job being stopped, not a fault (after the fact): every rank that
     had not issued the collective was signalled to stop (SIGTERM) before the first rank waiting in
     it had waited the hang threshold. Stopped together, a rank held in its signal handler (writing
-    its snapshot) keeps the ranks blocked in a collective with it waiting until the job ends."""
+    its snapshot) keeps the ranks blocked in a collective with it waiting until the job ends. A
+    collective that failed before anyone waited the threshold in it is the stop's when every rank
+    behind was signalled: it failed because their processes ended as told."""
     if not any(f.signalled_ns for f in members):
         return set()
     thresholds = [f.groups[pg].threshold_s for f in members if pg in f.groups and f.groups[pg].threshold_s]
     threshold_ns = min(thresholds, default=0.0) * 1e9
     stop = set()
-    for seq in {s for f in members if pg in f.groups for s in f.groups[pg].hangs_seen}:
+    waited = {s for f in members if pg in f.groups for s in f.groups[pg].hangs_seen}
+    for seq in waited | {f.groups[pg].failed[1] for f in members if pg in f.groups and f.groups[pg].failed}:
         starts = [f.groups[pg].arrivals[seq][1] for f in members if pg in f.groups and seq in f.groups[pg].arrivals]
         behind = [f for f in members if pg not in f.groups or f.groups[pg].issued < seq]
-        if starts and behind and all(f.signalled_ns is not None and f.signalled_ns < min(starts) + threshold_ns
-                                     for f in behind):
+        deadline = min(starts) + threshold_ns if seq in waited and starts else float("inf")
+        if starts and behind and all(f.signalled_ns is not None and f.signalled_ns < deadline for f in behind):
             stop.add(seq)
     return stop
 

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 
+from commlens.hooks import extension
 from .config import Config, ConfigError
 
 AUTOSTART = os.path.join(os.path.dirname(os.path.abspath(__file__)), "autostart")
@@ -51,9 +52,10 @@ def run(command: list[str], settings: dict[str, str], sidecar: bool = False) -> 
         if config.otlp_endpoint is None and not env.get("COMMLENS_TRACE_FILE"):
             print(f"commlens run: spans go to {os.path.abspath(config.trace_file)} (set COMMLENS_TRACE_FILE, or "
                   "OTEL_EXPORTER_OTLP_ENDPOINT for a collector)", file=sys.stderr, flush=True)
-        from commlens.hooks import distributed  # torch: imported by the launcher only here
+        if not extension.ready():  # torch (seconds of CPU) imported by the launcher only to build them
+            from commlens.hooks import distributed
 
-        distributed.build_extensions()
+            distributed.build_extensions()
         pod = None
         if sidecar:
             pod_env = {key: value for key, value in env.items() if key != MARKER}

@@ -184,8 +184,8 @@ class Sidecar:
             finally:
                 self.stats.lock.release()
             handled += len(records) + sum(group.record_count() for group in folded)
-            if more and self._hand_over_s:
-                time.sleep(self._hand_over_s)  # lets a thread waiting for the GIL (training) have it
+            if more:
+                self._hand_over()
         for collective in hung:
             self.on_collective(collective)
         if hung:
@@ -193,6 +193,14 @@ class Sidecar:
         for reason in dict.fromkeys(snapshots):
             self.on_snapshot(reason)
         return handled
+
+    def _hand_over(self) -> None:
+        """Let a thread waiting for the GIL (training) have it, unless more than half the ring is
+        unread: then the drain catches up first. Under a busy CPU each hand-over can cost the drain a
+        whole switch interval (5 ms) while training fills the ring; losing records costs more than a
+        few milliseconds of training, and a drain that keeps up never gets here."""
+        if self._hand_over_s and self.ring.claimed() - self.reader.cursor < self.ring.slots // 2:
+            time.sleep(self._hand_over_s)
 
     def _handle(self, records: list[Record], folded: list[Folded], snapshots: list[str]) -> None:
         started, ended = self._started, self._ended
@@ -286,8 +294,8 @@ class Sidecar:
         ordinary = range(len(seqs)) if not slow else [k for k in range(len(seqs)) if k not in slow]
         kept = self.sample(shape.pg, seqs if not slow else [seqs[k] for k in ordinary], shape.is_p2p)
         for n, k in enumerate(sorted(slow.union(ordinary[i] for i in kept)) if kept or slow else ()):
-            if self._hand_over_s and n % _BUILT_BETWEEN_HAND_OVERS == _BUILT_BETWEEN_HAND_OVERS - 1:
-                time.sleep(self._hand_over_s)  # lets a thread waiting for the GIL (training) have it
+            if n % _BUILT_BETWEEN_HAND_OVERS == _BUILT_BETWEEN_HAND_OVERS - 1:
+                self._hand_over()
             records = group.records(k)
             start, end = records[0], records[-1]
             gpu_start = _within(records[1].t_ns, start, end) if len(records) == 3 else None

@@ -1,4 +1,4 @@
-"""What the sidecar has counted, in the shape of DESIGN.md's metrics; read by scrapes and summaries.
+"""What the sidecar has counted, in the shape of the metrics (docs/metrics.md); read by scrapes and summaries.
 
 The sidecar thread adds under ``lock``; a scrape copies under it. Memory is bounded by the number of
 (op, group, size class) combinations, not by how long the job runs.

@@ -292,7 +292,9 @@ def main() -> int:
     parser.add_argument("--cpu-repeats", type=int, default=3, help="one-rank jobs per configuration for the CPU figures")
     parser.add_argument("--idle-s", type=float, default=10.0, help="seconds the idle job runs")
     args = parser.parse_args()
-    mp.set_forkserver_preload(["torch", "torch.distributed", "commlens.agent"])  # imported once, not per job
+    # imported once, not per job (DDP imports dynamo, fully_shard FSDP: 2 s and 1 s of CPU)
+    mp.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp",
+                               "commlens.agent"])
     repeats = 1 if args.quick else args.repeats
     results: dict[tuple[str, str], list[dict]] = {}
     for repeat in range(repeats):

@@ -1,1 +1,1 @@
-"""commlens.exporters — where data leaves the process (OTLP, Prometheus, files); see DESIGN.md."""
+"""commlens.exporters — where data leaves the process (OTLP, Prometheus, files)."""

@@ -1,4 +1,4 @@
-"""The names others depend on: metric families and span attributes (DESIGN.md, "Contracts").
+"""The names others depend on: metric families and span attributes (docs/metrics.md, docs/traces.md).
 
 The exporters write these names, ``commlens diagnose`` and the timeline read them, and the tests
 check that the alert rules and dashboards query no other (``served()``). Change one on purpose,

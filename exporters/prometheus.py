@@ -1,4 +1,4 @@
-"""Prometheus metrics: DESIGN.md's table, built at scrape time from what the sidecar counted.
+"""Prometheus metrics: the families of docs/metrics.md, built at scrape time from what the sidecar counted.
 
 ``MetricsCollector.collect()`` reads one rank's ``RankTelemetry`` (a copy of its counters, the ages
 and depths of its collectives in flight at that moment); ``PodCollector`` serves several ranks' on

@@ -9,7 +9,7 @@ A module first seen outside any other is taken as a root, and its submodules are
 Example::
 
     from commlens.hooks import attribution
-    attribution.enable()               # COMMLENS_MODULE_ATTRIBUTION=1 under commlens.agent
+    attribution.enable()               # COMMLENS_MODULE_ATTRIBUTION=true under commlens.agent
     model(x)                           # an all_reduce inside model.encoder.block3 records that name
     attribution.disable()
 """

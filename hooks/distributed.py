@@ -9,7 +9,7 @@ call them); FSDP2 issues its collectives through them. ``instrument()`` also cov
 communication hooks (``ddp``), the functional collectives of DTensor (``functional``) and, on torch
 >= 2.14, whatever else a process group issues — compiled collectives, C++-issued ones — through
 PyTorch's own process-group hooks (``native``). The wrappers stay for the public API: they know the
-exact op, complete synchronous ops without a future, and cost less per collective (README).
+exact op, complete synchronous ops without a future, and cost less per collective (docs/performance.md).
 ``uninstrument()`` restores everything. Both are safe to repeat.
 
 Example::
@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch.distributed.distributed_c10d as c10d
 
-from . import ddp, finite, functional, groups, issuing, native, poller, process_ring, record, recorder, registry, signatures
+from . import ddp, extension, finite, functional, futures, groups, issuing, native, poller, process_ring, record, recorder, registry, signatures
 from .issuing import set_issuing
 from .ops import CODE, OpName
 from .patch import Patches, PatchError
@@ -196,7 +196,7 @@ def _all_reduce_in_one_frame(original: Callable, general: Callable) -> Callable:
 
     In a loop the training thread pays several times a wrapper's isolated cost for each frame and
     each repacked ``*args``: in a loop of 4 KiB gloo all_reduces this path adds about two thirds of
-    the CPU the general one adds (README, "The hot path in the loop")."""
+    the CPU the general one adds (docs/performance.md, "The hot path in the loop")."""
     parameters = inspect.signature(original).parameters
     if list(parameters) != ["tensor", "op", "group", "async_op"]:  # another torch's all_reduce: no shortcut
         return general
@@ -248,6 +248,7 @@ def _destroy_process_group(original: Callable) -> Callable:
     def destroy_process_group(group=None, *args, **kwargs):
         groups.known.clear()
         native.forget(group)
+        futures.wait_for_callbacks(grace_s=0.0)  # see uninstrument
         return original(group, *args, **kwargs)
 
     return destroy_process_group
@@ -286,13 +287,21 @@ def instrument() -> None:
 def build_extensions() -> None:
     """Load commlens' C++ extensions for this torch, building them on first use (about 25 s each):
     before a job's ranks start, which would otherwise each build them while their peers' hang
-    clocks run (``commlens run``, ``commlens demo``)."""
-    native.forwarder()
-    ddp.cpp_hook()
+    clocks run (``commlens run``, ``commlens demo``); marked ready where every one loads."""
+    if (native.forwarder() is not None or not native.AVAILABLE) and ddp.cpp_hook() is not None:
+        extension.mark_ready()
 
 
 def uninstrument() -> None:
-    """Restore torch.distributed exactly as it was. Idempotent."""
+    """Restore torch.distributed exactly as it was, once commlens' callbacks on completed futures have
+    left the backend's threads (at most ``futures.EXIT_WAIT_S``). Idempotent.
+
+    A callback that closes over a process group can hold its last reference: dropped on the group's
+    own worker thread, the group's destructor joins that thread from itself, and the process dies with
+    SIGABRT ("Resource deadlock avoided"). A group destroyed, or commlens taken out, right after a
+    backward whose last bucket's callback still ran did that in 2 of 24 runs of a test on a loaded
+    machine."""
+    futures.wait_for_callbacks(grace_s=0.0)
     with _lock:
         _patches.undo()
         native.detach()

@@ -7,6 +7,8 @@ and ninja on PATH). One process builds while the others that need it (the ranks 
 it, under a file lock that the kernel releases if the builder dies. A failure raises, the compiler's
 whole output in the error. ``load_or_warn`` is
 what the hooks call: None where it fails, and a one-line warning that says what commlens does instead.
+``ready()`` says, without importing torch (seconds of CPU), whether every extension this torch takes
+was built (``mark_ready()``): a launcher imports torch to build them only when not.
 
     hook = extension.load_or_warn("_ddp_hook.cpp", "C++ hook", "records ... with a Python hook",
                                   lambda module: module.init(...))
@@ -15,6 +17,8 @@ what the hooks call: None where it fails, and a one-line warning that says what 
 from __future__ import annotations
 
 import fcntl
+import functools
+import glob
 import hashlib
 import importlib.util
 import os
@@ -24,20 +28,52 @@ import warnings
 from types import ModuleType
 from typing import Callable
 
-import torch
-
 CFLAGS = ["-O3"]
 """-O3: the DDP hook's division and finiteness pass is vectorised (for AVX2 and AVX-512 too: its clones)."""
+HERE = os.path.dirname(__file__)
+
+
+@functools.cache
+def _torch_build() -> bytes:
+    """The installed torch's version and commit, read from its ``version.py`` without importing torch."""
+    spec = importlib.util.spec_from_file_location(
+        "_commlens_torch_version", os.path.join(importlib.util.find_spec("torch").submodule_search_locations[0],
+                                                "version.py"))
+    version = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(version)
+    return f"{version.__version__} {version.git_version} {' '.join(CFLAGS)}".encode()
+
+
+def _digest(*paths: str) -> str:
+    """A name's suffix for ``paths`` (C++ sources) built with ``CFLAGS`` against the installed torch."""
+    digest = hashlib.sha256(_torch_build())
+    for path in paths:
+        with open(path, "rb") as text:
+            digest.update(text.read())
+    return digest.hexdigest()[:16]
+
+
+def _cache(name: str) -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "commlens", name)
+
+
+def _ready_path() -> str:
+    return _cache(f"ready_{_digest(*sorted(glob.glob(os.path.join(HERE, '*.cpp'))))}")
+
+
+def ready() -> bool:
+    """Whether every extension this torch takes was built and loaded (``mark_ready``)."""
+    return os.path.exists(_ready_path())
+
+
+def mark_ready() -> None:
+    open(_ready_path(), "a").close()
 
 
 def load(source: str) -> ModuleType:
-    path = os.path.join(os.path.dirname(__file__), source)
-    with open(path, "rb") as text:
-        digest = hashlib.sha256(text.read() + torch.__version__.encode() + torch.version.git_version.encode()
-                                + " ".join(CFLAGS).encode())
-    name = f"commlens{os.path.splitext(source)[0]}_{digest.hexdigest()[:16]}"
-    cached = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "commlens",
-                          name + ".so")
+    path = os.path.join(HERE, source)
+    name = f"commlens{os.path.splitext(source)[0]}_{_digest(path)}"
+    cached = _cache(name + ".so")
     if not os.path.exists(cached):
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         with open(cached + ".lock", "a") as lock:

@@ -57,13 +57,14 @@ def _hold(future: Any, callback: Callable) -> None:
     _held[key] = (weakref.ref(callback, lambda _, key=key: _held.pop(key, None)), future)
 
 
-def wait_for_callbacks(timeout_s: float = EXIT_WAIT_S) -> bool:
+def wait_for_callbacks(timeout_s: float = EXIT_WAIT_S, grace_s: float = EXIT_GRACE_S) -> bool:
     """Wait until no completed future's callback is still held by the backend's thread (the GIL
-    is let go meanwhile, so that those threads can finish); True if none is left."""
+    is let go meanwhile, so that those threads can finish), then ``grace_s`` for callbacks commlens
+    does not see; True if none is left."""
     deadline = time.monotonic() + timeout_s
     while any(future.done() for _, future in list(_held.values())):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.001)
-    time.sleep(EXIT_GRACE_S)
+    time.sleep(grace_s)
     return True

@@ -13,7 +13,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from ports import free_port  # noqa: E402
 from commlens.hooks import distributed  # noqa: E402
 
-mp.set_forkserver_preload(["torch", "torch.distributed", "commlens.agent"])  # imported once for run_ranks' ranks
+# imported once for run_ranks' ranks (DDP's constructor imports dynamo: 2 s of CPU)
+mp.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "commlens.agent"])
 
 
 def pytest_sessionstart(session):

@@ -4,7 +4,7 @@ Alertmanager on loopback, and a webhook receiver that Alertmanager delivers to.
 Example::
 
     with Demo(tmp_path, world=3, steps=6, inject=["nan:rank=1:step=5"]) as demo, \\
-            Prometheus(tmp_path, demo.targets) as prometheus:
+            Prometheus(tmp_path, demo) as prometheus:
         demo.wait_serving()
         wait_for(lambda: prometheus.query("commlens_info"), "the first scrape")
 """
@@ -199,14 +199,17 @@ class _Server:
 
 
 class Prometheus(_Server):
-    """Debian's Prometheus scraping ``targets`` every second as job "commlens" (exemplars kept),
-    evaluating ``rule_files`` every second and sending alerts to ``alertmanager`` (host:port) if given."""
+    """Debian's Prometheus scraping ``job``'s targets (a ``Demo`` or a ``TrainingJob``) every second
+    as job "commlens" (exemplars kept), evaluating ``rule_files`` every second and sending alerts to
+    ``alertmanager`` (host:port) if given. On the way out it stops ``job`` first, as a cluster's
+    Prometheus outlives a job: the ranks' last scrape on the way down comes within a second, instead
+    of their waiting the whole snapshot timeout for a Prometheus already gone."""
 
-    def __init__(self, tmp_path, targets: list[str], rule_files=(), alertmanager: str | None = None):
-        self.port = free_ports(1)
+    def __init__(self, tmp_path, job: Demo | TrainingJob, rule_files=(), alertmanager: str | None = None):
+        self.port, self.job = free_ports(1), job
         config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                   "rule_files": [str(path) for path in rule_files],
-                  "scrape_configs": [{"job_name": "commlens", "static_configs": [{"targets": targets}]}]}
+                  "scrape_configs": [{"job_name": "commlens", "static_configs": [{"targets": job.targets}]}]}
         if alertmanager:
             config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
         (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
@@ -230,6 +233,10 @@ class Prometheus(_Server):
 
     def by_rank(self, expression: str) -> dict[int, float]:
         return {int(r["metric"]["rank"]): float(r["value"][1]) for r in self.query(expression)}
+
+    def __exit__(self, *exc) -> None:
+        self.job.__exit__(*exc)
+        super().__exit__(*exc)
 
 
 class Webhook:

@@ -29,7 +29,8 @@ import torch.multiprocessing  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
 
 _FORKSERVER = torch.multiprocessing.get_context("forkserver")
-_FORKSERVER.set_forkserver_preload(["torch", "torch.testing._internal.distributed.distributed_test", "commlens.agent"])
+_FORKSERVER.set_forkserver_preload(["torch", "torch.testing._internal.distributed.distributed_test", "torch._dynamo",
+                                    "commlens.agent"])  # DDP imports dynamo: 2 s of CPU
 
 
 class _RankProcess(_FORKSERVER.Process):

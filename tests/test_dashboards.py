@@ -127,7 +127,7 @@ def test_every_panel_query_parses(tmp_path):
 def test_every_panel_shows_data_from_a_demo_with_a_nan_and_a_hang(tmp_path):
     world = 3
     inject = ["nan:rank=1:step=7", "hang:rank=2:step=3"]
-    with Demo(tmp_path, world, steps=8, inject=inject) as demo, Prometheus(tmp_path, demo.targets) as prometheus:
+    with Demo(tmp_path, world, steps=8, inject=inject) as demo, Prometheus(tmp_path, demo) as prometheus:
         demo.wait_serving()
         # every rank's final metrics, in the rules' own terms: a NaN and a hang were counted
         wait_for(lambda: prometheus.by_rank('sum by (rank) (commlens_collectives_total)') and

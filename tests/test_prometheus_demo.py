@@ -25,7 +25,7 @@ CONTRACT = ["commlens_collective_duration_seconds_bucket", "commlens_collective_
 def test_prometheus_scrapes_every_contract_metric_for_every_rank_with_the_right_values(tmp_path):
     with Demo(tmp_path, WORLD, STEPS) as demo:
         demo.wait_serving()  # Prometheus starts after training: its first scrape sees the final counts
-        with Prometheus(tmp_path, demo.targets) as prometheus:
+        with Prometheus(tmp_path, demo) as prometheus:
             _check_contract(demo, prometheus)
 
 
@@ -130,19 +130,21 @@ def test_the_demo_refuses_a_metrics_port_in_use_in_one_line_before_any_rank_star
                                  "free ones\n")
 
 
-@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
-def test_keep_serving_ends_on_sigterm_or_ctrl_c_stopping_every_rank_and_printing_the_summary(tmp_path, signum):
+@pytest.mark.parametrize("signum, whom", [("SIGTERM", "launcher"), ("SIGTERM", "group"), ("SIGINT", "group")])
+def test_keep_serving_ends_on_sigterm_or_ctrl_c_stopping_every_rank_and_printing_the_summary(tmp_path, signum, whom):
+    """SIGTERM to the launcher alone (as Kubernetes or a user would), to its whole process group (as
+    ``kill -- -PGID`` or a test harness would), and Ctrl-C (a terminal signals the whole group)."""
     import signal
 
     from commlens.agent.demo import ports_in_use
 
     with Demo(tmp_path, 2, 3) as demo:
         demo.wait_serving()
-        if signum == "SIGTERM":
-            demo.process.send_signal(signal.SIGTERM)  # to the launcher alone, as a user or Kubernetes would
+        if whom == "launcher":
+            demo.process.send_signal(getattr(signal, signum))
         else:
-            os.killpg(demo.process.pid, signal.SIGINT)  # Ctrl-C: a terminal signals the whole process group
-        rest = demo.process.stdout.read()
-        code = demo.process.wait(60)
+            os.killpg(demo.process.pid, getattr(signal, signum))
+        rest, _ = demo.process.communicate(timeout=60)
+        code = demo.process.returncode
     assert code == 0 and "verdict: nothing wrong found" in rest, rest
     assert ports_in_use("127.0.0.1", demo.base, 2) == []  # no rank left serving

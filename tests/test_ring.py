@@ -1,5 +1,6 @@
 """The ring: records in order, exact overwrite counts, threads, another process reading it."""
 
+import itertools
 import json
 import os
 import pathlib
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -125,6 +127,32 @@ def busy_job_under_a_long_drain_interval(rank, world_size):
 def test_a_busy_job_loses_no_record_although_its_sidecar_drains_only_once_a_second(run_ranks):
     [r] = run_ranks(busy_job_under_a_long_drain_interval, 1)
     assert r == {"dropped": 0, "completed": 20_000}  # the ring woke its reader each quarter it filled
+
+
+def test_a_sidecar_starved_of_the_gil_catches_up_before_the_ring_laps_it(monkeypatch):
+    """The mechanism behind a busy job's lost records on a loaded machine: each time the drain hands
+    the GIL over, training keeps it for a whole switch interval (5 ms) and writes meanwhile. Here
+    each hand-over lets training write 256 records, four times what the drain reads between two."""
+    from commlens.agent import sidecar as module
+
+    ring = Ring(slots=4096)
+    pg = ring.intern(json.dumps({"name": "0", "desc": "default", "ranks": [0], "rank": 0, "backend": "gloo"}))
+    issued = iter(range(1, 20_001))  # the busy job's 20,000 all_reduces
+
+    def training_writes(collectives: int) -> None:
+        for op_id in itertools.islice(issued, collectives):
+            ring.write(START, 2, 0, pg, op_id, op_id, 64, 0, -1, 0, 0, op_id)
+            ring.write(END, 2, 0, pg, op_id, op_id, 64, 0, -1, 0, 0, op_id + 1)
+
+    hand_overs = []
+    monkeypatch.setattr(module, "time", types.SimpleNamespace(
+        monotonic_ns=time.monotonic_ns, sleep=lambda s: (hand_overs.append(s), training_writes(128))))
+    sidecar = module.Sidecar(ring, rank=0, hang_threshold_s=60, beside_training=True)
+    training_writes(1024)  # half the ring: the sidecar was woken at a quarter
+    sidecar.drain()
+    assert next(issued, None) is None  # training ended before the drain
+    assert sidecar.reader.dropped == 0 and sum(sidecar.stats.completed.values()) == 20_000
+    assert hand_overs  # it did let training in while it had room
 
 
 def test_overwritten_records_are_counted_exactly():

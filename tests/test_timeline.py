@@ -3,6 +3,8 @@
 
 import collections
 import json
+import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -14,16 +16,31 @@ from monitoring import TrainingJob
 WORLD = 4
 
 
-def _timeline(tmp_path, fault, rank=2, **job):
+def _job(tmp_path, fault, rank=2) -> pathlib.Path:
+    """The folder of a finished 4-rank job of 30 steps, ``fault`` on ``rank`` from step 5."""
     tmp_path.mkdir(exist_ok=True)
-    with TrainingJob(tmp_path, WORLD, fault, rank=rank, step=5, steps=30, **job) as training:
+    with TrainingJob(tmp_path, WORLD, fault, rank=rank, step=5, steps=30) as training:
         assert training.wait(120) == 0
-    done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "timeline", str(training.out)],
+    return training.out
+
+
+@pytest.fixture(scope="module")
+def nan_job(tmp_path_factory) -> pathlib.Path:
+    """A job whose rank 1 puts a NaN into its gradients at step 5: run once, read by the tests of its
+    group (one pytest-xdist worker), each from its own copy."""
+    return _job(tmp_path_factory.mktemp("nan"), "nan", rank=1)
+
+
+ON_THE_NAN_JOBS_WORKER = pytest.mark.xdist_group("timeline-nan-job")
+
+
+def _timeline(out):
+    done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "timeline", str(out)],
                           capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.startswith(f"timeline: {training.out / 'timeline.json'} "), done
-    document = json.loads((training.out / "timeline.json").read_text())
+    assert done.returncode == 0 and done.stdout.startswith(f"timeline: {out / 'timeline.json'} "), done
+    document = json.loads((out / "timeline.json").read_text())
     recorded = {(int(a["commlens.rank"]), a["commlens.pg.name"], int(a["commlens.seq"]))
-                for _, a in spans_in(str(training.out)) if not a.get("commlens.p2p")}
+                for _, a in spans_in(str(out)) if not a.get("commlens.p2p")}
     return document["traceEvents"], recorded
 
 
@@ -59,7 +76,7 @@ def _check_structure(events, recorded):
 
 
 def test_a_late_ranks_timeline_joins_every_collective_across_ranks_and_its_arrows_end_on_the_late_rank(tmp_path):
-    events, recorded = _timeline(tmp_path, "late")
+    events, recorded = _timeline(_job(tmp_path, "late"))
     flows = _check_structure(events, recorded)
     [verdict] = [e for e in events if e.get("cat") == "verdict"]
     assert verdict["name"] == "verdict: late rank" and verdict["pid"] == 2, verdict
@@ -70,14 +87,15 @@ def test_a_late_ranks_timeline_joins_every_collective_across_ranks_and_its_arrow
     assert any(e["name"] == "hang" for e in events if e["ph"] == "i")
 
 
-def test_the_nan_origin_is_marked_on_its_rank_and_a_healthy_jobs_timeline_holds_no_marker(tmp_path):
-    events, recorded = _timeline(tmp_path / "nan", "nan", rank=1)
+@ON_THE_NAN_JOBS_WORKER
+def test_the_nan_origin_is_marked_on_its_rank_and_a_healthy_jobs_timeline_holds_no_marker(tmp_path, nan_job):
+    events, recorded = _timeline(shutil.copytree(nan_job, tmp_path / "nan"))
     _check_structure(events, recorded)
     origin = [e for e in events if e.get("cat") == "verdict"]
     assert [(e["name"], e["pid"]) for e in origin] == [("verdict: nan origin", 1)], origin
     assert any(e["name"] == "NaN" and e["pid"] == 1 for e in events if e.get("cat") == "anomaly")
 
-    events, recorded = _timeline(tmp_path / "none", "none")
+    events, recorded = _timeline(_job(tmp_path / "none", "none"))
     _check_structure(events, recorded)
     assert [e for e in events if e["ph"] == "i"] == []
 
@@ -92,23 +110,23 @@ def test_a_bad_window_is_refused_naming_what_is_accepted(tmp_path, argv, error):
     assert done.returncode == 2 and error in done.stderr, done.stderr
 
 
-def test_damaged_files_are_named_and_skipped_and_a_folder_without_telemetry_is_refused(tmp_path):
+@ON_THE_NAN_JOBS_WORKER
+def test_damaged_files_are_named_and_skipped_and_a_folder_without_telemetry_is_refused(tmp_path, nan_job):
     """A corrupt trace line and a file that is no dump: each named in one line, the rest still read,
     so the verdict stands. A folder with no telemetry: both commands say so and exit 2, never
-    "nothing wrong found". (One 4-rank job of 30 steps, ~20 s.)"""
-    with TrainingJob(tmp_path, WORLD, "nan", rank=1, step=5, steps=30) as training:
-        assert training.wait(120) == 0
-    [first, *_] = sorted(training.out.glob("*.jsonl"))
+    "nothing wrong found"."""
+    out = shutil.copytree(nan_job, tmp_path / "job")
+    [first, *_] = sorted(out.glob("*.jsonl"))
     with open(first, "a") as f:
         f.write('{"resourceSpans": [{"scopeSpans": [{"spans": [{"attributes": 7}]}]}]}\n{"cut off\n')
-    (training.out / "rank_9").write_bytes(b"not a pickle")
+    (out / "rank_9").write_bytes(b"not a pickle")
     lines = {}
     for command in ("diagnose", "timeline"):
-        done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", command, str(training.out)],
+        done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", command, str(out)],
                               capture_output=True, text=True, timeout=120)
         lines[command] = done.stdout
         skipped = [line for line in done.stderr.splitlines() if line.startswith("commlens: skipped ")]
-        assert len(skipped) == 3 and all(str(training.out) in line for line in skipped), done.stderr
+        assert len(skipped) == 3 and all(str(out) in line for line in skipped), done.stderr
         assert [line for line in skipped if f"{first}, line " in line and "not an OTLP JSON line" in line]
         assert [line for line in skipped if "rank_9 is not a flight-recorder dump" in line]
     assert lines["diagnose"].startswith("NaN/Inf entered on rank 1 in all_reduce"), lines

@@ -26,7 +26,7 @@ CULPRIT_ALERTS = ("CommlensNaNOrigin", "CommlensRankLate", "CommlensCollectiveDe
 def _stack(tmp_path, fault, world=WORLD, **job):
     with Webhook() as webhook, Alertmanager(tmp_path, webhook.url) as alertmanager, \
             TrainingJob(tmp_path, world, fault, rank=CULPRIT, **job) as training, \
-            Prometheus(tmp_path, training.targets, [RULES], alertmanager.address) as prometheus:
+            Prometheus(tmp_path, training, [RULES], alertmanager.address) as prometheus:
         yield webhook, training, prometheus
 
 
