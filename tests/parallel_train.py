@@ -10,6 +10,9 @@ Faults, on rank ``--rank`` at step ``--step`` (``--fault none`` for a healthy ru
 
     late     the rank sleeps ``--late-s`` seconds before its tensor-parallel all_reduce: its pair
              partner waits for it there, and the partner's data-parallel peer waits for the partner
+    order    the rank issues the job's loss all_reduce before its pair's: it waits there for the
+             others, its pair partner waits for it in the pair, and their data-parallel peers wait
+             for them; every rank waits on another (a deadlock, until the backend's timeout)
 """
 
 import argparse
@@ -45,6 +48,8 @@ def main() -> None:
         shard = out.detach().clone()
         if rank == args.rank and step == args.step and args.fault == "late":
             time.sleep(args.late_s)
+        if rank == args.rank and step == args.step and args.fault == "order":
+            dist.all_reduce(torch.zeros(()))  # the job's loss all_reduce, too early (a step that has one)
         dist.all_reduce(shard, group=tensor_parallel)  # the pair's partial results summed
         loss = (out - shard / 2).pow(2).mean()
         optimizer.zero_grad()
