@@ -6,6 +6,7 @@
     commlens run --sidecar -- torchrun ... train.py        ... with one pod sidecar process serving them all
     commlens sidecar --ring-dir /dev/shm/commlens           the pod sidecar (a Kubernetes sidecar container)
     commlens diagnose ./commlens-out               which rank, which collective, why
+    commlens dump --store HOST:PORT --job-id ID    every rank of a live job writes its flight-recorder dump
     commlens timeline ./commlens-out               every rank's collectives on one timeline (Perfetto)
 """
 
@@ -96,6 +97,14 @@ def main(argv: list[str] | None = None) -> int:
                         "instead of a thread in every rank (rings in --ring-dir, else a new temporary folder)")
     launch.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]",
                         help="the command to run, e.g. torchrun ... train.py")
+    dump = commands.add_parser("dump", help="every rank of a live job writes its flight-recorder dump, and "
+                               "training goes on", description="Asks through the job's store; each rank (or its "
+                               "pod sidecar, from shared memory) writes its dump within a second or so, where the "
+                               "job writes its dumps (TORCHCOMM_FR_DUMP_TEMP_FILE).")
+    dump.add_argument("--store", required=True, metavar="HOST:PORT",
+                      help="the job's store: its ranks' MASTER_ADDR:MASTER_PORT")
+    dump.add_argument("--job-id", default=os.environ.get("COMMLENS_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+                      or "local", help="the job's COMMLENS_JOB_ID (default: this environment's, else 'local')")
     commands.add_parser("diagnose", add_help=False, help="name the rank, collective and cause of what went wrong "
                         "(live from metrics or Prometheus, or from trace files and dumps)")
     commands.add_parser("timeline", add_help=False, help="a cross-rank timeline of a job's collectives, for "
@@ -115,6 +124,18 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "run":
         return _run(parser, args)
+    if args.command == "dump":
+        from .job_dumps import request_dumps
+
+        try:
+            request_dumps(args.store, args.job_id)
+        except ValueError as error:
+            dump.error(str(error))
+        except ConnectionError as error:
+            print(f"commlens dump: {error}", file=sys.stderr)
+            return 1
+        print(f"commlens dump: asked every rank of job {args.job_id!r} for its flight-recorder dump")
+        return 0
     if args.command == "sidecar":
         from .launch import serve_pod
 

@@ -6,13 +6,16 @@ the default process group was initialised with; a daemon thread in every rank re
 flight-recorder dump. Nothing waits on the main thread of any rank: a rank that is late, or blocked in
 a collective, dumps all the same, so ``torchfrtrace`` gets every rank's dump. The thread talks to the
 store over a connection of its own (a TCPStore client of the same server), never the one the training
-thread uses.
+thread uses. An operator asks the same way from outside the job (``commlens dump``): every rank
+dumps, and training goes on. With a pod sidecar the rank's dump is a request in its ring, written
+by the pod sidecar from shared memory.
 
 Example::
 
     dumps = JobDumps("job-42", period_s=1.0, dump=lambda: agent.snapshot("peer"))
     dumps.request()          # this rank saw a hang: every rank dumps within period_s
     dumps.stop()
+    request_dumps("10.0.0.5:29500", "job-42")   # from anywhere that reaches the job's store
 """
 
 from __future__ import annotations
@@ -77,6 +80,30 @@ class JobDumps:
                 self._seen = max(self._seen, current)
             if grew:
                 self.dump()
+
+
+def request_dumps(store: str, job: str, timeout_s: float = 10.0) -> None:
+    """Ask every rank of ``job`` for its flight-recorder dump through the job's store at ``store``
+    (``host:port``: its ranks' ``MASTER_ADDR:MASTER_PORT``); each writes it within a second or so.
+    Raises ``ValueError`` for an address that is not ``host:port``, ``ConnectionError`` when nothing
+    listens there."""
+    import datetime
+    import socket
+
+    host, _, port = store.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--store {store!r} is not accepted: give the job's store as HOST:PORT "
+                         "(its ranks' MASTER_ADDR:MASTER_PORT)")
+    try:  # refused or unreachable: said at once, without the store client's retries
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        raise ConnectionError(f"no store answered at {store} ({error.strerror or error}); give the job's "
+                              "MASTER_ADDR:MASTER_PORT") from None
+    import torch.distributed as dist
+
+    client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=timeout_s))
+    client.add(f"commlens/{job}/dumps", 1)
 
 
 def _default_store(timeout_s: float) -> Any:

@@ -43,7 +43,7 @@ class Agent:
     """Hooks, and — unless a pod sidecar reads this rank's ring (``COMMLENS_RING_DIR``) — the sidecar
     thread, spans, metrics and snapshots of this process. With a pod sidecar the rank runs only the
     hot path: the ring in the shared folder, the hooks, the NaN check, and snapshot requests written
-    into the ring for the pod sidecar to act on."""
+    into the ring for the pod sidecar to act on (its own, and the job's: ``JobDumps``)."""
 
     def __init__(self, config: Config):
         self.config = config
@@ -51,7 +51,7 @@ class Agent:
         path = ring_file(config.ring_dir, config.local_rank) if config.ring_dir is not None else config.ring_path
         ring = process_ring.ring_at(path, config.ring_slots)
         self.pipeline: RankPipeline | None = None
-        self.sidecar = self.spans = self.server = self.collector = self.job_dumps = self.flight_recorder = None
+        self.sidecar = self.spans = self.server = self.collector = self.flight_recorder = None
         self.metrics_pusher = None
         self._gpu_poller: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -66,6 +66,7 @@ class Agent:
                 self._gpu_poller.start()
         else:
             self._start_exporting(ring)
+        self.job_dumps = JobDumps(config.job, min(1.0, config.hang_threshold_s / 4), lambda: self.snapshot("peer"))
         self.nan_check = None if config.nan_check == "off" else NanCheckHook(config.nan_check).register_with_comm()
         instrument()
         if config.module_attribution:
@@ -94,7 +95,6 @@ class Agent:
                                   "(each rank uses base + LOCAL_RANK), or 0 to serve none") from None
         self.metrics_pusher = metrics_pusher(config, self.collector.families)
         self.flight_recorder = FlightRecorderHook(max_entries=min(2048, ring.slots // 2)).register_with_comm()
-        self.job_dumps = JobDumps(config.job, min(1.0, config.hang_threshold_s / 4), lambda: self.snapshot("peer"))
 
     def _poll_gpu(self) -> None:
         while not self._stopping.wait(GPU_POLL_S):
@@ -180,10 +180,10 @@ class Agent:
         if self._gpu_poller is not None:
             self._gpu_poller.join(left())
             cuda.poll()
+        self.job_dumps.stop()
         if self.pipeline is None:  # a pod sidecar reads this rank's ring
             process_ring.ring().close()
             return
-        self.job_dumps.stop()
         self.pipeline.stop(left())
         if self.metrics_pusher is not None:
             self.metrics_pusher.shutdown(max(0.1, left()))

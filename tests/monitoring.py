@@ -111,6 +111,8 @@ class TrainingJob:
         their rings there for a ``PodSidecar`` the test runs (and serve no metrics themselves);
         ``script``: another training script that takes the same options (``tests/parallel_train.py``)."""
         self.world, self.base, self.out = world, free_ports(world), tmp_path / "job"
+        self.store = f"127.0.0.1:{free_ports(1)}"
+        """The job's store (torchrun's), as ``commlens dump`` takes it."""
         self.log = tmp_path / "job.log"
         self.out.mkdir(exist_ok=True)
         self.fault_time = self.out / "fault_time"
@@ -121,7 +123,7 @@ class TrainingJob:
         command = [sys.executable, "-m", "commlens.agent.cli", "run", "--hang-threshold", str(hang_threshold_s),
                    "--metrics-port", str(self.base), "--metrics-addr", "127.0.0.1", "--job-id", "verdict-test",
                    "--trace-file", str(self.out / "traces-{rank}.jsonl"), *options, "--",
-                   torchrun, "--nproc-per-node", str(world), "--master-port", str(free_ports(1)), script,
+                   torchrun, "--nproc-per-node", str(world), "--master-port", self.store.split(":")[1], script,
                    "--fault", fault, "--rank", str(rank), "--step", str(step), "--steps", str(steps), *extra]
         self.process = subprocess.Popen(
             command, env={**os.environ, "TORCHCOMM_FR_DUMP_TEMP_FILE": str(self.out / "rank_"),

@@ -8,6 +8,7 @@ only the hot path beside one pod sidecar process (``commlens run --sidecar``: on
 
 import contextlib
 import pathlib
+import pickle
 import re
 import subprocess
 import sys
@@ -19,7 +20,8 @@ from monitoring import PARALLEL_SCRIPT, Alertmanager, Prometheus, TrainingJob, W
 
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
 WORLD, CULPRIT = 3, 1
-CULPRIT_ALERTS = ("CommlensNaNOrigin", "CommlensRankLate", "CommlensCollectiveDesync", "CommlensStraggler")
+CULPRIT_ALERTS = ("CommlensNaNOrigin", "CommlensRankLate", "CommlensCollectiveDesync", "CommlensStraggler",
+                  "CommlensDeadlock")
 
 
 @contextlib.contextmanager
@@ -32,7 +34,8 @@ def _stack(tmp_path, fault, world=WORLD, **job):
 
 def _culprits(report: str) -> set[int]:
     """The ranks that the findings of ``commlens diagnose`` blame."""
-    found = re.findall(r"(?:entered on|late or missing:|desync:|straggler:|all waiting,) ranks? ([\d, ]+) in", report)
+    found = re.findall(r"(?:entered on|late or missing:|desync:|straggler:|all waiting,|waiting on each other,) "
+                       r"ranks? ([\d, ]+) in", report)
     return {int(rank) for ranks in found for rank in ranks.split(",")}
 
 
@@ -108,7 +111,8 @@ def test_a_rank_late_in_its_tensor_parallel_pair_is_named_and_the_ranks_held_up_
     pair's all_reduce: rank 0 waits for it there, rank 2 then waits for rank 0 in their data-parallel
     group, and rank 3 for rank 1 in theirs. Rank 0 is behind in its data-parallel group only because
     it waits in the pair: naming it would cordon a healthy node."""
-    with _stack(tmp_path, "late", world=4, step=30, steps=200, script=PARALLEL_SCRIPT, pod=pod) as (
+    with _stack(tmp_path, "late", world=4, step=30, steps=200, script=PARALLEL_SCRIPT, pod=pod,
+                extra=["--late-s", "30"]) as (
             webhook, training, prometheus):
         wait_for(lambda: webhook.firing("CommlensRankLate"), "CommlensRankLate at the webhook", timeout_s=90,
                  explain=lambda: _evidence(prometheus, training))
@@ -126,14 +130,38 @@ def test_a_rank_late_in_its_tensor_parallel_pair_is_named_and_the_ranks_held_up_
     assert "late or missing: rank 1 " in offline and _culprits(offline) == {1}, offline
 
 
+def test_ranks_that_issue_two_groups_collectives_in_different_orders_are_a_deadlock_and_none_is_named_late(tmp_path):
+    """Rank 1 issues the job's loss all_reduce before its pair's (``tests/parallel_train.py``): it
+    waits there for the others, which wait for it and for each other in the pairs and the
+    data-parallel groups. No rank is late: every rank behind waits itself. One exporter only: the
+    rules and the detectors read the same series as in the tests above, whichever exporter serves them."""
+    with _stack(tmp_path, "order", world=4, step=30, steps=200, script=PARALLEL_SCRIPT) as (
+            webhook, training, prometheus):
+        wait_for(lambda: webhook.firing("CommlensDeadlock"), "CommlensDeadlock at the webhook", timeout_s=90,
+                 explain=lambda: _evidence(prometheus, training))
+        live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
+        fired = {a["labels"]["alertname"] for a in webhook.alerts if a["status"] == "firing"}
+    assert fired == {"CommlensDeadlock"}, webhook.alerts
+    assert "deadlock: waiting on each other, ranks 0, 1, 2, 3 " in live and "late or missing" not in live, live
+
+
 @pytest.mark.long
 @EXPORTERS
 def test_a_healthy_run_fires_nothing_and_leaves_nothing_pending(tmp_path, pod):
     """A job of 60 ms steps watched for 150 s, longer than every rule's window but the bandwidth
     drop's: the suite's longest test, with the other exporter's (both started first). 60 ms, not 20:
-    the same watch at about half the CPU, on cores the other tests share."""
+    the same watch at about half the CPU, on cores the other tests share. On the way an operator
+    takes a snapshot (``commlens dump``): every rank writes its dump (with a pod sidecar, from shared
+    memory), and the job trains on and stays healthy."""
     with _stack(tmp_path, "none", steps=2400, extra=["--step-ms", "60"], pod=pod) as (webhook, training, prometheus):
         wait_for(lambda: prometheus.query("commlens:collective_wait_seconds:mean20s"), "the first recording")
+        asked = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "dump", "--store", training.store,
+                                "--job-id", "verdict-test"], capture_output=True, text=True, timeout=60)
+        assert asked.returncode == 0 and "asked every rank of job 'verdict-test'" in asked.stdout, asked
+        dumps = [training.out / f"rank_{rank}" for rank in range(WORLD)]
+        wait_for(lambda: all(dump.exists() for dump in dumps), "every rank's dump", timeout_s=30)
+        wait_for(lambda: prometheus.by_rank('commlens_abort_snapshots_total{reason="peer"}') ==
+                 {rank: 1.0 for rank in range(WORLD)}, "one snapshot on demand counted by every rank")
         started = time.monotonic()
         while time.monotonic() - started < 150 and training.process.poll() is None:
             time.sleep(1)  # not synchronisation: the healthy run lasts this long while the rules evaluate
@@ -146,3 +174,5 @@ def test_a_healthy_run_fires_nothing_and_leaves_nothing_pending(tmp_path, pod):
     assert not webhook.alerts and not firing, (webhook.alerts, firing)
     assert all(float(p["value"][1]) <= 1 for p in pending), pending
     assert "nothing wrong found" in _diagnose(str(offline_files))
+    for dump in dumps:  # written while the job trained: its collectives, the all_reduces among them
+        assert any(e["profiling_name"].endswith("all_reduce") for e in pickle.loads(dump.read_bytes())["entries"])
