@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"commlens sidecar: {error}", file=sys.stderr)
             return 2
     from .config import Config
-    from .demo import demo_environment, ports_in_use, run
+    from .demo import demo_environment, run
+    from .ports import refuse_taken
 
     for fault in args.inject:
         if fault.rank >= args.world_size:
@@ -133,11 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     environment = demo_environment(out, args.world_size)
     try:
         config = Config.from_env({**os.environ, **environment})  # refused here, before anything runs
-        taken = ports_in_use(config.metrics_addr, config.metrics_port or 0, args.world_size)
-        if taken:
-            raise ConfigError(f"COMMLENS_METRICS_PORT={environment['COMMLENS_METRICS_PORT']} is not accepted: "
-                              f"port {taken[0]} (rank {taken[0] - config.metrics_port}) is in use on "
-                              f"{config.metrics_addr}; choose another base port, or leave it unset for free ones")
+        refuse_taken(config.metrics_addr, config.metrics_port or 0, args.world_size, "rank",
+                     "choose another base port, or leave it unset for free ones")
     except ConfigError as error:
         if args.out is None:
             shutil.rmtree(out, ignore_errors=True)

@@ -25,9 +25,7 @@ import json
 import multiprocessing.forkserver
 import multiprocessing.synchronize
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .ports import free_port, free_ports
 from .stats import DURATION_BUCKETS
 
 FAULTS = ("nan", "slow", "hang", "desync", "size", "skip")
@@ -78,56 +77,6 @@ class Fault:
 
 def _hit(faults: tuple[Fault, ...], kind: str, rank: int, step: int) -> Fault | None:
     return next((fault for fault in faults if fault.hits(kind, rank, step)), None)
-
-
-def free_port() -> int:
-    """A port free on loopback now, outside the kernel's ephemeral range (see ``free_ports``)."""
-    return free_ports(1)
-
-
-_handed_out: set[int] = set()  # ports free_ports gave this process: free until bound, so not given twice
-
-
-def free_ports(count: int, within: range | None = None) -> int:
-    """A base port such that base .. base + count - 1 are all free on loopback now, none of them given
-    out before by this process (chosen, perhaps not bound yet); drawn from ``within`` where given.
-
-    They are drawn from below the kernel's ephemeral range, so that no outgoing connection (gloo's
-    between ranks, the store's) can take one of them before the rank that is to serve on it binds it.
-    """
-    low = ephemeral_low()
-    within = within or range(10000, low)
-    if within.start < 10000 or within.stop > low or len(within) <= count:
-        raise RuntimeError(f"no room for {count} ports in {within.start}..{within.stop - 1}, which must lie "
-                           f"between 10000 and the ephemeral port range (starts at {low})")
-    while True:
-        ports = range(base := random.randrange(within.start, within.stop - count), base + count)
-        if _handed_out.isdisjoint(ports) and all(map(_is_free, ports)):
-            _handed_out.update(ports)
-            return base
-
-
-def ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def _is_free(port: int, addr: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((addr, port))
-        except OSError:
-            return False
-    return True
-
-
-def ports_in_use(addr: str, base: int, count: int) -> list[int]:
-    """Which of the ranks' metrics ports ``base .. base + count - 1`` are taken on ``addr`` (none when base is 0)."""
-    return [base + i for i in range(count) if base and not _is_free(base + i, addr)]
 
 
 def demo_environment(out_dir: str, world_size: int) -> dict[str, str]:

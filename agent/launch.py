@@ -28,6 +28,7 @@ import threading
 
 from commlens.hooks import extension
 from .config import Config, ConfigError
+from .ports import refuse_taken
 
 AUTOSTART = os.path.join(os.path.dirname(os.path.abspath(__file__)), "autostart")
 MARKER = "COMMLENS_AUTOSTART"
@@ -49,6 +50,12 @@ def run(command: list[str], settings: dict[str, str], sidecar: bool = False) -> 
         made = env["COMMLENS_RING_DIR"] = tempfile.mkdtemp(prefix="commlens-rings-")
     try:
         config = Config.from_env({**env, "RANK": env.get("RANK", "0")})  # a bad setting fails here, not in every rank
+        if sidecar:  # one port for the pod
+            refuse_taken(config.metrics_addr, config.metrics_port or 0, 1, None,
+                         "choose another port for the pod sidecar, or 0 to serve none")
+        else:
+            refuse_taken(config.metrics_addr, config.metrics_port or 0, local_ranks(command), "local rank",
+                         "choose another base port (each local rank serves on base + LOCAL_RANK), or 0 to serve none")
         if config.otlp_endpoint is None and not env.get("COMMLENS_TRACE_FILE"):
             print(f"commlens run: spans go to {os.path.abspath(config.trace_file)} (set COMMLENS_TRACE_FILE, or "
                   "OTEL_EXPORTER_OTLP_ENDPOINT for a collector)", file=sys.stderr, flush=True)
@@ -76,6 +83,21 @@ def run(command: list[str], settings: dict[str, str], sidecar: bool = False) -> 
     finally:
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)
+
+
+def local_ranks(command: list[str]) -> int:
+    """How many ranks ``command`` starts on this node, as far as its arguments say: torchrun's
+    ``--nproc-per-node N`` (or ``--nproc_per_node``), else 1.
+
+    >>> local_ranks(["torchrun", "--nproc-per-node=4", "train.py"])
+    4
+    """
+    for i, arg in enumerate(command):
+        name, _, value = arg.partition("=")
+        if name in ("--nproc-per-node", "--nproc_per_node"):
+            value = value or (command[i + 1] if i + 1 < len(command) else "")
+            return int(value) if value.isdigit() else 1
+    return 1
 
 
 def _call_forwarding_signals(command: list[str], env: dict[str, str]) -> int:

@@ -55,6 +55,28 @@ def test_a_bad_option_fails_before_the_command_starts(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("options, held, whose", [
+    ([], 1, "local rank 1"),  # torchrun's second local rank serves on base + 1
+    (["--sidecar"], 0, None),  # one port for the pod
+], ids=["per-rank", "pod-sidecar"])
+def test_run_refuses_a_metrics_port_in_use_before_the_command_starts(tmp_path, options, held, whose):
+    """A rank that cannot serve its metrics would train unobserved while the verdict says all is well."""
+    import socket
+
+    marker, base = tmp_path / "started", free_ports(2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + held))
+        taken.listen(1)
+        job = _commlens("run", "--metrics-addr", "127.0.0.1", "--metrics-port", str(base), *options, "--",
+                        sys.executable, "-c", f"open({str(marker)!r}, 'w')", "--nproc-per-node", "2",
+                        stderr=subprocess.PIPE, text=True)
+        _, err = job.communicate(timeout=60)
+    which = f"port {base + held}" + (f" ({whose})" if whose else "")
+    assert job.returncode == 2 and f"COMMLENS_METRICS_PORT={base} is not accepted: {which} is in use on 127.0.0.1" \
+        in err, err
+    assert not marker.exists()
+
+
 def test_run_says_where_spans_go_when_nothing_sends_them_elsewhere_and_refuses_a_bad_ring_path(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMMLENS_", "OTEL_"))}
     quiet = _commlens("run", "--", sys.executable, "-c", "pass", cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
