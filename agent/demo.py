@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .ports import free_port, free_ports
+from .ports import free_port, free_ports, reserve
 from .stats import DURATION_BUCKETS
 
 FAULTS = ("nan", "slow", "hang", "desync", "size", "skip")
@@ -79,12 +79,17 @@ def _hit(faults: tuple[Fault, ...], kind: str, rank: int, step: int) -> Fault | 
     return next((fault for fault in faults if fault.hits(kind, rank, step)), None)
 
 
-def demo_environment(out_dir: str, world_size: int) -> dict[str, str]:
-    """The demo's defaults (metrics on free ports); what the user's environment sets wins."""
+def demo_job_id() -> str:
+    """The demo's job id: ``COMMLENS_JOB_ID``, else a new one."""
+    return os.environ.get("COMMLENS_JOB_ID") or f"demo-{os.getpid()}-{int(time.time())}"
+
+
+def demo_environment(out_dir: str, world_size: int, job: str) -> dict[str, str]:
+    """The demo's defaults (metrics on free ports) for job ``job``; what the user's environment sets wins."""
     defaults = {"COMMLENS_METRICS_ADDR": "127.0.0.1", "COMMLENS_HANG_THRESHOLD_S": DEMO_HANG_THRESHOLD_S,
                 "COMMLENS_METRICS_PORT": str(free_ports(world_size)),
                 "COMMLENS_TRACE_FILE": os.path.join(out_dir, "traces-rank{rank}.jsonl"),
-                "COMMLENS_JOB_ID": f"demo-{os.getpid()}-{int(time.time())}",
+                "COMMLENS_JOB_ID": job,
                 "COMMLENS_METRICS_DETAIL": "full",  # a few ranks: every op and size class on the dashboards
                 "TORCHCOMM_FR_DUMP_TEMP_FILE": os.path.join(out_dir, "rank_")}
     return {**defaults, **{k: v for k, v in os.environ.items() if k in defaults}}
@@ -232,13 +237,13 @@ def run(world_size: int, steps: int, out_dir: str, faults: tuple[Fault, ...] = (
     """Train with ``world_size`` ranks (in ``environment``, default ``demo_environment``); returns the
     summary, each rank's result and torchfrtrace's run."""
     os.makedirs(out_dir, exist_ok=True)
-    environment = environment or demo_environment(out_dir, world_size)
+    environment = environment or demo_environment(out_dir, world_size, demo_job_id())
     from commlens.agent.config import Config
     from commlens.hooks import distributed
 
     config = Config.from_env({**os.environ, **environment})  # a bad setting fails here, before any rank starts
     metrics = config.metrics_port or 0
-    _handed_out.update(range(metrics, metrics + world_size))  # the store's port is not one the ranks serve on
+    reserve(range(metrics, metrics + world_size))  # the store's port is not one the ranks serve on
     store = free_port()
     distributed.build_extensions()
     forkserver = mp.get_context("forkserver")

@@ -42,6 +42,11 @@ def free_ports(count: int, within: range | None = None) -> int:
             return base
 
 
+def reserve(ports: range) -> None:
+    """Keep ``free_port`` and ``free_ports`` from choosing ``ports`` (ones a job will serve on)."""
+    _handed_out.update(ports)
+
+
 def ephemeral_low() -> int:
     """The first port of the kernel's ephemeral range."""
     try:

@@ -3,7 +3,6 @@
 import json
 import os
 import subprocess
-import tempfile
 import urllib.request
 
 import pytest
@@ -99,7 +98,7 @@ def test_the_demo_refuses_a_fault_on_a_rank_it_does_not_have_and_a_bad_setting_l
         capsys, monkeypatch, tmp_path):
     from commlens.agent.cli import main
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the demo would make its folder
+    monkeypatch.chdir(tmp_path)  # the demo would make its folder under ./commlens-out
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--world-size", "2", "--inject", "nan:rank=0:step=1", "--inject", "hang:rank=2:step=1"])
     assert exit_info.value.code == 2
