@@ -5,9 +5,9 @@
     commlens run -- torchrun --nproc-per-node 4 train.py   instrument every rank of your own job
     commlens run --sidecar -- torchrun ... train.py        ... with one pod sidecar process serving them all
     commlens sidecar --ring-dir /dev/shm/commlens           the pod sidecar (a Kubernetes sidecar container)
-    commlens diagnose ./commlens-out               which rank, which collective, why
+    commlens diagnose ./commlens-out/JOB           which rank, which collective, why
     commlens dump --store HOST:PORT --job-id ID    every rank of a live job writes its flight-recorder dump
-    commlens timeline ./commlens-out               every rank's collectives on one timeline (Perfetto)
+    commlens timeline ./commlens-out/JOB           every rank's collectives on one timeline (Perfetto)
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
-import shutil
 import sys
-import tempfile
 
 
 def _positive(text: str) -> int:
@@ -61,7 +59,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not command:
         parser.error("run needs a command: commlens run [options] -- COMMAND [ARGS...]")
     try:
-        return run(command, _settings(args), args.sidecar)
+        return run(command, _settings(args), args.sidecar, args.out)
     except ConfigError as error:
         print(f"commlens run: {error}", file=sys.stderr)
         return 2
@@ -75,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="run the instrumented multi-rank training demo on CPU")
     demo.add_argument("--world-size", type=_positive, default=4, help="gloo processes (default 4)")
     demo.add_argument("--steps", type=_positive, default=20, help="training steps (default 20)")
-    demo.add_argument("--out", help="folder for the flight-recorder dumps (default: a new temporary one)")
+    demo.add_argument("--out", help="the job's folder for its trace files, dumps and timeline (default: "
+                      "./commlens-out/<job id>)")
     demo.add_argument("--inject", type=_fault, action="append", default=[],
                       help="a fault, repeatable: nan|hang|desync|size|skip:rank=R:step=S (hang also takes "
                       ":s=SECONDS), or slow:rank=R:ms=M")
@@ -92,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     for option, variable in _RUN_OPTIONS.items():
         launch.add_argument(f"--{option}", help=f"sets {variable}")
         sidecar.add_argument(f"--{option}", help=f"sets {variable}")
+    launch.add_argument("--out", help="the job's folder for its trace files and dumps (default: "
+                        "./commlens-out/<job id>, the job id a new one unless --job-id or COMMLENS_JOB_ID gives it)")
     launch.add_argument("--sidecar", action="store_true",
                         help="export from one commlens sidecar process for the node, as in a Kubernetes pod, "
                         "instead of a thread in every rank (rings in --ring-dir, else a new temporary folder)")
@@ -145,23 +146,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"commlens sidecar: {error}", file=sys.stderr)
             return 2
     from .config import Config
-    from .demo import demo_environment, ports_in_use, run
+    from .demo import demo_environment, demo_job_id, run
+    from .launch import OUT_ROOT, make_job_folder
+    from .ports import refuse_taken
 
     for fault in args.inject:
         if fault.rank >= args.world_size:
             demo.error(f"--inject rank={fault.rank} is not accepted: ranks are 0..{args.world_size - 1}")
-    out = args.out or tempfile.mkdtemp(prefix="commlens-demo-")
-    environment = demo_environment(out, args.world_size)
+    job = demo_job_id()
+    out = args.out or os.path.join(OUT_ROOT, job)
+    environment = demo_environment(out, args.world_size, job)
     try:
         config = Config.from_env({**os.environ, **environment})  # refused here, before anything runs
-        taken = ports_in_use(config.metrics_addr, config.metrics_port or 0, args.world_size)
-        if taken:
-            raise ConfigError(f"COMMLENS_METRICS_PORT={environment['COMMLENS_METRICS_PORT']} is not accepted: "
-                              f"port {taken[0]} (rank {taken[0] - config.metrics_port}) is in use on "
-                              f"{config.metrics_addr}; choose another base port, or leave it unset for free ones")
-    except ConfigError as error:
+        refuse_taken(config.metrics_addr, config.metrics_port or 0, args.world_size, "rank",
+                     "choose another base port, or leave it unset for free ones")
         if args.out is None:
-            shutil.rmtree(out, ignore_errors=True)
+            make_job_folder(out)
+    except ConfigError as error:
         print(f"commlens demo: {error}", file=sys.stderr)
         return 2
     port = environment["COMMLENS_METRICS_PORT"]
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     from .timeline import OPEN_IN, write
 
     print(f"timeline: {write(out)} ({OPEN_IN})")
+    print(f"the job's files are in {out}: commlens diagnose {out}")
     return outcome.analyzer.returncode
 
 

@@ -25,9 +25,7 @@ import json
 import multiprocessing.forkserver
 import multiprocessing.synchronize
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .ports import free_port, free_ports, reserve
 from .stats import DURATION_BUCKETS
 
 FAULTS = ("nan", "slow", "hang", "desync", "size", "skip")
@@ -80,62 +79,17 @@ def _hit(faults: tuple[Fault, ...], kind: str, rank: int, step: int) -> Fault | 
     return next((fault for fault in faults if fault.hits(kind, rank, step)), None)
 
 
-def free_port() -> int:
-    """A port free on loopback now, outside the kernel's ephemeral range (see ``free_ports``)."""
-    return free_ports(1)
+def demo_job_id() -> str:
+    """The demo's job id: ``COMMLENS_JOB_ID``, else a new one."""
+    return os.environ.get("COMMLENS_JOB_ID") or f"demo-{os.getpid()}-{int(time.time())}"
 
 
-_handed_out: set[int] = set()  # ports free_ports gave this process: free until bound, so not given twice
-
-
-def free_ports(count: int, within: range | None = None) -> int:
-    """A base port such that base .. base + count - 1 are all free on loopback now, none of them given
-    out before by this process (chosen, perhaps not bound yet); drawn from ``within`` where given.
-
-    They are drawn from below the kernel's ephemeral range, so that no outgoing connection (gloo's
-    between ranks, the store's) can take one of them before the rank that is to serve on it binds it.
-    """
-    low = ephemeral_low()
-    within = within or range(10000, low)
-    if within.start < 10000 or within.stop > low or len(within) <= count:
-        raise RuntimeError(f"no room for {count} ports in {within.start}..{within.stop - 1}, which must lie "
-                           f"between 10000 and the ephemeral port range (starts at {low})")
-    while True:
-        ports = range(base := random.randrange(within.start, within.stop - count), base + count)
-        if _handed_out.isdisjoint(ports) and all(map(_is_free, ports)):
-            _handed_out.update(ports)
-            return base
-
-
-def ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def _is_free(port: int, addr: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((addr, port))
-        except OSError:
-            return False
-    return True
-
-
-def ports_in_use(addr: str, base: int, count: int) -> list[int]:
-    """Which of the ranks' metrics ports ``base .. base + count - 1`` are taken on ``addr`` (none when base is 0)."""
-    return [base + i for i in range(count) if base and not _is_free(base + i, addr)]
-
-
-def demo_environment(out_dir: str, world_size: int) -> dict[str, str]:
-    """The demo's defaults (metrics on free ports); what the user's environment sets wins."""
+def demo_environment(out_dir: str, world_size: int, job: str) -> dict[str, str]:
+    """The demo's defaults (metrics on free ports) for job ``job``; what the user's environment sets wins."""
     defaults = {"COMMLENS_METRICS_ADDR": "127.0.0.1", "COMMLENS_HANG_THRESHOLD_S": DEMO_HANG_THRESHOLD_S,
                 "COMMLENS_METRICS_PORT": str(free_ports(world_size)),
                 "COMMLENS_TRACE_FILE": os.path.join(out_dir, "traces-rank{rank}.jsonl"),
-                "COMMLENS_JOB_ID": f"demo-{os.getpid()}-{int(time.time())}",
+                "COMMLENS_JOB_ID": job,
                 "COMMLENS_METRICS_DETAIL": "full",  # a few ranks: every op and size class on the dashboards
                 "TORCHCOMM_FR_DUMP_TEMP_FILE": os.path.join(out_dir, "rank_")}
     return {**defaults, **{k: v for k, v in os.environ.items() if k in defaults}}
@@ -283,13 +237,13 @@ def run(world_size: int, steps: int, out_dir: str, faults: tuple[Fault, ...] = (
     """Train with ``world_size`` ranks (in ``environment``, default ``demo_environment``); returns the
     summary, each rank's result and torchfrtrace's run."""
     os.makedirs(out_dir, exist_ok=True)
-    environment = environment or demo_environment(out_dir, world_size)
+    environment = environment or demo_environment(out_dir, world_size, demo_job_id())
     from commlens.agent.config import Config
     from commlens.hooks import distributed
 
     config = Config.from_env({**os.environ, **environment})  # a bad setting fails here, before any rank starts
     metrics = config.metrics_port or 0
-    _handed_out.update(range(metrics, metrics + world_size))  # the store's port is not one the ranks serve on
+    reserve(range(metrics, metrics + world_size))  # the store's port is not one the ranks serve on
     store = free_port()
     distributed.build_extensions()
     forkserver = mp.get_context("forkserver")

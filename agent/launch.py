@@ -10,6 +10,9 @@ With ``--sidecar`` the ranks run only the hot path and one ``commlens sidecar`` 
 first, stopped after the command, as Kubernetes runs a native sidecar container) exports for them
 all from their rings in ``COMMLENS_RING_DIR`` (a new temporary folder unless one is given).
 
+Everything of one job (trace files, dumps) goes to one folder, ``./commlens-out/<job id>/`` unless
+``--out`` says, and is never written over by another job.
+
 Example::
 
     commlens run --hang-threshold 120 -- torchrun --nproc-per-node 4 train.py
@@ -25,10 +28,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 from commlens.hooks import extension
 from .config import Config, ConfigError
+from .ports import refuse_taken
 
+OUT_ROOT = "commlens-out"
+"""Where each job's folder goes, under the current folder, unless ``--out`` says."""
 AUTOSTART = os.path.join(os.path.dirname(os.path.abspath(__file__)), "autostart")
 MARKER = "COMMLENS_AUTOSTART"
 
@@ -40,18 +47,57 @@ def environment(base: dict[str, str], settings: dict[str, str]) -> dict[str, str
     return env
 
 
-def run(command: list[str], settings: dict[str, str], sidecar: bool = False) -> int:
+def job_folder(env: dict[str, str], out: str | None) -> str | None:
+    """Give the job an id in ``env`` (``COMMLENS_JOB_ID``, else a new one) and one folder for its files:
+    ``out``, else ``./commlens-out/<job id>``. Its trace files (unless an OTLP endpoint takes the spans)
+    and flight-recorder dumps go there, unless ``env`` puts them elsewhere. Returns the folder, made
+    here, or None when nothing goes there; raises ``ConfigError`` for one that holds files already
+    (another job's: never overwritten)."""
+    job = env.setdefault("COMMLENS_JOB_ID", time.strftime("%Y%m%d-%H%M%S-") + str(os.getpid()))
+    folder = os.path.relpath(out or os.path.join(OUT_ROOT, job))
+    defaults = {"TORCHCOMM_FR_DUMP_TEMP_FILE": os.path.join(folder, "rank_")}
+    if not env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        defaults["COMMLENS_TRACE_FILE"] = os.path.join(folder, "traces-{rank}.jsonl")
+    unset = {name: value for name, value in defaults.items() if not env.get(name)}
+    if not unset:
+        return None
+    make_job_folder(folder)
+    env.update(unset)
+    return folder
+
+
+def make_job_folder(folder: str) -> None:
+    """Make ``folder`` for one job's files; ``ConfigError`` for one that cannot be made or that holds
+    files already (another job's: never written over)."""
+    if os.path.isdir(folder) and os.listdir(folder):
+        raise ConfigError(f"the job's folder {folder} holds files already (another job's, kept): give another "
+                          "--out, or another --job-id")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"cannot make the job's folder {folder} ({error.strerror}): give --out a folder "
+                          "this user can write") from None
+
+
+def run(command: list[str], settings: dict[str, str], sidecar: bool = False, out: str | None = None) -> int:
     """Check the configuration as a rank would see it, then run ``command`` (beside a pod sidecar
-    process when ``sidecar``); returns its exit status."""
+    process when ``sidecar``), its files in one folder (``job_folder``); returns its exit status."""
     env = environment(dict(os.environ), settings)
     made = None
     if sidecar and not env.get("COMMLENS_RING_DIR"):
         made = env["COMMLENS_RING_DIR"] = tempfile.mkdtemp(prefix="commlens-rings-")
     try:
         config = Config.from_env({**env, "RANK": env.get("RANK", "0")})  # a bad setting fails here, not in every rank
-        if config.otlp_endpoint is None and not env.get("COMMLENS_TRACE_FILE"):
-            print(f"commlens run: spans go to {os.path.abspath(config.trace_file)} (set COMMLENS_TRACE_FILE, or "
-                  "OTEL_EXPORTER_OTLP_ENDPOINT for a collector)", file=sys.stderr, flush=True)
+        if sidecar:  # one port for the pod
+            refuse_taken(config.metrics_addr, config.metrics_port or 0, 1, None,
+                         "choose another port for the pod sidecar, or 0 to serve none")
+        else:
+            refuse_taken(config.metrics_addr, config.metrics_port or 0, local_ranks(command), "local rank",
+                         "choose another base port (each local rank serves on base + LOCAL_RANK), or 0 to serve none")
+        folder = job_folder(env, out)
+        if folder is not None:
+            print(f"commlens run: job {env['COMMLENS_JOB_ID']}: its trace files and flight-recorder dumps go to "
+                  f"{folder}", file=sys.stderr, flush=True)
         if not extension.ready():  # torch (seconds of CPU) imported by the launcher only to build them
             from commlens.hooks import distributed
 
@@ -73,9 +119,26 @@ def run(command: list[str], settings: dict[str, str], sidecar: bool = False) -> 
                 except subprocess.TimeoutExpired:
                     pod.kill()
                     pod.wait()
+            if folder is not None:
+                print(f"commlens run: the job's files are in {folder}: commlens diagnose {folder}", file=sys.stderr)
     finally:
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)
+
+
+def local_ranks(command: list[str]) -> int:
+    """How many ranks ``command`` starts on this node, as far as its arguments say: torchrun's
+    ``--nproc-per-node N`` (or ``--nproc_per_node``), else 1.
+
+    >>> local_ranks(["torchrun", "--nproc-per-node=4", "train.py"])
+    4
+    """
+    for i, arg in enumerate(command):
+        name, _, value = arg.partition("=")
+        if name in ("--nproc-per-node", "--nproc_per_node"):
+            value = value or (command[i + 1] if i + 1 < len(command) else "")
+            return int(value) if value.isdigit() else 1
+    return 1
 
 
 def _call_forwarding_signals(command: list[str], env: dict[str, str]) -> int:

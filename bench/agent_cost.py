@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from commlens.agent.demo import free_port, free_ports
+from commlens.agent.ports import free_port, free_ports
 
 CONFIGS = {
     "none": None,

@@ -22,7 +22,8 @@ def test_an_unmodified_torchrun_job_is_instrumented_in_every_rank(tmp_path):
     job = _commlens("run", "--metrics-port", str(base), "--metrics-addr", "127.0.0.1", "--job-id", "zero-code",
                     "--metrics-detail", "op",
                     "--trace-file", str(tmp_path / "spans-{rank}.jsonl"), "--",
-                    "torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()), str(script), str(tmp_path))
+                    "torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()), str(script), str(tmp_path),
+                    cwd=tmp_path)
     try:
         deadline = time.monotonic() + 120
         while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)):
@@ -55,14 +56,47 @@ def test_a_bad_option_fails_before_the_command_starts(tmp_path):
     assert not marker.exists()
 
 
-def test_run_says_where_spans_go_when_nothing_sends_them_elsewhere_and_refuses_a_bad_ring_path(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMMLENS_", "OTEL_"))}
-    quiet = _commlens("run", "--", sys.executable, "-c", "pass", cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
-    _, err = quiet.communicate(timeout=60)
-    assert quiet.returncode == 0 and f"spans go to {tmp_path}/commlens-traces-{{rank}}.jsonl" in err, err
+@pytest.mark.parametrize("options, held, whose", [
+    ([], 1, "local rank 1"),  # torchrun's second local rank serves on base + 1
+    (["--sidecar"], 0, None),  # one port for the pod
+], ids=["per-rank", "pod-sidecar"])
+def test_run_refuses_a_metrics_port_in_use_before_the_command_starts(tmp_path, options, held, whose):
+    """A rank that cannot serve its metrics would train unobserved while the verdict says all is well."""
+    import socket
+
+    marker, base = tmp_path / "started", free_ports(2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + held))
+        taken.listen(1)
+        job = _commlens("run", "--metrics-addr", "127.0.0.1", "--metrics-port", str(base), *options, "--",
+                        sys.executable, "-c", f"open({str(marker)!r}, 'w')", "--nproc-per-node", "2",
+                        stderr=subprocess.PIPE, text=True)
+        _, err = job.communicate(timeout=60)
+    which = f"port {base + held}" + (f" ({whose})" if whose else "")
+    assert job.returncode == 2 and f"COMMLENS_METRICS_PORT={base} is not accepted: {which} is in use on 127.0.0.1" \
+        in err, err
+    assert not marker.exists()
+
+
+def test_run_keeps_each_jobs_files_in_a_folder_of_its_own_never_written_over_and_refuses_a_bad_ring_path(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMMLENS_", "OTEL_", "TORCHCOMM_"))}
+    dump = "import os; open(os.environ['TORCHCOMM_FR_DUMP_TEMP_FILE'] + '0', 'w').write('a dump')"
+    first = _commlens("run", "--", sys.executable, "-c", dump, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    _, err = first.communicate(timeout=60)
+    [folder] = (tmp_path / "commlens-out").iterdir()  # named by the job id run gave it
+    job = folder.name
+    assert first.returncode == 0 and (folder / "rank_0").read_text() == "a dump", err
+    assert f"job {job}: its trace files and flight-recorder dumps go to commlens-out/{job}\n" in err, err
+    assert err.endswith(f"the job's files are in commlens-out/{job}: commlens diagnose commlens-out/{job}\n"), err
+    again = _commlens("run", "--job-id", job, "--", sys.executable, "-c", dump, cwd=tmp_path, env=env,
+                      stderr=subprocess.PIPE, text=True)
+    _, err = again.communicate(timeout=60)
+    assert again.returncode == 2 and f"folder commlens-out/{job} holds files already" in err, err
+    assert (folder / "rank_0").read_text() == "a dump"
     chosen = _commlens("run", "--trace-file", str(tmp_path / "t-{rank}.jsonl"), "--", sys.executable, "-c", "pass",
-                       env=env, stderr=subprocess.PIPE, text=True)
-    assert "spans go to" not in chosen.communicate(timeout=60)[1]
+                       env={**env, "TORCHCOMM_FR_DUMP_TEMP_FILE": str(tmp_path / "d-")}, stderr=subprocess.PIPE,
+                       text=True)
+    assert "go to" not in chosen.communicate(timeout=60)[1]  # the user's own places: no folder
     marker = tmp_path / "started"
     refused = _commlens("run", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')",
                         env={**env, "COMMLENS_RING_PATH": "/no/such/folder/ring-{rank}"}, stderr=subprocess.PIPE,
@@ -75,7 +109,7 @@ def test_a_sigterm_to_run_alone_ends_the_command_and_run_cleans_up_after_it(tmp_
     """Kubernetes stops a pod by signalling only the container's first process: here ``commlens run``."""
     waits = "import os, signal; print(os.getpid(), os.environ['COMMLENS_RING_DIR'], flush=True); signal.pause()"
     job = _commlens("run", "--sidecar", "--metrics-port", "0", "--trace-file", str(tmp_path / "t-{rank}.jsonl"), "--",
-                    sys.executable, "-c", waits, stdout=subprocess.PIPE, text=True)
+                    sys.executable, "-c", waits, stdout=subprocess.PIPE, text=True, cwd=tmp_path)
     pid, rings = job.stdout.readline().split()
     job.send_signal(signal.SIGTERM)
     assert job.wait(60) == 128 + signal.SIGTERM  # the command's own ending, as a shell reports it
@@ -102,10 +136,10 @@ def test_run_imports_torch_only_to_build_the_extensions_and_not_once_they_are_bu
     program = ("import sys\nfrom commlens.agent.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n"
                "    pass\nprint('torch loaded:', 'torch' in sys.modules)")
     launched = subprocess.run([sys.executable, "-c", program, "run", "--trace-file", str(tmp_path / "t.jsonl"), "--",
-                               "true"], capture_output=True, text=True, timeout=60)
+                               "true"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert launched.stdout.strip() == "torch loaded: False", launched
     unbuilt = subprocess.run([sys.executable, "-c", program, "run", "--trace-file", str(tmp_path / "t.jsonl"), "--",
                               "true"], capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CXX": "false"})
+                             env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CXX": "false"}, cwd=tmp_path)
     assert unbuilt.stdout.strip() == "torch loaded: True", unbuilt  # it tried to build them (no compiler here)
     assert "could not be built" in unbuilt.stderr, unbuilt.stderr

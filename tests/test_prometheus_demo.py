@@ -3,7 +3,6 @@
 import json
 import os
 import subprocess
-import tempfile
 import urllib.request
 
 import pytest
@@ -99,7 +98,7 @@ def test_the_demo_refuses_a_fault_on_a_rank_it_does_not_have_and_a_bad_setting_l
         capsys, monkeypatch, tmp_path):
     from commlens.agent.cli import main
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the demo would make its folder
+    monkeypatch.chdir(tmp_path)  # the demo would make its folder under ./commlens-out
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--world-size", "2", "--inject", "nan:rank=0:step=1", "--inject", "hang:rank=2:step=1"])
     assert exit_info.value.code == 2
@@ -136,7 +135,7 @@ def test_keep_serving_ends_on_sigterm_or_ctrl_c_stopping_every_rank_and_printing
     ``kill -- -PGID`` or a test harness would), and Ctrl-C (a terminal signals the whole group)."""
     import signal
 
-    from commlens.agent.demo import ports_in_use
+    from commlens.agent.ports import is_free
 
     with Demo(tmp_path, 2, 3) as demo:
         demo.wait_serving()
@@ -147,4 +146,4 @@ def test_keep_serving_ends_on_sigterm_or_ctrl_c_stopping_every_rank_and_printing
         rest, _ = demo.process.communicate(timeout=60)
         code = demo.process.returncode
     assert code == 0 and "verdict: nothing wrong found" in rest, rest
-    assert ports_in_use("127.0.0.1", demo.base, 2) == []  # no rank left serving
+    assert is_free(demo.base) and is_free(demo.base + 1)  # no rank left serving
