@@ -133,7 +133,7 @@ def sdk_span_rate() -> float:
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, BatchSpanProcessor as SdkExporter, SpanExportResult
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter as SdkExporter, SpanExportResult
 
     class Encode(SdkExporter):
         def __init__(self):

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from commlens.agent.ports import free_port
 from commlens.hooks import OpName, instrument, uninstrument
-from commlens.hooks.distributed import _all_reduce, _instrumented
+from commlens.hooks.distributed import _all_reduce, _wrapper
 
 BATCH, BATCHES = 2000, 30
 
@@ -44,7 +44,7 @@ def hot_path() -> tuple[float, float]:
     def backend_returns_at_once(tensor, op=None, group=None, async_op=False):
         return None
 
-    wrapped = _instrumented(OpName.all_reduce, backend_returns_at_once, _all_reduce)
+    wrapped = _wrapper(OpName.all_reduce, backend_returns_at_once, _all_reduce, "collective")
     plain = per_op_us(backend_returns_at_once, tensor)
     recorded = per_op_us(wrapped, tensor)
     dist.destroy_process_group()
@@ -53,9 +53,9 @@ def hot_path() -> tuple[float, float]:
 
 def otel_span() -> float:
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, BatchSpanProcessor, SpanExportResult
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-    class Drop(BatchSpanProcessor):
+    class Drop(SpanExporter):
         def export(self, spans):
             return SpanExportResult.SUCCESS
 

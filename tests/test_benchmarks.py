@@ -117,3 +117,20 @@ def test_the_step_benchmark_pairs_each_configuration_with_no_commlens_in_one_job
     for step_ms, *ratios in rows.values():
         assert step_ms > 0 and all(r > 0 for r in ratios)
         assert ratios[:3] == sorted(ratios[:3]) and ratios[3:] == sorted(ratios[3:])
+
+
+@pytest.mark.parametrize("script, lines", [
+    ("hook_overhead.py", [r"hot path, no user hooks: [\d.]+ µs added per collective .*",
+                          r"OpenTelemetry SDK span per op: [\d.]+ µs = [\d.]+x commlens' added cost .*",
+                          r"gloo all_reduce 4 KiB, 2 ranks: [\d.]+ µs plain, [\d.]+ µs instrumented = [\d.]+x"]),
+    ("export_throughput.py", [r"drain and aggregate: \d+k records/s on one core .*",
+                              r"spans built and encoded: commlens [\d.]+k/s, OpenTelemetry SDK path [\d.]+k/s = .*",
+                              r"spans written to the trace file: [\d.]+k/s, .*"]),
+])
+def test_the_hot_path_and_export_benchmarks_print_every_figure(script, lines):
+    """Each script runs whole (15-20 s) and prints each of its figures."""
+    done = subprocess.run([sys.executable, str(BENCH.parent / script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = done.stdout.splitlines()
+    for pattern in lines:
+        assert any(re.fullmatch(pattern, line) for line in printed), (pattern, printed)

@@ -1,0 +1,330 @@
+/* all_reduce's common case recorded and issued in one C call, with no Python frame of commlens' own:
+ * synchronous, one CPU tensor, a known group, no pre- or post-hook but the NaN check's (which the scan
+ * of _nonfinite.c stands in for), outside a DDP bucket and outside another wrapper's collective. It
+ * writes START and END through the ring's producer, as recorder.run_unhooked does, sets the issuing
+ * flag around the call as issuing.issue does, and hands every other call, unchanged, to ``general``
+ * (distributed.py's wrapper). On two ranks the training thread meets the wrapper's code with cold
+ * caches at every collective, so each frame left out there saves several times its isolated cost.
+ *
+ *     all_reduce = AllReduce(original, general, default_op, code, steps_aside, known, not_member, in_place,
+ *                            describe_in_place, scanned, new_op_id, failed, internal_error, registry, ddp,
+ *                            record, process_ring, kinds=(START, END, OK))
+ *     all_reduce(tensor, op=default_op, group=None, async_op=False)   # torch.distributed.all_reduce's
+ *
+ * ``registry``, ``ddp``, ``record`` and ``process_ring`` are those modules' namespaces, read at each
+ * call: ``hooked``, ``checking_inputs``; ``active``; ``where``; ``current``.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <structmember.h>
+
+static int (*issuing_now)(void);
+static int (*issuing_set)(int);
+static uint64_t (*write_record)(PyObject *, const unsigned long long *);
+
+static PyObject *s_hooked, *s_checking_inputs, *s_active, *s_where, *s_current, *s_producer, *s_is_cuda, *s_shape,
+    *s_dtype, *s_sid, *s_next_collective_seq, *s_start;
+static PyObject *s_parameters[4]; /* tensor, op, group, async_op */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *original, *general, *default_op, *known, *not_member, *in_place, *describe_in_place, *scanned,
+        *new_op_id, *failed, *internal_error, *registry, *ddp, *record, *process_ring;
+    unsigned long long code, start, end, ok;
+    int steps_aside;
+    PyObject *ring, *producer; /* the ring last written to, and its producer */
+} AllReduce;
+
+/* What the common case found: new references to the group and the producer, and START's fields. */
+typedef struct {
+    PyObject *info, *producer;
+    unsigned long long sig, nbytes, where;
+} Common;
+
+/* After a failed test of the common case: 1 when ``general`` decides (an Exception: a caller's mistake
+ * is general's to report), 0 when the error must propagate (KeyboardInterrupt). */
+static int general_decides(void) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return 0;
+    PyErr_Clear();
+    return 1;
+}
+
+/* Whether namespace[name] is true (absent: false); -1 on error. */
+static int flag_in(PyObject *namespace, PyObject *name) {
+    PyObject *value = PyDict_GetItemWithError(namespace, name);
+    return value == NULL ? (PyErr_Occurred() ? -1 : 0) : PyObject_IsTrue(value);
+}
+
+/* The op's signature, payload and scan (signatures.in_place's entry), and the NaN check's scan of its
+ * input: 1 when commlens may record it without the check's hook, 0 when not, -1 on error. */
+static int described(AllReduce *self, PyObject *tensor, Common *c) {
+    PyObject *cuda = PyObject_GetAttr(tensor, s_is_cuda);
+    if (cuda == NULL)
+        return -1;
+    Py_DECREF(cuda);
+    if (cuda != Py_False)
+        return 0;
+    PyObject *shape = PyObject_GetAttr(tensor, s_shape), *dtype = shape ? PyObject_GetAttr(tensor, s_dtype) : NULL;
+    PyObject *key = dtype ? PyTuple_Pack(2, shape, dtype) : NULL;
+    Py_XDECREF(shape);
+    Py_XDECREF(dtype);
+    if (key == NULL)
+        return -1;
+    PyObject *entry = PyDict_GetItemWithError(self->in_place, key);
+    if (entry != NULL)
+        Py_INCREF(entry);
+    else if (!PyErr_Occurred())
+        entry = PyObject_CallFunctionObjArgs(self->describe_in_place, tensor, key, NULL);
+    Py_DECREF(key);
+    if (entry == NULL)
+        return -1;
+    PyObject *scan = NULL;
+    int found = PyArg_ParseTuple(entry, "KKO", &c->sig, &c->nbytes, &scan) ? 1 : -1;
+    int checking = found < 0 ? -1 : flag_in(self->registry, s_checking_inputs);
+    if (checking > 0) {
+        PyObject *finite = scan == Py_None ? NULL : PyObject_CallFunctionObjArgs(self->scanned, tensor, scan, NULL);
+        found = scan == Py_None ? 0 : finite == NULL ? -1 : finite == Py_True;
+        Py_XDECREF(finite);
+    }
+    Py_DECREF(entry);
+    return checking < 0 ? -1 : found;
+}
+
+/* Whether this call is the common case (1: ``c`` filled), general's (0), or an error to raise (-1). */
+static int common_case(AllReduce *self, PyObject *const a[4], Common *c) {
+    PyObject *info = PyDict_GetItemWithError(self->known, a[2]);
+    if (info == NULL || info == self->not_member)
+        return PyErr_Occurred() ? (general_decides() ? 0 : -1) : 0;
+    int other = PyObject_IsTrue(a[3]);
+    if (other == 0)
+        other = flag_in(self->registry, s_hooked);
+    if (other == 0)
+        other = flag_in(self->ddp, s_active);
+    if (other == 0 && self->steps_aside)
+        other = issuing_now();
+    int common = other != 0 ? (other > 0 ? 0 : -1) : described(self, a[0], c);
+    PyObject *where = common > 0 ? PyDict_GetItemWithError(self->record, s_where) : NULL;
+    c->where = 0;
+    if (where != NULL && where != Py_None) {
+        PyObject *at = PyObject_CallNoArgs(where);
+        c->where = at == NULL ? 0 : PyLong_AsUnsignedLongLong(at);
+        Py_XDECREF(at);
+        common = PyErr_Occurred() ? -1 : 1;
+    }
+    PyObject *ring = common > 0 ? PyDict_GetItemWithError(self->process_ring, s_current) : NULL;
+    if (common > 0 && (ring == NULL || ring == Py_None))  /* no ring yet: general creates it */
+        common = PyErr_Occurred() ? -1 : 0;
+    if (common > 0 && ring != self->ring) {
+        PyObject *producer = PyObject_GetAttr(ring, s_producer);
+        if (producer == NULL)
+            return general_decides() ? 0 : -1;
+        Py_INCREF(ring);
+        Py_XSETREF(self->ring, ring);
+        Py_XSETREF(self->producer, producer);
+    }
+    if (common < 0)
+        return general_decides() ? 0 : -1;
+    if (common > 0) {
+        Py_INCREF(info);
+        Py_INCREF(self->producer);
+        c->info = info;
+        c->producer = self->producer;
+    }
+    return common;
+}
+
+static int unsigned_of(PyObject *number, unsigned long long *out) {
+    *out = number == NULL ? 0 : PyLong_AsUnsignedLongLong(number);
+    Py_XDECREF(number);
+    return !PyErr_Occurred();
+}
+
+/* START, the call, END (or recorder.failed_unhooked with the call's error, which then propagates). */
+static PyObject *issue(AllReduce *self, PyObject *const a[4], Common *c) {
+    unsigned long long op_id, seq, sid;
+    if (!unsigned_of(PyObject_CallNoArgs(self->new_op_id), &op_id) ||
+        !unsigned_of(PyObject_CallMethodNoArgs(c->info, s_next_collective_seq), &seq) ||
+        !unsigned_of(PyObject_GetAttr(c->info, s_sid), &sid)) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception))
+            return NULL;
+        PyObject *type, *error, *traceback; /* a failing ring: the collective goes on unrecorded, counted */
+        PyErr_Fetch(&type, &error, &traceback);
+        PyErr_NormalizeException(&type, &error, &traceback);
+        PyObject *counted = PyObject_CallFunctionObjArgs(self->internal_error, s_start, error, NULL);
+        Py_XDECREF(type);
+        Py_XDECREF(error);
+        Py_XDECREF(traceback);
+        if (counted == NULL)
+            return NULL;
+        Py_DECREF(counted);
+        return PyObject_Vectorcall(self->original, a, 4, NULL);
+    }
+    unsigned long long v[11] = {self->start, self->code, 0, sid, op_id, seq, c->nbytes, c->sig,
+                                (unsigned long long)-1LL, 0, c->where};
+    write_record(c->producer, v);
+    PyObject *result = PyObject_Vectorcall(self->original, a, 4, NULL);
+    if (result == NULL) {
+        PyObject *type, *error, *traceback, *tensors = PyTuple_Pack(1, a[0]);
+        PyErr_Fetch(&type, &error, &traceback);
+        PyErr_NormalizeException(&type, &error, &traceback);
+        if (traceback != NULL)
+            PyException_SetTraceback(error, traceback);
+        PyObject *ended = tensors == NULL ? NULL : PyObject_CallFunction(
+            self->failed, "KOKKKKiOOO", self->code, c->info, op_id, seq, c->nbytes, c->sig, -1, tensors, tensors, error);
+        if (ended == NULL)  /* failed_unhooked counts its own errors: this is one it could not */
+            PyErr_WriteUnraisable(self->failed);
+        Py_XDECREF(ended);
+        Py_XDECREF(tensors);
+        PyErr_Restore(type, error, traceback);
+        return NULL;
+    }
+    v[0] = self->end;
+    v[2] = self->ok;
+    v[10] = 0;
+    write_record(c->producer, v);
+    return result;
+}
+
+static PyObject *all_reduce_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    AllReduce *self = (AllReduce *)callable;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), keywords = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    PyObject *a[4] = {NULL, self->default_op, Py_None, Py_False};
+    int ours = nargs <= 4;
+    for (Py_ssize_t i = 0; ours && i < nargs; i++)
+        a[i] = args[i];
+    for (Py_ssize_t k = 0; ours && k < keywords; k++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, k);
+        int j = 0;
+        while (j < 4 && name != s_parameters[j] && PyUnicode_Compare(name, s_parameters[j]) != 0)
+            j++;
+        ours = j < 4 && j >= nargs;
+        if (ours)
+            a[j] = args[nargs + k];
+    }
+    Common c;
+    int common = ours && a[0] != NULL ? common_case(self, a, &c) : 0;
+    if (common < 0)
+        return NULL;
+    if (common == 0)
+        return PyObject_Vectorcall(self->general, args, nargsf, kwnames);
+    if (self->steps_aside)  /* PyTorch's own process-group hooks step aside meanwhile (native.py) */
+        issuing_set(1);
+    PyObject *result = issue(self, a, &c);
+    if (self->steps_aside)
+        issuing_set(0);
+    Py_DECREF(c.info);
+    Py_DECREF(c.producer);
+    return result;
+}
+
+static int all_reduce_init(AllReduce *self, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"original", "general", "default_op", "code", "steps_aside", "known", "not_member",
+                            "in_place", "describe_in_place", "scanned", "new_op_id", "failed", "internal_error",
+                            "registry", "ddp", "record", "process_ring", "kinds", NULL};
+    PyObject *o[15];
+    if (self->original != NULL) {
+        PyErr_SetString(PyExc_TypeError, "an AllReduce is initialised once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOKpO!OO!OOOOOO!O!O!O!(KKK)", names, &o[0], &o[1], &o[2],
+                                     &self->code, &self->steps_aside, &PyDict_Type, &o[3], &o[4], &PyDict_Type,
+                                     &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &PyDict_Type, &o[11], &PyDict_Type,
+                                     &o[12], &PyDict_Type, &o[13], &PyDict_Type, &o[14], &self->start, &self->end,
+                                     &self->ok))
+        return -1;
+    PyObject **fields[] = {&self->original, &self->general, &self->default_op, &self->known, &self->not_member,
+                           &self->in_place, &self->describe_in_place, &self->scanned, &self->new_op_id,
+                           &self->failed, &self->internal_error, &self->registry, &self->ddp, &self->record,
+                           &self->process_ring};
+    for (int i = 0; i < 15; i++) {
+        Py_INCREF(o[i]);
+        *fields[i] = o[i];
+    }
+    self->vectorcall = all_reduce_call;
+    return 0;
+}
+
+static void all_reduce_dealloc(AllReduce *self) {
+    PyObject *held[] = {self->original, self->general, self->default_op, self->known, self->not_member,
+                        self->in_place, self->describe_in_place, self->scanned, self->new_op_id, self->failed,
+                        self->internal_error, self->registry, self->ddp, self->record, self->process_ring,
+                        self->ring, self->producer};
+    for (size_t i = 0; i < sizeof(held) / sizeof(held[0]); i++)
+        Py_XDECREF(held[i]);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Called before initialisation (no vectorcall yet): an error, not a crash. */
+static PyObject *all_reduce_call_uninitialised(PyObject *self, PyObject *args, PyObject *kwds) {
+    if (((AllReduce *)self)->original == NULL) {
+        PyErr_SetString(PyExc_TypeError, "an AllReduce must be initialised before it is called");
+        return NULL;
+    }
+    return PyVectorcall_Call(self, args, kwds);
+}
+
+/* Any attribute it lacks is the original's (``__name__``, ``__doc__``, ...), as functools.wraps would
+ * copy them: c10d's exception logger reads ``__name__`` when the call raises. */
+static PyObject *all_reduce_getattro(PyObject *self, PyObject *name) {
+    PyObject *found = PyObject_GenericGetAttr(self, name);
+    PyObject *original = ((AllReduce *)self)->original;
+    if (found != NULL || original == NULL || !PyErr_ExceptionMatches(PyExc_AttributeError))
+        return found;
+    PyErr_Clear();
+    return PyObject_GetAttr(original, name);
+}
+
+static PyMemberDef all_reduce_members[] = {
+    {"__wrapped__", T_OBJECT, offsetof(AllReduce, original), READONLY, "torch.distributed's all_reduce"},
+    {NULL},
+};
+
+static PyTypeObject AllReduceType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "commlens.hooks._all_reduce.AllReduce",
+    .tp_basicsize = sizeof(AllReduce),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "torch.distributed.all_reduce recorded, its common case in C.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)all_reduce_init,
+    .tp_dealloc = (destructor)all_reduce_dealloc,
+    .tp_call = all_reduce_call_uninitialised,
+    .tp_vectorcall_offset = offsetof(AllReduce, vectorcall),
+    .tp_members = all_reduce_members,
+    .tp_getattro = all_reduce_getattro,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_all_reduce", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit__all_reduce(void) {
+    issuing_now = (int (*)(void))PyCapsule_Import("commlens.hooks._issuing.now", 0);
+    issuing_set = (int (*)(int))PyCapsule_Import("commlens.hooks._issuing.set", 0);
+    write_record = (uint64_t(*)(PyObject *, const unsigned long long *))PyCapsule_Import(
+        "commlens.hooks._producer.write_record", 0);
+    if (issuing_now == NULL || issuing_set == NULL || write_record == NULL)
+        return NULL;
+    const char *strings[] = {"hooked", "checking_inputs", "active", "where", "current", "producer", "is_cuda",
+                             "shape", "dtype", "sid", "next_collective_seq", "START", "tensor", "op", "group",
+                             "async_op"};
+    PyObject **interned[] = {&s_hooked, &s_checking_inputs, &s_active, &s_where, &s_current, &s_producer,
+                             &s_is_cuda, &s_shape, &s_dtype, &s_sid, &s_next_collective_seq, &s_start,
+                             &s_parameters[0], &s_parameters[1], &s_parameters[2], &s_parameters[3]};
+    for (size_t i = 0; i < sizeof(strings) / sizeof(strings[0]); i++)
+        if ((*interned[i] = PyUnicode_InternFromString(strings[i])) == NULL)
+            return NULL;
+    if (PyType_Ready(&AllReduceType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&AllReduceType);
+    if (PyModule_AddObject(m, "AllReduce", (PyObject *)&AllReduceType) < 0) {
+        Py_DECREF(&AllReduceType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
