@@ -6,8 +6,9 @@
  * values), no temporary, and a loop the compiler vectorises. It is the NaN check's common case on
  * the CPU (hooks/nan_check.py); a tensor it finds non-finite is then counted element by element by
  * torch. The caller keeps it to tensors small enough to scan within a few µs holding the GIL.
+ * In C to the tensor (no Python frame), since the hot path calls it for every collective it records.
  *
- *     all_finite(t.data_ptr(), t.numel(), KIND_FLOAT32) -> True / False   (a null address: ValueError)
+ *     scanned(t, (t.numel(), KIND_FLOAT32))  -> True / False, or None: t's memory cannot be read here
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -59,23 +60,47 @@ static int scan(const void *x, Py_ssize_t n, int kind) {
     }
 }
 
-static PyObject *all_finite(PyObject *module, PyObject *args) {
-    unsigned long long address;
-    Py_ssize_t n;
+/* scanned(t, (floats, kind)): finite.py's ``scanned``. None when t is not a contiguous CPU tensor with
+ * data (a CUDA, sparse, strided, fake or wrapper tensor): its memory cannot be read here. */
+static PyObject *scanned(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    unsigned long long floats;
     int kind;
-    if (!PyArg_ParseTuple(args, "Kni", &address, &n, &kind))
+    if (nargs != 2)
+        return PyErr_Format(PyExc_TypeError, "scanned(t, (floats, kind)) takes 2 arguments (%zd given)", nargs);
+    if (!PyArg_ParseTuple(args[1], "Ki", &floats, &kind))
         return NULL;
-    if (kind < 0 || kind >= KINDS || n < 0 || (address == 0 && n > 0)) {
-        PyErr_Format(PyExc_ValueError, "all_finite: kind %d, count %zd at address %llu is not accepted", kind, n,
-                     address);
-        return NULL;
+    if (kind < 0 || kind >= KINDS)
+        return PyErr_Format(PyExc_ValueError, "scanned: kind %d is not accepted (0 to %d)", kind, KINDS - 1);
+    if (floats == 0)
+        Py_RETURN_TRUE;
+    unsigned long long address = 0;
+    PyObject *cpu = PyObject_GetAttrString(args[0], "is_cpu");
+    int readable = cpu == NULL ? -1 : PyObject_IsTrue(cpu);
+    Py_XDECREF(cpu);
+    if (readable > 0) {
+        PyObject *contiguous = PyObject_CallMethod(args[0], "is_contiguous", NULL);
+        readable = contiguous == NULL ? -1 : PyObject_IsTrue(contiguous);
+        Py_XDECREF(contiguous);
     }
-    return PyBool_FromLong(scan((const void *)(uintptr_t)address, n, kind));
+    if (readable > 0) {
+        PyObject *pointer = PyObject_CallMethod(args[0], "data_ptr", NULL);
+        address = pointer == NULL ? 0 : PyLong_AsUnsignedLongLong(pointer);
+        Py_XDECREF(pointer);
+        readable = PyErr_Occurred() ? -1 : address != 0;
+    }
+    if (readable < 0) {  /* no storage (sparse, fake), or no notion of contiguity (sparse CSR) */
+        if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
+            return NULL;
+        PyErr_Clear();
+    }
+    if (readable <= 0)
+        Py_RETURN_NONE;
+    return PyBool_FromLong(scan((const void *)(uintptr_t)address, (Py_ssize_t)floats, kind));
 }
 
 static PyMethodDef methods[] = {
-    {"all_finite", all_finite, METH_VARARGS,
-     "all_finite(address, count, kind) -> whether none of the count floats of the kind at address is NaN or Inf"},
+    {"scanned", (PyCFunction)(void (*)(void))scanned, METH_FASTCALL,
+     "scanned(t, (floats, kind)) -> whether t's first floats of the kind are all finite; None: not readable here"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -29,9 +29,11 @@ from typing import Callable
 import torch.distributed.distributed_c10d as c10d
 
 from . import ddp, extension, finite, functional, futures, groups, issuing, native, poller, process_ring, record, recorder, registry, signatures
+from ._all_reduce import AllReduce
 from .issuing import set_issuing
 from .ops import CODE, OpName
 from .patch import Patches, PatchError
+from .ring import END, OK, START
 
 
 # Each mirrors the signature of the torch.distributed function of the same name and returns
@@ -186,62 +188,23 @@ def _marking_sync_p2p(original: Callable) -> Callable:
 
 def _wrapper(op: OpName, original: Callable, describe: Callable, kind: str) -> Callable:
     general = _instrumented(op, original, describe, kind)
-    return _all_reduce_in_one_frame(original, general) if op is OpName.all_reduce else general
+    return _all_reduce_in_c(original, general) if op is OpName.all_reduce else general
 
 
-def _all_reduce_in_one_frame(original: Callable, general: Callable) -> Callable:
-    """``all_reduce`` with its common case in one frame: synchronous, one CPU tensor, a known group,
-    no pre- or post-hooks, outside a DDP bucket. It records what ``recorder.run_unhooked`` records,
-    START and END, and every other case goes to ``general`` (``_instrumented``'s wrapper).
-
-    In a loop the training thread pays several times a wrapper's isolated cost for each frame and
-    each repacked ``*args``: in a loop of 4 KiB gloo all_reduces this path adds about two thirds of
-    the CPU the general one adds (docs/performance.md, "The hot path in the loop")."""
+def _all_reduce_in_c(original: Callable, general: Callable) -> Callable:
+    """``all_reduce`` with its common case in C (``_all_reduce.c``): synchronous, one CPU tensor, a
+    known group, no hooks but the NaN check's, outside a DDP bucket. It records what
+    ``recorder.run_unhooked`` records, START and END, and every other case goes to ``general``
+    (``_instrumented``'s wrapper). On two ranks the training thread runs the wrapper's Python cold at
+    every collective, so each frame on this path costs several times what it costs alone
+    (docs/architecture.md)."""
     parameters = inspect.signature(original).parameters
     if list(parameters) != ["tensor", "op", "group", "async_op"]:  # another torch's all_reduce: no shortcut
         return general
-    default_op = parameters["op"].default
-    code = CODE[OpName.all_reduce]
-    known, is_issuing, steps_aside = groups.known, issuing.issuing, native.AVAILABLE
-    in_place, describe_in_place = signatures.in_place, signatures.describe_in_place
-
-    def all_reduce(tensor, op=default_op, group=None, async_op=False):
-        info = known.get(group)
-        if info is None or info is groups.NOT_MEMBER or async_op or registry.hooked or ddp.active or (
-                steps_aside and is_issuing()):
-            return general(tensor, op, group, async_op)
-        try:  # anything unexpected about the call (not a tensor) is general's to handle and count
-            key = None if tensor.is_cuda else (tensor.shape, tensor.dtype)
-            if key is not None:
-                sig, nbytes, scan = in_place.get(key) or describe_in_place(tensor, key)
-                if registry.checking_inputs and (scan is None or finite.scanned(tensor, scan) is not True):
-                    key = None  # not proven finite: the NaN check's hook decides, on the general path
-        except Exception:
-            key = None
-        if key is None:
-            return general(tensor, op, group, async_op)
-        if steps_aside:
-            set_issuing(True)
-        try:
-            try:
-                op_id, seq, write = record.new_op_id(), info.next_collective_seq(), record.writer()
-                record.start(write, code, info.sid, op_id, seq, nbytes, sig, -1)
-            except Exception as error:  # a failing ring: the collective goes on unrecorded, counted
-                process_ring.internal_error("START", error)
-                return original(tensor, op, group, async_op)
-            try:
-                result = original(tensor, op, group, async_op)
-            except BaseException as error:
-                recorder.failed_unhooked(code, info, op_id, seq, nbytes, sig, -1, (tensor,), (tensor,), error)
-                raise
-        finally:
-            if steps_aside:
-                set_issuing(False)
-        record.end(write, code, info.sid, op_id, seq, nbytes, sig, -1)
-        return result
-
-    all_reduce.__wrapped__ = original
-    return all_reduce
+    return AllReduce(original, general, parameters["op"].default, CODE[OpName.all_reduce], native.AVAILABLE,
+                     groups.known, groups.NOT_MEMBER, signatures.in_place, signatures.describe_in_place,
+                     finite.scanned, record.new_op_id, recorder.failed_unhooked, process_ring.internal_error,
+                     vars(registry), vars(ddp), vars(record), vars(process_ring), kinds=(START, END, OK))
 
 
 def _destroy_process_group(original: Callable) -> Callable:

@@ -13,11 +13,12 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from ._nonfinite import KIND_BFLOAT16, KIND_FLOAT16, KIND_FLOAT32, KIND_FLOAT64, all_finite
+from . import _nonfinite
+from ._nonfinite import KIND_BFLOAT16, KIND_FLOAT16, KIND_FLOAT32, KIND_FLOAT64
 
 SCAN_UP_TO = 1 << 18
 """Floats scanned in C, holding the GIL (~9 µs at most here: 1 MiB of float32); a larger tensor is summed
@@ -25,7 +26,7 @@ by torch, on as many threads as torch uses, at the same speed on one thread (ben
 _KINDS = {torch.float32: (KIND_FLOAT32, 1), torch.float64: (KIND_FLOAT64, 1), torch.float16: (KIND_FLOAT16, 1),
           torch.bfloat16: (KIND_BFLOAT16, 1), torch.complex64: (KIND_FLOAT32, 2),
           torch.complex128: (KIND_FLOAT64, 2)}
-"""dtype -> (the kind of float ``all_finite`` scans, floats per element)."""
+"""dtype -> (the kind of float ``scanned`` scans, floats per element)."""
 
 
 def scan_of(dtype: torch.dtype, numel: int) -> tuple[int, int] | None:
@@ -40,20 +41,10 @@ def scan_of(dtype: torch.dtype, numel: int) -> tuple[int, int] | None:
     return numel * kind[1], kind[0]
 
 
-def scanned(t: Any, scan: tuple[int, int]) -> bool | None:
-    """Whether ``t``, of the dtype and size ``scan`` was made for, holds only finite values: one pass
-    in C over its memory. None when that memory cannot be read here: not a contiguous CPU tensor
-    with data (a CUDA, sparse, strided, fake or wrapper tensor)."""
-    floats, kind = scan
-    if not floats:
-        return True
-    try:
-        if not (t.is_cpu and t.is_contiguous()):
-            return None
-        address = t.data_ptr()
-    except RuntimeError:  # no storage (sparse, fake), or no notion of contiguity (sparse CSR)
-        return None
-    return all_finite(address, floats, kind) if address else None
+scanned: Callable[[Any, tuple[int, int]], bool | None] = _nonfinite.scanned
+"""``scanned(t, scan)``: whether ``t``, of the dtype and size ``scan`` was made for, holds only finite
+values, in one pass in C over its memory. None when that memory cannot be read here: not a contiguous
+CPU tensor with data (a CUDA, sparse, strided, fake or wrapper tensor)."""
 
 
 def inputs_finite(tensors: tuple) -> bool:

@@ -179,6 +179,56 @@ def test_all_reduce_called_every_way_reduces_as_torch_does_and_is_recorded_once_
         assert sorted(r["records"]) == sorted((kind, seq, OK) for seq in range(first, first + 5) for kind in (START, END))
 
 
+def all_reduce_failing(rank, world_size):
+    """all_reduce's common case (in C) when the backend raises, and when commlens itself fails."""
+    from commlens.hooks import groups
+
+    ch.instrument()
+    reader = ch.RingReader(ch.ring(), start=ch.ring().claimed())
+    aborted = []
+    ch.register_abort_hook(lambda a: aborted.append((a.pre.name.value, a.pre.seq, a.status)))
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    try:
+        dist.all_reduce(t, dist.ReduceOp.BAND)  # gloo refuses a bitwise reduction of floats, in both ranks
+    except Exception as error:
+        raised = (type(error), str(error))
+    ch.uninstrument()
+    try:
+        dist.all_reduce(t, dist.ReduceOp.BAND)
+    except Exception as error:
+        unrecorded = (type(error), str(error))
+    ch.instrument()
+    dist.all_reduce(t)
+    groups.known[None].seq_source = lambda: 1 // 0  # commlens' own numbering fails from now on
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fill_(rank + 1.0)
+        dist.all_reduce(t)
+        dist.all_reduce(t)
+    records = []
+    poll_until(lambda: records.extend(reader.read()) or len(records) >= 6)
+    ch.uninstrument()
+    return {"raised": raised, "unrecorded": unrecorded, "aborted": aborted, "reduced": t.tolist(),
+            "records": [(r.kind, r.seq, r.flags) for r in records], "errors": dict(ch.ring().errors()),
+            "warnings": [str(w.message) for w in caught if "commlens" in str(w.message)]}
+
+
+def test_an_all_reduce_that_raises_is_recorded_as_failed_and_a_failure_of_commlens_leaves_it_unrecorded(run_ranks):
+    from commlens.hooks.ring import END, ERROR, OK, START
+
+    for r in run_ranks(all_reduce_failing, 2):
+        assert r["raised"] == r["unrecorded"]  # torch's own error, as without commlens
+        records = r["records"]  # in the order written: one thread
+        assert [(kind, flags) for kind, _, flags in records] == [
+            (START, 0), (END, OK), (START, 0), (END, ERROR), (START, 0), (END, OK)]
+        assert [seq for _, seq, _ in records[::2]] == [seq for _, seq, _ in records[1::2]]
+        assert r["aborted"] == [("all_reduce", records[2][1], "error")]
+        assert r["reduced"] == [3.0 * 2] * 3  # both unrecorded all_reduces still reduced
+        assert r["errors"]["recorder"] == 2
+        assert len(r["warnings"]) == 1 and "ZeroDivisionError" in r["warnings"][0]
+
+
 def concurrent_threads(rank, world_size):
     ch.instrument()
     groups = [dist.new_group([0, 1]) for _ in range(4)]
