@@ -49,6 +49,7 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
         found += stuck
         if not stuck and not any(f.pg == pg for f in links):
             found += _straggler(pg, members, facts)
+    found += _late_peers(facts)
     if links and not any(f.kind in ("lost_rank", "desync", "late_rank") for f in found):
         found.append(Finding("deadlock", tuple(sorted({r for f in links for r in f.ranks})), links[0].pg,
                              links[0].op, links[0].seq, "; ".join(f.evidence for f in links)))
@@ -177,9 +178,13 @@ def _late(f: RankFacts, pg: str, seq: int, live: bool, first_wait_ns: int | None
 
 def _waiting_elsewhere(f: RankFacts, pg: str, live: bool, first_wait_ns: int | None) -> tuple[str, str] | None:
     """(the group, why) where rank ``f``, behind in group ``pg``, waits itself past the hang threshold
-    (live: or its collective there failed); None if it waits nowhere else. After the fact: a wait that
-    went on after the first rank began waiting for it in ``pg``."""
+    (live: or its collective there failed), or waits on a peer in a point-to-point op of any group;
+    None if it waits nowhere else. After the fact: a wait that went on after the first rank began
+    waiting for it in ``pg``."""
     for other, group in sorted(f.groups.items()):
+        if group.p2p_hung is not None:
+            op, peer, _ = group.p2p_hung
+            return other, f"waits itself on rank {peer} in {op} (group {other})"
         if other == pg:
             continue
         if group.hung is not None:
@@ -189,7 +194,32 @@ def _waiting_elsewhere(f: RankFacts, pg: str, live: bool, first_wait_ns: int | N
         for held, (start, end) in sorted(group.hangs_seen.items()):
             if first_wait_ns is not None and (end is None or end > first_wait_ns) and held in group.arrivals:
                 return other, f"waited itself in {group.arrivals[held][0]} (group {other}) seq {held}"
+    for other, group in sorted(f.groups.items()):
+        for start, end, op, peer in group.p2p_waits_seen:
+            if first_wait_ns is not None and (end is None or end > first_wait_ns):
+                return other, f"waited itself on rank {peer} in {op} (group {other})"
     return None
+
+
+def _late_peers(facts: list[RankFacts]) -> list[Finding]:
+    """Live: the ranks others wait on in point-to-point ops (a pipeline stage's ``recv`` from the one
+    before) that wait nowhere themselves: late, stopped or gone. A peer that waits itself is a link of
+    the chain, whose end another finding names."""
+    by_rank = {f.rank: f for f in facts}
+    waits: dict[tuple[int, str, str], list[str]] = collections.defaultdict(list)
+    for f in facts:
+        for pg, group in sorted(f.groups.items()):
+            if group.p2p_hung is not None:
+                op, peer, seconds = group.p2p_hung
+                waits[(peer, pg, op)].append(f"rank {f.rank} waits on it in {op} (group {pg}) for {seconds:.1f} s")
+    found = []
+    for (peer, pg, op), evidence in sorted(waits.items()):
+        culprit = by_rank.get(peer, RankFacts(peer))
+        waiting = any(g.hung or g.p2p_hung or g.failed for g in culprit.groups.values())
+        if not waiting:
+            state = "it stopped reporting" if culprit.gone else "it waits nowhere itself"
+            found.append(Finding("late_rank", (peer,), pg, op, None, "; ".join([*evidence, state])))
+    return found
 
 
 def _desync(pg: str, seq: int, wrong: dict[int, str], others: list[int], op: str) -> Finding:

@@ -17,6 +17,9 @@ class GroupFacts:
     """The last collective sequence number it issued."""
     hung: tuple[str, int] | None = None
     """(op, seq) of its oldest collective in flight past the hang threshold."""
+    p2p_hung: tuple[str, int, float] | None = None
+    """(op, peer, seconds) of its oldest point-to-point op in flight past the hang threshold: it waits
+    on the global rank ``peer`` (live)."""
     failed: tuple[str, int] | None = None
     """(op, seq) of its first collective that failed (gloo fails at once where a peer's process ended)."""
     nonfinite: tuple[int, str, str] | None = None
@@ -31,6 +34,9 @@ class GroupFacts:
     hangs_seen: dict[int, tuple[int, int | None]] = dataclasses.field(default_factory=dict)
     """seq -> (start ns, end ns, None while in flight) of each collective it waited in past the hang
     threshold, resolved or not (offline)."""
+    p2p_waits_seen: list[tuple[int, int | None, str, int]] = dataclasses.field(default_factory=list)
+    """(start ns, end ns or None while in flight, op, peer) of each point-to-point op it waited in
+    past the hang threshold (offline)."""
     threshold_s: float | None = None
     """The hang threshold, as the age at which its first hang was reported (offline)."""
 

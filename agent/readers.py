@@ -84,6 +84,8 @@ def _metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> Non
         facts.group(pg).issued = int(value)
     elif name == names.HUNG_SEQ:
         facts.group(pg).hung = (labels["op"], int(value))
+    elif name == names.P2P_HUNG:
+        facts.group(pg).p2p_hung = (labels["op"], int(labels["peer"]), value)
     elif name == names.FAILED_SEQ:
         facts.group(pg).failed = (labels["op"], int(value))
     elif name == names.NONFINITE_FIRST_SEQ:
@@ -148,6 +150,7 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
         facts.group(labels["pg"]).issued = int(value)
     live = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(enqueued)}
     for name, expr in ((names.HUNG_SEQ, f"max_over_time({hung}[1m])"),
+                       (names.P2P_HUNG, f"{names.P2P_HUNG}{{{selector}}}"),
                        (names.NONFINITE_FIRST_SEQ, f"{names.NONFINITE_FIRST_SEQ}{{{selector}}}"),
                        (names.FAILED_SEQ, f"last_over_time({names.FAILED_SEQ}{{{selector}}}[5m])")):
         for facts, labels, value in each(expr):
@@ -256,8 +259,21 @@ def _value(attribute: dict):
     return None
 
 
+def _p2p_span_fact(ranks: dict[int, RankFacts], span: dict, a: dict) -> None:
+    """A point-to-point op waited in past the hang threshold: on whom, and when."""
+    if not a.get(names.HANG) or names.PEER not in a:
+        return
+    group = ranks.setdefault(int(a[names.RANK]), RankFacts(int(a[names.RANK]))).group(str(a[names.PG_NAME]))
+    start, op, peer = int(span["startTimeUnixNano"]), a[names.OP], int(a[names.PEER])
+    group.p2p_waits_seen = [w for w in group.p2p_waits_seen if w[0] != start]  # its end replaces its in-flight span
+    group.p2p_waits_seen.append((start, None if a.get(names.IN_FLIGHT) else int(span["endTimeUnixNano"]), op, peer))
+
+
 def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[tuple[int, str, int]]) -> None:
-    if a.get(names.P2P) or names.RANK not in a:
+    if names.RANK not in a:
+        return
+    if a.get(names.P2P):
+        _p2p_span_fact(ranks, span, a)
         return
     rank, seq, op, pg = int(a[names.RANK]), int(a[names.SEQ]), a[names.OP], str(a[names.PG_NAME])
     group = ranks.setdefault(rank, RankFacts(rank)).group(pg)

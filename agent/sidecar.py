@@ -112,6 +112,8 @@ class Sidecar:
         self._hung: set[int] = set()
         self._typical: dict[tuple, tuple[float, int]] = {}
         self._groups: dict[int, tuple[str, int]] = {}
+        self._members: dict[int, list[int]] = {}
+        """A group's string id -> its global ranks, by group rank."""
         self.backend = ""
         """The backend of the first group seen (the default group's, as a rule)."""
         self._shapes: dict[tuple, Shape] = {}
@@ -364,7 +366,7 @@ class Sidecar:
             slow, end is None, aux - 1, bool(flags & FLAG_LAST_BUCKET), end.aux if end is not None and aux else 0,
             self.ring.string(start.module) if start.module else "",
             PHASES[start.phase] if start.phase < len(PHASES) else "", bool(nan & NAN_HAS_INF),
-            -1 if gpu_start is None else gpu_start + offset))
+            -1 if gpu_start is None else gpu_start + offset, self._global_rank(start.pg, start.peer) if shape.is_p2p else -1))
 
     def _group(self, sid: int) -> tuple[str, int]:
         found = self._groups.get(sid)
@@ -374,9 +376,15 @@ class Sidecar:
                 found = (str(sid), 1)
             else:
                 found = (described.name, len(described.ranks))
+                self._members[sid] = described.ranks
                 self.backend = self.backend or described.backend
             self._groups[sid] = found
         return found
+
+    def _global_rank(self, sid: int, group_rank: int) -> int:
+        """The global rank of ``group_rank`` in the group ``sid`` (itself where the group is not known)."""
+        members = self._members.get(sid, [])
+        return members[group_rank] if 0 <= group_rank < len(members) else group_rank
 
     def _dtype(self, sig: int) -> str:
         return decode_signature(self.ring.string(sig)).dtype
@@ -389,20 +397,24 @@ class Sidecar:
         counts: dict[str, int] = {name: 0 for name, _ in self._groups.values()}
         oldest: dict[str, int] = {}
         oldest_collective: dict[str, tuple[int, Record]] = {}
+        oldest_p2p: dict[str, tuple[int, Record]] = {}
         with self.stats.lock:
             for op_id, start in self.inflight.items():
                 name = self._group(start.pg)[0]
                 since = self._gpu_start.get(op_id, start.t_ns)  # on a GPU: from when it started there
                 counts[name] = counts.get(name, 0) + 1
                 oldest[name] = min(oldest.get(name, since), since)
-                if not OPS[start.op].is_p2p and since < oldest_collective.get(name, (since + 1,))[0]:
-                    oldest_collective[name] = (since, start)
+                kind = oldest_p2p if OPS[start.op].is_p2p else oldest_collective
+                if since < kind.get(name, (since + 1,))[0]:
+                    kind[name] = (since, start)
         found = {}
         for name, count in counts.items():
             age = (now_ns - oldest[name]) / 1e9 if name in oldest else 0.0
             since, hung = oldest_collective.get(name, (now_ns, None))
-            if hung is not None and now_ns - since >= self.hang_threshold_ns:
-                found[name] = GroupInFlight(count, age, OPS[hung.op].value, hung.seq)
-            else:
-                found[name] = GroupInFlight(count, age, None, None)
+            hung_op, hung_seq = (OPS[hung.op].value, hung.seq) if hung and now_ns - since >= self.hang_threshold_ns \
+                else (None, None)
+            since, p2p = oldest_p2p.get(name, (now_ns, None))
+            p2p_hung = (OPS[p2p.op].value, self._global_rank(p2p.pg, p2p.peer), (now_ns - since) / 1e9) \
+                if p2p and now_ns - since >= self.hang_threshold_ns else None
+            found[name] = GroupInFlight(count, age, hung_op, hung_seq, p2p_hung)
         return found

@@ -35,6 +35,9 @@ INFLIGHT_OLDEST = "commlens_collective_inflight_oldest_seconds"
 """gauge (pg): the age of the oldest collective in flight, 0 when none."""
 HUNG_SEQ = "commlens_collective_hung_seq"
 """gauge (pg, op): the oldest collective in flight past the hang threshold; absent when none."""
+P2P_HUNG = "commlens_p2p_hung_seconds"
+"""gauge (pg, op, peer): the age of the oldest point-to-point op in flight past the hang threshold,
+and the global rank it waits on; absent when none."""
 FAILED_SEQ = "commlens_collective_failed_seq"
 """gauge (pg, op): the first collective that failed; absent when none."""
 HANGS = "commlens_hangs"
@@ -59,7 +62,7 @@ RANK_UP = "commlens_rank_up"
 HISTOGRAMS = (COLLECTIVE_DURATION,)
 COUNTERS = (COLLECTIVES, COLLECTIVE_BYTES, COLLECTIVE_BUS_BYTES, GPU_QUEUE, GPU_EXEC, HANGS, NAN_EVENTS,
             ABORT_SNAPSHOTS, RING_RECORDS_DROPPED, SPANS_EXPORTED, TELEMETRY_ERRORS)
-GAUGES = (LAST_SEQ, INFLIGHT, INFLIGHT_OLDEST, HUNG_SEQ, FAILED_SEQ, NONFINITE_FIRST_SEQ, INFO, RANK_UP)
+GAUGES = (LAST_SEQ, INFLIGHT, INFLIGHT_OLDEST, HUNG_SEQ, P2P_HUNG, FAILED_SEQ, NONFINITE_FIRST_SEQ, INFO, RANK_UP)
 
 
 def total(counter: str) -> str:
@@ -82,5 +85,7 @@ BYTES, DTYPE, BUSBW = "commlens.bytes", "commlens.dtype", "commlens.busbw_bytes_
 STATUS, IN_FLIGHT, AGE_S = "commlens.status", "commlens.in_flight", "commlens.age_s"
 NAN, INF, HANG, SLOW = "commlens.nan", "commlens.inf", "commlens.hang", "commlens.slow"
 MODULE, PHASE = "commlens.module", "commlens.phase"
+PEER = "commlens.peer"
+"""A point-to-point op's peer, as a global rank."""
 DDP_BUCKET, DDP_IS_LAST, DDP_WIRE_BYTES = "commlens.ddp.bucket", "commlens.ddp.is_last", "commlens.ddp.wire_bytes"
 GPU_QUEUE_S, GPU_EXEC_S = "commlens.gpu.queue_s", "commlens.gpu.exec_s"

@@ -116,7 +116,7 @@ class SpanBuilder:
         """The kind of ``c``'s span, encoded: (a ``Span`` holding its name, kind and the kind's
         attributes, serialized; the JSON text of the same, from the name to the attributes' end)."""
         key = (c.op, c.pg, c.pg_size, c.rank, c.nbytes, c.dtype, c.async_op, c.status, c.is_p2p, c.nan, c.inf,
-               c.hang, c.slow, c.in_flight, c.bucket, c.last_bucket, c.wire_bytes, c.module, c.phase)
+               c.hang, c.slow, c.in_flight, c.bucket, c.last_bucket, c.wire_bytes, c.module, c.phase, c.peer)
         found = self._kinds.get(key)
         if found is None:
             if len(self._kinds) >= _KINDS_KEPT:
@@ -125,6 +125,8 @@ class SpanBuilder:
                       names.RANK: c.rank, names.BYTES: c.nbytes, names.DTYPE: c.dtype,
                       names.ASYNC: c.async_op, names.STATUS: c.status, names.P2P: c.is_p2p,
                       names.NAN: c.nan, names.INF: c.inf, names.HANG: c.hang, names.SLOW: c.slow}
+            if c.is_p2p:
+                shared[names.PEER] = c.peer
             if c.phase:
                 shared[names.MODULE], shared[names.PHASE] = c.module, c.phase
             if c.bucket >= 0:

@@ -131,14 +131,21 @@ class MetricsCollector(_Scrapes):
         hung = GaugeMetricFamily(names.HUNG_SEQ,
                                  "Sequence number of the oldest collective in flight past the hang threshold, by op; "
                                  "absent when none", labels=("pg", "op", "rank"))
+        p2p = GaugeMetricFamily(names.P2P_HUNG,
+                                "Age of the oldest point-to-point op in flight past the hang threshold, by op and the "
+                                "global rank it waits on (peer); absent when none", labels=("pg", "op", "peer", "rank"))
         for pg, group in sorted(inflight.items()):
             depth.add_metric((pg, rank), group.count)
             age.add_metric((pg, rank), group.oldest_s)
             if group.hung_seq is not None:
                 hung.add_metric((pg, group.hung_op, rank), group.hung_seq)
+            if group.p2p_hung is not None:
+                op, peer, waited = group.p2p_hung
+                p2p.add_metric((pg, op, str(peer), rank), waited)
         yield depth
         yield age
         yield hung
+        yield p2p
         family = GaugeMetricFamily(names.FAILED_SEQ,
                                    "Sequence number of the first collective that failed (error or timeout), by op; "
                                    "absent when none", labels=("pg", "op", "rank"))

@@ -48,6 +48,8 @@ class Collective(NamedTuple):
     gpu_start_ns: int = -1
     """When it started on the GPU (Unix ns), for a collective on CUDA tensors; -1 otherwise:
     issue -> GPU start is its queueing time, GPU start -> end its execution time."""
+    peer: int = -1
+    """A point-to-point op's peer, as a global rank: the rank it waits on; -1 for a collective."""
 
 
 class GroupInFlight(NamedTuple):
@@ -58,6 +60,9 @@ class GroupInFlight(NamedTuple):
     hung_op: str | None
     """The oldest collective (not point-to-point) in flight past the hang threshold: its op and seq."""
     hung_seq: int | None
+    p2p_hung: tuple[str, int, float] | None = None
+    """The oldest point-to-point op in flight past the hang threshold: its op, its peer's global rank
+    (the rank it waits on) and its age in seconds."""
 
 
 class StatsSnapshot(NamedTuple):

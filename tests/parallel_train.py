@@ -1,6 +1,8 @@
-"""An ordinary 2-D parallel training script with a fault written into it, for the end-to-end verdict
-tests: 4 ranks in tensor-parallel pairs (0, 1) and (2, 3), data-parallel over the pairs (DDP in groups
-(0, 2) and (1, 3)), and the loss averaged over the whole job now and then.
+"""An ordinary parallel training script with a fault written into it, for the end-to-end verdict
+tests: 4 ranks in tensor-parallel pairs (0, 1) and (2, 3); a pipeline of two stages, the pairs, where
+each rank of the first sends its activations to its peer in the second (``isend``/``irecv`` in groups
+(0, 2) and (1, 3)); data-parallel over the pairs (DDP in other groups of the same ranks); and the loss
+averaged over the whole job now and then.
 
 It knows nothing of commlens: the tests run it under ``commlens run -- torchrun``.
 
@@ -9,7 +11,11 @@ It knows nothing of commlens: the tests run it under ``commlens run -- torchrun`
 Faults, on rank ``--rank`` at step ``--step`` (``--fault none`` for a healthy run):
 
     late     the rank sleeps ``--late-s`` seconds before its tensor-parallel all_reduce: its pair
-             partner waits for it there, and the partner's data-parallel peer waits for the partner
+             partner waits for it there, its peer in the other stage waits in ``recv`` for it, and
+             the partner's peer in ``recv`` for the partner
+    late-send  a rank of the first stage sleeps ``--late-s`` seconds before it sends its activations:
+             its peer in the second stage waits in ``recv`` for it, the pair partner in the next
+             step's tensor-parallel all_reduce, and the peer's partner waits for the peer there
     order    the rank issues the job's loss all_reduce before its pair's: it waits there for the
              others, its pair partner waits for it in the pair, and their data-parallel peers wait
              for them; every rank waits on another (a deadlock, until the backend's timeout)
@@ -37,7 +43,9 @@ def main() -> None:
     assert world == 4, "2 tensor-parallel pairs x 2 data-parallel replicas"
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in one order
     replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    tensor_parallel, data_parallel = pairs[rank // 2], replicas[rank % 2]
+    stages = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tensor_parallel, data_parallel, pipeline = pairs[rank // 2], replicas[rank % 2], stages[rank % 2]
+    first_stage = rank < 2
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64), process_group=data_parallel)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -51,6 +59,14 @@ def main() -> None:
         if rank == args.rank and step == args.step and args.fault == "order":
             dist.all_reduce(torch.zeros(()))  # the job's loss all_reduce, too early (a step that has one)
         dist.all_reduce(shard, group=tensor_parallel)  # the pair's partial results summed
+        if first_stage:  # the activations to the next stage, as a pipeline's schedule sends them
+            if rank == args.rank and step == args.step and args.fault == "late-send":
+                time.sleep(args.late_s)
+            dist.isend(shard, rank + 2, group=pipeline).wait()
+        else:
+            received = torch.empty_like(shard)
+            dist.irecv(received, rank - 2, group=pipeline).wait()
+            shard = received  # this stage goes on from the previous stage's activations
         loss = (out - shard / 2).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()  # DDP: the gradients all_reduced over the data-parallel group

@@ -21,7 +21,7 @@ from monitoring import PARALLEL_SCRIPT, Alertmanager, Prometheus, TrainingJob, W
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
 WORLD, CULPRIT = 3, 1
 CULPRIT_ALERTS = ("CommlensNaNOrigin", "CommlensRankLate", "CommlensCollectiveDesync", "CommlensStraggler",
-                  "CommlensDeadlock")
+                  "CommlensDeadlock", "CommlensPeerLate")
 
 
 @contextlib.contextmanager
@@ -109,16 +109,16 @@ def test_the_alert_and_diagnose_name_the_faulty_rank_and_only_it(tmp_path, fault
 
 @EXPORTERS
 def test_a_rank_late_in_its_tensor_parallel_pair_is_named_and_the_ranks_held_up_by_it_are_not(tmp_path, pod):
-    """4 ranks, three kinds of group at once (``tests/parallel_train.py``). Rank 1 comes late to its
-    pair's all_reduce: rank 0 waits for it there, rank 2 then waits for rank 0 in their data-parallel
-    group, and rank 3 for rank 1 in theirs. Rank 0 is behind in its data-parallel group only because
-    it waits in the pair: naming it would cordon a healthy node."""
+    """4 ranks, four kinds of group at once (``tests/parallel_train.py``). Rank 1 comes late to its
+    pair's all_reduce: rank 0 waits for it there, rank 3 waits in ``recv`` for its activations, and
+    rank 2 in ``recv`` for rank 0's. Rank 0 holds up rank 2 only because it waits in the pair: naming
+    it would cordon a healthy node."""
     with _stack(tmp_path, "late", world=4, step=30, steps=200, script=PARALLEL_SCRIPT, pod=pod,
                 extra=["--late-s", "30"]) as (
             webhook, training, prometheus):
         wait_for(lambda: webhook.firing("CommlensRankLate"), "CommlensRankLate at the webhook", timeout_s=90,
                  explain=lambda: _evidence(prometheus, training))
-        wait_for(lambda: prometheus.query('commlens_collective_hung_seq{rank="2"}'), "rank 2 waiting for rank 0",
+        wait_for(lambda: prometheus.query('commlens_p2p_hung_seconds{rank="3"}'), "rank 3 waiting for rank 1",
                  explain=lambda: _evidence(prometheus, training))
         live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
         assert training.wait(120) == 0, training.log.read_text()[-3000:]  # the late rank catches up
@@ -126,8 +126,33 @@ def test_a_rank_late_in_its_tensor_parallel_pair_is_named_and_the_ranks_held_up_
                  if a["labels"]["alertname"] in CULPRIT_ALERTS and a["status"] == "firing"}
     assert {rank for _, rank, _ in fired} == {"1"}, fired
     assert "late or missing: rank 1 " in live and _culprits(live) == {1}, live
-    assert "held up through them: ranks [2] waited past the hang threshold in all_reduce (group 3)" in live, live
-    assert "rank 0 waits itself in all_reduce (group 1)" in live, live
+    assert "rank 3 waits on it in recv (group 6)" in live, live
+    offline = _diagnose(str(training.out))
+    assert "late or missing: rank 1 " in offline and _culprits(offline) == {1}, offline
+
+
+@EXPORTERS
+def test_a_pipeline_stage_late_on_its_send_is_named_and_the_stages_waiting_in_recv_are_not(tmp_path, pod):
+    """Rank 1, of the pipeline's first stage, sends its activations 30 s late in a step that ends with
+    the job's loss all_reduce (``tests/parallel_train.py``): rank 3 waits in ``recv`` for it, and ranks
+    0 and 2 wait in the loss all_reduce for both. Rank 3 is behind there only because it waits on its
+    peer."""
+    with _stack(tmp_path, "late-send", world=4, step=30, steps=200, script=PARALLEL_SCRIPT, pod=pod,
+                extra=["--late-s", "30"]) as (webhook, training, prometheus):
+        wait_for(lambda: webhook.firing("CommlensPeerLate"), "CommlensPeerLate at the webhook", timeout_s=90,
+                 explain=lambda: _evidence(prometheus, training))
+        wait_for(lambda: prometheus.query('commlens_collective_hung_seq{rank="2"}'), "rank 2 waiting for rank 1",
+                 explain=lambda: _evidence(prometheus, training))
+        live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
+        assert training.wait(120) == 0, training.log.read_text()[-3000:]  # the late rank catches up
+        fired = {(a["labels"]["alertname"], a["labels"]["rank"]) for a in webhook.alerts
+                 if a["labels"]["alertname"] in CULPRIT_ALERTS and a["status"] == "firing"}
+        peer = [a["labels"] for a in webhook.alerts if a["labels"]["alertname"] == "CommlensPeerLate"]
+    assert {rank for _, rank in fired} == {"1"}, fired
+    assert peer[0]["waiter"] == "3" and peer[0]["op"] == "recv", peer
+    assert _culprits(live) == {1}, live
+    assert "late or missing: rank 1 in recv (group 6) — rank 3 waits on it in recv (group 6)" in live, live
+    assert "rank 3 is behind too, but waits itself on rank 1 in recv (group 6)" in live, live
     offline = _diagnose(str(training.out))
     assert "late or missing: rank 1 " in offline and _culprits(offline) == {1}, offline
 
