@@ -99,6 +99,7 @@ static int common_case(AllReduce *self, PyObject *const a[4], Common *c) {
     PyObject *info = PyDict_GetItemWithError(self->known, a[2]);
     if (info == NULL || info == self->not_member)
         return PyErr_Occurred() ? (general_decides() ? 0 : -1) : 0;
+    Py_INCREF(info); /* the calls below may run Python, and another thread clear ``known`` */
     int other = PyObject_IsTrue(a[3]);
     if (other == 0)
         other = flag_in(self->registry, s_hooked);
@@ -110,7 +111,9 @@ static int common_case(AllReduce *self, PyObject *const a[4], Common *c) {
     PyObject *where = common > 0 ? PyDict_GetItemWithError(self->record, s_where) : NULL;
     c->where = 0;
     if (where != NULL && where != Py_None) {
+        Py_INCREF(where);
         PyObject *at = PyObject_CallNoArgs(where);
+        Py_DECREF(where);
         c->where = at == NULL ? 0 : PyLong_AsUnsignedLongLong(at);
         Py_XDECREF(at);
         common = PyErr_Occurred() ? -1 : 1;
@@ -119,22 +122,24 @@ static int common_case(AllReduce *self, PyObject *const a[4], Common *c) {
     if (common > 0 && (ring == NULL || ring == Py_None))  /* no ring yet: general creates it */
         common = PyErr_Occurred() ? -1 : 0;
     if (common > 0 && ring != self->ring) {
-        PyObject *producer = PyObject_GetAttr(ring, s_producer);
-        if (producer == NULL)
-            return general_decides() ? 0 : -1;
         Py_INCREF(ring);
-        Py_XSETREF(self->ring, ring);
-        Py_XSETREF(self->producer, producer);
+        PyObject *producer = PyObject_GetAttr(ring, s_producer);
+        if (producer == NULL) {
+            Py_DECREF(ring);
+            common = -1;
+        } else {
+            Py_XSETREF(self->ring, ring);
+            Py_XSETREF(self->producer, producer);
+        }
     }
-    if (common < 0)
-        return general_decides() ? 0 : -1;
-    if (common > 0) {
-        Py_INCREF(info);
-        Py_INCREF(self->producer);
-        c->info = info;
-        c->producer = self->producer;
+    if (common <= 0) {
+        Py_DECREF(info);
+        return common < 0 ? (general_decides() ? 0 : -1) : 0;
     }
-    return common;
+    Py_INCREF(self->producer);
+    c->info = info;
+    c->producer = self->producer;
+    return 1;
 }
 
 static int unsigned_of(PyObject *number, unsigned long long *out) {

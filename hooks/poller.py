@@ -97,11 +97,12 @@ class CompletionPoller:
             try:
                 if not work.is_completed():
                     continue
-                error = None if work.is_success() else (work.exception() or RuntimeError("work failed"))
-            except Exception as raised:  # a work that cannot say: it failed, as far as anyone can tell
+                work.wait()  # completed: returns at once, or raises its error (is_success is deprecated)
+                error = None
+            except Exception as raised:  # its error, or a work that cannot say: it failed
                 error = raised
             completed = True
-            call = self._take(key)
+            call = self._take(key)  # None when the wrapper of Work.wait completed it just now
             if call is not None:
                 call.work = work
                 call.complete(status_of(error), error)

@@ -150,6 +150,7 @@ def test_a_pipeline_stage_late_on_its_send_is_named_and_the_stages_waiting_in_re
         peer = [a["labels"] for a in webhook.alerts if a["labels"]["alertname"] == "CommlensPeerLate"]
     assert {rank for _, rank in fired} == {"1"}, fired
     assert peer[0]["waiter"] == "3" and peer[0]["op"] == "recv", peer
+    assert "is being deprecated" not in training.log.read_text()  # commlens asks torch nothing it deprecates
     assert _culprits(live) == {1}, live
     assert "late or missing: rank 1 in recv (group 6) — rank 3 waits on it in recv (group 6)" in live, live
     assert "rank 3 is behind too, but waits itself on rank 1 in recv (group 6)" in live, live
