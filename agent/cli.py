@@ -8,6 +8,7 @@
     commlens diagnose ./commlens-out/JOB           which rank, which collective, why
     commlens dump --store HOST:PORT --job-id ID    every rank of a live job writes its flight-recorder dump
     commlens timeline ./commlens-out/JOB           every rank's collectives on one timeline (Perfetto)
+    commlens assets ./commlens-assets              the Grafana dashboards, alert rules and Kubernetes manifests
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="the job's store: its ranks' MASTER_ADDR:MASTER_PORT")
     dump.add_argument("--job-id", default=os.environ.get("COMMLENS_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
                       or "local", help="the job's COMMLENS_JOB_ID (default: this environment's, else 'local')")
+    assets = commands.add_parser("assets", help="write the Grafana dashboards, Prometheus rules and Kubernetes "
+                                 "manifests that ship with commlens into a new or empty folder")
+    assets.add_argument("folder", help="where to write them (dashboards/, deploy/)")
     commands.add_parser("diagnose", add_help=False, help="name the rank, collective and cause of what went wrong "
                         "(live from metrics or Prometheus, or from trace files and dumps)")
     commands.add_parser("timeline", add_help=False, help="a cross-rank timeline of a job's collectives, for "
@@ -125,6 +129,18 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "run":
         return _run(parser, args)
+    if args.command == "assets":
+        import pathlib
+
+        from .assets import write_assets
+
+        try:
+            written = write_assets(pathlib.Path(args.folder))
+        except ConfigError as error:
+            assets.error(str(error))
+        print(f"commlens assets: wrote {len(written)} files into {args.folder}: dashboards/ for Grafana, "
+              "deploy/prometheus-rules.yaml for Prometheus, deploy/kubernetes/ for kubectl apply -k")
+        return 0
     if args.command == "dump":
         from .job_dumps import request_dumps
 
