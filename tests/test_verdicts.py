@@ -173,6 +173,20 @@ def test_ranks_that_issue_two_groups_collectives_in_different_orders_are_a_deadl
     assert "deadlock: waiting on each other, ranks 0, 1, 2, 3 " in live and "late or missing" not in live, live
 
 
+def test_a_healthy_run_of_the_parallel_script_fires_nothing(tmp_path):
+    """The 4-rank script of pairs, pipeline stages, DDP and the job's loss, with no fault, for about a
+    minute (1,500 steps of 20 ms): no alert fires or stays pending, and its files show nothing wrong.
+    One exporter: the other reads the same series (above)."""
+    with _stack(tmp_path, "none", world=4, steps=1500, script=PARALLEL_SCRIPT) as (webhook, training, prometheus):
+        wait_for(lambda: prometheus.query("commlens:collective_wait_seconds:mean20s"), "the first recording")
+        assert training.wait(600) == 0, _evidence(prometheus, training)
+        pending = prometheus.query('max_over_time(count_over_time(ALERTS{alertstate="pending"}[3s])[5m:1s])')
+        firing = prometheus.query('ALERTS{alertstate="firing"}')
+    assert not webhook.alerts and not firing, (webhook.alerts, firing)
+    assert all(float(p["value"][1]) <= 1 for p in pending), pending
+    assert "nothing wrong found" in _diagnose(str(training.out))
+
+
 @pytest.mark.long
 @EXPORTERS
 def test_a_healthy_run_fires_nothing_and_leaves_nothing_pending(tmp_path, pod):
