@@ -136,7 +136,8 @@ def test_a_pipeline_stage_late_on_its_send_is_named_and_the_stages_waiting_in_re
     """Rank 1, of the pipeline's first stage, sends its activations 30 s late in a step that ends with
     the job's loss all_reduce (``tests/parallel_train.py``): rank 3 waits in ``recv`` for it, and ranks
     0 and 2 wait in the loss all_reduce for both. Rank 3 is behind there only because it waits on its
-    peer."""
+    peer. About 65 s per exporter: the late send must outlast the hang threshold, the alert's ``for``
+    and Alertmanager's hand-off, and the job must then finish for its files to be read."""
     with _stack(tmp_path, "late-send", world=4, step=30, steps=200, script=PARALLEL_SCRIPT, pod=pod,
                 extra=["--late-s", "30"]) as (webhook, training, prometheus):
         wait_for(lambda: webhook.firing("CommlensPeerLate"), "CommlensPeerLate at the webhook", timeout_s=90,
@@ -176,7 +177,8 @@ def test_ranks_that_issue_two_groups_collectives_in_different_orders_are_a_deadl
 def test_a_healthy_run_of_the_parallel_script_fires_nothing(tmp_path):
     """The 4-rank script of pairs, pipeline stages, DDP and the job's loss, with no fault, for about a
     minute (1,500 steps of 20 ms): no alert fires or stays pending, and its files show nothing wrong.
-    One exporter: the other reads the same series (above)."""
+    A minute, because the rules' windows (20 s) and ``for`` clauses must run over the healthy pipeline's
+    waits many times to show they stay quiet. One exporter: the other reads the same series (above)."""
     with _stack(tmp_path, "none", world=4, steps=1500, script=PARALLEL_SCRIPT) as (webhook, training, prometheus):
         wait_for(lambda: prometheus.query("commlens:collective_wait_seconds:mean20s"), "the first recording")
         assert training.wait(600) == 0, _evidence(prometheus, training)
