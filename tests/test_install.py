@@ -10,9 +10,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _source(tmp_path: pathlib.Path) -> pathlib.Path:
-    """A copy of the checkout without what any build left in it (pip builds in the tree it is given)."""
+    """A copy of the checkout without what any build or run left in it (pip builds in the tree it is
+    given), and without the virtual environments .ci/run keeps there (gigabytes of torch)."""
     return pathlib.Path(shutil.copytree(ROOT, tmp_path / "source", ignore=shutil.ignore_patterns(
-        ".git", "build", "*.so", "*.egg-info", "__pycache__", ".pytest_cache", "commlens-out")))
+        ".git", ".venv*", "build", "*.so", "*.egg-info", "__pycache__", ".pytest_cache", "commlens-out")))
 
 
 def test_an_install_without_a_c_compiler_names_what_to_install_in_one_line(tmp_path):
