@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     wrong = False
     for job, facts in sorted(jobs.items()):
         lines = report(facts)
-        wrong = wrong or lines != [NOTHING_WRONG]
+        wrong = wrong or lines[0] != NOTHING_WRONG
         for line in lines:
             print(f"{job}: {line}" if job else line)
     if not jobs:
@@ -94,5 +94,19 @@ NOTHING_WRONG = "nothing wrong found"
 
 
 def report(facts: list[RankFacts]) -> list[str]:
-    """The verdict as lines: one per finding, or ``NOTHING_WRONG``."""
-    return [finding.line() for finding in findings(facts)] or [NOTHING_WRONG]
+    """The verdict as lines: one per finding, or ``NOTHING_WRONG``; then what was seen that is no fault."""
+    return ([finding.line() for finding in findings(facts)] or [NOTHING_WRONG]) + notes(facts)
+
+
+def notes(facts: list[RankFacts]) -> list[str]:
+    """What the telemetry shows that is no fault: a loss scaler's skipped steps.
+
+    >>> notes([RankFacts(0, loss_scale_skipped=3), RankFacts(1, loss_scale_skipped=3)])
+    ['no fault: the loss scaler skipped 3 steps for Inf or NaN in the gradients (ranks 0, 1): its overflow']
+    """
+    skipped = {f.rank: f.loss_scale_skipped for f in facts if f.loss_scale_skipped}
+    if not skipped:
+        return []
+    ranks = ", ".join(map(str, sorted(skipped)))
+    return [f"no fault: the loss scaler skipped {max(skipped.values())} steps for Inf or NaN in the gradients "
+            f"(rank{'s' if len(skipped) > 1 else ''} {ranks}): its overflow"]

@@ -51,6 +51,8 @@ class RankFacts:
     """Its process ended without a signal or an exception (killed, crashed), as a pod sidecar saw."""
     signalled_ns: int | None = None
     """When its process was signalled to stop (SIGTERM), wall-clock ns, from its dump (offline)."""
+    loss_scale_skipped: int = 0
+    """Steps its loss scaler skipped for Inf or NaN in the gradients (offline: those seen in its spans)."""
 
     def group(self, pg: str) -> GroupFacts:
         return self.groups.setdefault(pg, GroupFacts())

@@ -51,6 +51,7 @@ class RankPipeline:
         rank's new one: what the last one lost stays counted); returns its sidecar."""
         if self.sidecar is not None:
             self.sidecar.drain()
+            self.sidecar.writer_ended()
             self._dropped_before += self.sidecar.reader.dropped
             self._errors_before = dict(self.telemetry_errors())
         c = self.config

@@ -80,6 +80,7 @@ class RankFeed:
         was_alive, self.alive = self.alive, sidecar.ring.writer_alive()  # a rank may close and reopen it
         if was_alive and not self.alive:
             sidecar.drain()
+            sidecar.writer_ended()
             if not sidecar.ring.closed:
                 self.dump("exit")
 

@@ -92,6 +92,8 @@ def _metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> Non
         group = facts.group(pg)
         if group.nonfinite is None or value < group.nonfinite[0]:
             group.nonfinite = (int(value), labels["op"], labels["kind"])
+    elif name == names.total(names.LOSS_SCALE_STEPS) and labels.get("outcome") == "skipped":
+        facts.loss_scale_skipped = int(value)
 
 
 def _lost(reasons: set[str]) -> bool:
@@ -152,6 +154,7 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
     for name, expr in ((names.HUNG_SEQ, f"max_over_time({hung}[1m])"),
                        (names.P2P_HUNG, f"{names.P2P_HUNG}{{{selector}}}"),
                        (names.NONFINITE_FIRST_SEQ, f"{names.NONFINITE_FIRST_SEQ}{{{selector}}}"),
+                       (names.total(names.LOSS_SCALE_STEPS), f"{names.total(names.LOSS_SCALE_STEPS)}{{{selector}}}"),
                        (names.FAILED_SEQ, f"last_over_time({names.FAILED_SEQ}{{{selector}}}[5m])")):
         for facts, labels, value in each(expr):
             _metric_fact(facts, name, labels, value)
@@ -291,6 +294,10 @@ def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[
             group.hung = (op, seq)
             age = float(a.get(names.AGE_S, 0.0))
             group.threshold_s = age if group.threshold_s is None else min(group.threshold_s, age)
+    if a.get(names.LOSS_SCALE_SKIPPED):  # the loss scaler's overflow, in a step it skipped: no fault
+        facts = ranks[rank]
+        facts.loss_scale_skipped = max(facts.loss_scale_skipped, int(a[names.LOSS_SCALE_SKIPPED]))
+        return
     for kind, attribute in (("nan", names.NAN), ("inf", names.INF)):
         if a.get(attribute) and (group.nonfinite is None or seq < group.nonfinite[0]):
             group.nonfinite = (seq, op, kind)

@@ -24,7 +24,7 @@ from typing import Any
 
 from commlens.exporters.prometheus import serve
 from commlens.hooks import (FlightRecorderHook, cuda, NanCheckHook, attribution, instrument, process_ring, record,
-                            register_abort_hook, uninstrument)
+                            register_abort_hook, uninstrument, watch_loss_scaling)
 from commlens.hooks.flight_recorder import write_dump
 from commlens.hooks.ring import ring_file
 
@@ -68,6 +68,8 @@ class Agent:
             self._start_exporting(ring)
         self.job_dumps = JobDumps(config.job, min(1.0, config.hang_threshold_s / 4), lambda: self.snapshot("peer"))
         self.nan_check = None if config.nan_check == "off" else NanCheckHook(config.nan_check).register_with_comm()
+        # a loss scaler's skipped steps hold Inf by design: the check's findings in them are told apart
+        self._unwatch_loss_scaling = watch_loss_scaling() if self.nan_check is not None else None
         instrument()
         if config.module_attribution:
             attribution.enable()
@@ -173,6 +175,7 @@ class Agent:
         uninstrument()
         if self.nan_check is not None:
             self.nan_check.unregister()
+            self._unwatch_loss_scaling()
         self._signals.uninstall()
         if sys.excepthook == self._on_exception:
             sys.excepthook = self._previous_excepthook

@@ -34,8 +34,9 @@ from typing import Callable, NamedTuple, Sequence
 from commlens.exporters.telemetry import Collective, GroupInFlight
 from commlens.hooks.ops import OPS
 from commlens.hooks.record import decode_group, decode_signature
-from commlens.hooks.ring import (END, FLAG_ASYNC, FLAG_LAST_BUCKET, GPU_START, NAN, NAN_HAS_INF, NAN_HAS_NAN, NAN_OUTPUT,
-                                 NOT_ISSUED, PHASES, REASONS, SNAPSHOT, START, STATUS, Folded, Record, Ring, RingReader)
+from commlens.hooks.ring import (END, FLAG_ASYNC, FLAG_LAST_BUCKET, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN,
+                                 NAN_HAS_INF, NAN_HAS_NAN, NAN_OUTPUT, NOT_ISSUED, PHASES, REASONS, SNAPSHOT, START,
+                                 STATUS, Folded, Record, Ring, RingReader)
 
 from .stats import ALL, Stats, bus_factor, size_class
 
@@ -52,6 +53,8 @@ _SLOW_AFTER = 20
 """Completions of one (op, group, size class) seen before a slow outlier can be called."""
 _SHAPES = 4096
 """Shapes kept before the cache starts over (variable-size payloads would otherwise grow it)."""
+_HELD = 4096
+"""Collectives with non-finite tensors held in a loss scaler's step, at most (then exported as they end)."""
 _make = tuple.__new__
 
 
@@ -110,6 +113,10 @@ class Sidecar:
         self._nan: dict[int, int] = {}
         """op_id -> NAN_HAS_NAN | NAN_HAS_INF seen for it."""
         self._hung: set[int] = set()
+        self._scaled_step: list[Collective] | None = None
+        """While a loss scaler's step is in progress: its collectives with non-finite tensors, held
+        until the scaler says whether it skipped the step (hooks/loss_scale.py)."""
+        self._skipped_steps = 0
         self._typical: dict[tuple, tuple[float, int]] = {}
         self._groups: dict[int, tuple[str, int]] = {}
         self._members: dict[int, list[int]] = {}
@@ -144,6 +151,15 @@ class Sidecar:
             if not thread.is_alive():  # else it may still wait on the pipe: left open
                 self._wakeup.close()
         self.drain()
+        self.writer_ended()
+
+    def writer_ended(self) -> None:
+        """The ring's writer will write no more (its process ended, or stopped recording): a loss
+        scaler's step it never ended keeps its non-finite values as evidence of values entering."""
+        with self._draining, self.stats.lock:
+            if self._scaled_step is not None:
+                self.stats.loss_scale_step(None)
+                self._release(0)
 
     def _run(self, interval_s: float) -> None:
         while True:
@@ -218,6 +234,8 @@ class Sidecar:
                 self._gpu_start[record.op_id] = record.t_ns
             elif record.kind == SNAPSHOT and record.flags < len(REASONS):
                 snapshots.append(REASONS[record.flags])
+            elif record.kind == LOSS_SCALE and record.flags < len(LOSS_SCALE_EVENTS):
+                self._loss_scale(LOSS_SCALE_EVENTS[record.flags])
         for group in folded:
             self._folded(group)
 
@@ -281,7 +299,11 @@ class Sidecar:
         slow = seconds is not None and bool(self._slow(shape, (seconds,)))
         if not (nan or hung or slow or status != "ok" or self.sample(shape.pg, (end.seq,), shape.is_p2p)):
             return
-        self.on_collective(self._collective(shape, start or end, end, status, nan, hung, slow, gpu_start=gpu_start))
+        collective = self._collective(shape, start or end, end, status, nan, hung, slow, gpu_start=gpu_start)
+        if nan and self._scaled_step is not None and len(self._scaled_step) < _HELD:
+            self._scaled_step.append(collective)
+        else:
+            self.on_collective(collective)
 
     def _folded(self, group: Folded) -> None:
         """Collectives of one shape that started and ended ok within this drain: counted at once; the
@@ -308,7 +330,26 @@ class Sidecar:
         if not record.flags & NAN_OUTPUT:  # an output's comes after its END (a post-hook's): nothing waits for it
             self._nan[record.op_id] = self._nan.get(record.op_id, 0) | record.flags
         kinds = tuple(kind for bit, kind in ((NAN_HAS_NAN, "nan"), (NAN_HAS_INF, "inf")) if record.flags & bit)
-        self.stats.nonfinite(shape, record.seq, kinds, not record.flags & NAN_OUTPUT)
+        self.stats.nonfinite(shape, record.seq, kinds, not record.flags & NAN_OUTPUT, self._scaled_step is not None)
+
+    def _loss_scale(self, event: str) -> None:
+        """A loss scaler began a step ("scaled": the step's gradients follow), or ended it: the
+        non-finite values of a step it skipped were its overflow, marked so on their spans."""
+        if event == "scaled":
+            if self._scaled_step is None:
+                self._scaled_step = []
+            return
+        skipped = event == "skipped"
+        self._skipped_steps += skipped
+        self.stats.loss_scale_step(event)
+        self._release(self._skipped_steps if skipped else 0)
+
+    def _release(self, skipped_step: int) -> None:
+        if self._scaled_step is None:
+            return
+        held, self._scaled_step = self._scaled_step, None
+        for collective in held:
+            self.on_collective(collective._replace(loss_scale_skipped=skipped_step))
 
     def _watch(self, now_ns: int) -> list[Collective]:
         hung = []
@@ -366,7 +407,8 @@ class Sidecar:
             slow, end is None, aux - 1, bool(flags & FLAG_LAST_BUCKET), end.aux if end is not None and aux else 0,
             self.ring.string(start.module) if start.module else "",
             PHASES[start.phase] if start.phase < len(PHASES) else "", bool(nan & NAN_HAS_INF),
-            -1 if gpu_start is None else gpu_start + offset, self._global_rank(start.pg, start.peer) if shape.is_p2p else -1))
+            -1 if gpu_start is None else gpu_start + offset, self._global_rank(start.pg, start.peer) if shape.is_p2p else -1,
+            0))
 
     def _group(self, sid: int) -> tuple[str, int]:
         found = self._groups.get(sid)

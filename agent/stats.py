@@ -94,6 +94,10 @@ class Stats:
         self.gpu_exec: collections.Counter[tuple[str, str]] = collections.Counter()
         """(op, pg) -> seconds collectives on CUDA tensors waited for the GPU / ran on it."""
         self.snapshots: collections.Counter[str] = collections.Counter()
+        self.loss_scale_steps: collections.Counter[str] = collections.Counter()
+        """outcome ("applied", "skipped") -> steps a loss scaler ended so."""
+        self._step_first_nonfinite: dict[tuple[str, str], tuple[int, str]] = {}
+        """``first_nonfinite`` of the loss scaler's step in progress, until it says whether it skips it."""
 
     def snapshot(self) -> StatsSnapshot:
         """A copy of every counter, taken under ``lock``: what a scrape exports."""
@@ -102,20 +106,34 @@ class Stats:
                 {key: (list(h.counts), list(h.exemplars), h.total) for key, h in self.durations.items()},
                 dict(self.completed), dict(self.bytes), dict(self.bus_bytes), dict(self.last_seq), dict(self.hangs),
                 dict(self.nans), dict(self.snapshots), dict(self.first_nonfinite), dict(self.failed),
-                dict(self.gpu_queue), dict(self.gpu_exec))
+                dict(self.gpu_queue), dict(self.gpu_exec), dict(self.loss_scale_steps))
 
     def enqueued(self, shape, seq: int) -> None:
         """A collective of ``shape`` (the sidecar's ``Shape``) was issued."""
         if seq > self.last_seq.get(shape.enqueued_key, -1):
             self.last_seq[shape.enqueued_key] = seq
 
-    def nonfinite(self, shape, seq: int, kinds: tuple[str, ...], is_input: bool) -> None:
-        """A collective of ``shape`` had a tensor holding ``kinds`` ("nan", "inf")."""
+    def nonfinite(self, shape, seq: int, kinds: tuple[str, ...], is_input: bool, scaled_step: bool = False) -> None:
+        """A collective of ``shape`` had a tensor holding ``kinds`` ("nan", "inf"); ``scaled_step``: in
+        a loss scaler's step, whose outcome (``loss_scale_step``) decides whether the values entered."""
+        first = self._step_first_nonfinite if scaled_step else self.first_nonfinite
         for kind in kinds:
             self.nans[(*shape.counter_key, kind)] += 1
             key = (shape.pg, kind)
-            if is_input and not shape.is_p2p and seq < self.first_nonfinite.get(key, (seq + 1,))[0]:
-                self.first_nonfinite[key] = (seq, shape.op)
+            if is_input and not shape.is_p2p and seq < first.get(key, (seq + 1,))[0]:
+                first[key] = (seq, shape.op)
+
+    def loss_scale_step(self, outcome: str | None) -> None:
+        """A loss scaler ended its step (``outcome`` "applied" or "skipped"; None: it never will, the
+        process ends): non-finite inputs seen in it entered the job unless it skipped the step, when
+        they were its overflow, and only counted."""
+        if outcome is not None:
+            self.loss_scale_steps[outcome] += 1
+        if outcome != "skipped":
+            for key, (seq, op) in self._step_first_nonfinite.items():
+                if seq < self.first_nonfinite.get(key, (seq + 1,))[0]:
+                    self.first_nonfinite[key] = (seq, op)
+        self._step_first_nonfinite.clear()
 
     def on_gpu(self, shape, queue_s: float, exec_s: float) -> None:
         """A collective of ``shape`` waited ``queue_s`` from issue to its start on the GPU, then ran ``exec_s``."""

@@ -6,8 +6,11 @@ only a tensor found non-finite is counted element by element. What it adds to a 
 on the training thread's hot path (``instrument()``'s all_reduce with a backend that returns at once,
 so that no backend noise is in it), with ``NanCheckHook`` against without; beside it the check's pass
 alone, one ``torch.sum`` of the same tensor (the floor, issue 19's goal: the check adds at most 1.2x
-a sum), and a real world-size-1 gloo all_reduce with and without the check. Medians of ``--repeats``
-interleaved rounds (min - max of the added time beside it), torch on one thread.
+a sum), and a real world-size-1 gloo all_reduce with and without the check. Then the same payloads
+holding one Inf each (a diverged job, an overflow storm: every collective's input is counted and its
+NAN record written): what the check adds on the hot path then, over what it adds to the finite
+payload (issue 34's goal: at most 2x). Medians of ``--repeats`` interleaved rounds (min - max of the
+added time beside it), torch on one thread.
 
     python bench/nan_check.py
 """
@@ -65,6 +68,7 @@ def main() -> None:
     ch.instrument()
     torch.set_num_threads(1)
     hot_path = _instrumented(ch.OpName.all_reduce, _backend_returns_at_once, _all_reduce)
+    finite_added: dict[str, float] = {}
     print(f"{'payload':<8}{'added on the hot path µs':>30}{'pass µs':>9}{'sum µs':>8}{'added / sum':>13}"
           f"{'gloo all_reduce µs':>20}{'added there µs':>16}")
     for name, nbytes in SIZES.items():
@@ -79,6 +83,16 @@ def main() -> None:
         spread = f"{median * 1e6:.2f} ({min(added) * 1e6:.2f} - {max(added) * 1e6:.2f})"
         print(f"{name:<8}{spread:>30}{one_pass * 1e6:>9.2f}{one_sum * 1e6:>8.2f}{median / one_sum:>12.2f}x"
               f"{gloo * 1e6:>20.1f}{in_gloo * 1e6:>16.1f}", flush=True)
+        finite_added[name] = median
+    print(f"\n{'payload':<8}{'with one Inf: added on the hot path µs':>42}{'over the finite payload':>26}")
+    for name, nbytes in SIZES.items():
+        t = torch.randn(nbytes // 4)
+        t[len(t) // 2] = float("inf")
+        calls = max(3, min(5000, (256 << 20) // nbytes))
+        added = _added(lambda: hot_path(t), calls, args.repeats)
+        median = statistics.median(added)
+        spread = f"{median * 1e6:.2f} ({min(added) * 1e6:.2f} - {max(added) * 1e6:.2f})"
+        print(f"{name:<8}{spread:>42}{median / finite_added[name]:>25.2f}x", flush=True)
     ch.uninstrument()
     dist.destroy_process_group()
 

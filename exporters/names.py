@@ -45,7 +45,11 @@ HANGS = "commlens_hangs"
 NAN_EVENTS = "commlens_nan_events"
 """counter (op, pg, kind): collectives whose input or output held NaN or Inf."""
 NONFINITE_FIRST_SEQ = "commlens_nonfinite_first_seq"
-"""gauge (pg, op, kind): the first collective whose input held NaN or Inf on this rank."""
+"""gauge (pg, op, kind): the first collective whose input held NaN or Inf on this rank (outside the
+steps a loss scaler skipped)."""
+LOSS_SCALE_STEPS = "commlens_loss_scale_steps"
+"""counter (outcome): steps a loss scaler (``torch.amp.GradScaler``) applied, or skipped for
+non-finite gradients."""
 ABORT_SNAPSHOTS = "commlens_abort_snapshots"
 """counter (reason): flight-recorder snapshots written."""
 RING_RECORDS_DROPPED = "commlens_ring_records_dropped"
@@ -61,7 +65,7 @@ RANK_UP = "commlens_rank_up"
 
 HISTOGRAMS = (COLLECTIVE_DURATION,)
 COUNTERS = (COLLECTIVES, COLLECTIVE_BYTES, COLLECTIVE_BUS_BYTES, GPU_QUEUE, GPU_EXEC, HANGS, NAN_EVENTS,
-            ABORT_SNAPSHOTS, RING_RECORDS_DROPPED, SPANS_EXPORTED, TELEMETRY_ERRORS)
+            LOSS_SCALE_STEPS, ABORT_SNAPSHOTS, RING_RECORDS_DROPPED, SPANS_EXPORTED, TELEMETRY_ERRORS)
 GAUGES = (LAST_SEQ, INFLIGHT, INFLIGHT_OLDEST, HUNG_SEQ, P2P_HUNG, FAILED_SEQ, NONFINITE_FIRST_SEQ, INFO, RANK_UP)
 
 
@@ -87,5 +91,8 @@ NAN, INF, HANG, SLOW = "commlens.nan", "commlens.inf", "commlens.hang", "commlen
 MODULE, PHASE = "commlens.module", "commlens.phase"
 PEER = "commlens.peer"
 """A point-to-point op's peer, as a global rank."""
+LOSS_SCALE_SKIPPED = "commlens.loss_scale.skipped_step"
+"""On a collective with a non-finite tensor in a step the loss scaler skipped: that step's number among
+the skipped steps of its rank (1, 2, ...). Its values were the scaler's overflow, not a fault."""
 DDP_BUCKET, DDP_IS_LAST, DDP_WIRE_BYTES = "commlens.ddp.bucket", "commlens.ddp.is_last", "commlens.ddp.wire_bytes"
 GPU_QUEUE_S, GPU_EXEC_S = "commlens.gpu.queue_s", "commlens.gpu.exec_s"

@@ -148,6 +148,8 @@ def _own(c: Collective) -> dict[str, Any]:
         own[names.GPU_EXEC_S] = (c.end_ns - c.gpu_start_ns) / 1e9
     if c.in_flight:
         own[names.AGE_S] = (c.end_ns - c.start_ns) / 1e9
+    if c.loss_scale_skipped:
+        own[names.LOSS_SCALE_SKIPPED] = c.loss_scale_skipped
     return own
 
 

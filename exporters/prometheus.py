@@ -159,11 +159,16 @@ class MetricsCollector(_Scrapes):
                        ("op", "pg", "kind"), {**{(*key, kind): 0 for key in seen for kind in NONFINITE_KINDS}, **nans},
                        rank)
         first = GaugeMetricFamily(names.NONFINITE_FIRST_SEQ,
-                                  "Sequence number of the first collective whose input held NaN or Inf on this rank; "
-                                  "the lowest across ranks is where the values entered", labels=("pg", "op", "kind", "rank"))
+                                  "Sequence number of the first collective whose input held NaN or Inf on this rank "
+                                  "(outside steps a loss scaler skipped); the lowest across ranks is where the values "
+                                  "entered", labels=("pg", "op", "kind", "rank"))
         for (pg, kind), (seq, op) in sorted(first_nonfinite.items()):
             first.add_metric((pg, op, kind, rank), seq)
         yield first
+        if s.loss_scale_steps:  # a job with a loss scaler: both outcomes, from 0
+            yield _counter(names.LOSS_SCALE_STEPS, "Steps a loss scaler (torch.amp.GradScaler) applied, or skipped "
+                           "for Inf or NaN in the gradients (their non-finite values were its overflow)", ("outcome",),
+                           {(outcome,): s.loss_scale_steps.get(outcome, 0) for outcome in ("applied", "skipped")}, rank)
         yield _counter(names.ABORT_SNAPSHOTS, "Flight-recorder snapshots written on abort, hang, signal, exception, another rank's hang or abort (peer), "
                        "or the end of a rank's process that did not stop commlens (exit: killed, crashed; pod sidecar)",
                        ("reason",), {(reason,): snapshots.get(reason, 0) for reason in REASONS}, rank)

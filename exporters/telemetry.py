@@ -50,6 +50,9 @@ class Collective(NamedTuple):
     issue -> GPU start is its queueing time, GPU start -> end its execution time."""
     peer: int = -1
     """A point-to-point op's peer, as a global rank: the rank it waits on; -1 for a collective."""
+    loss_scale_skipped: int = 0
+    """For a collective with a non-finite tensor in a step that the loss scaler then skipped: that
+    step's number among the steps it skipped on this rank (1, 2, ...); 0 otherwise."""
 
 
 class GroupInFlight(NamedTuple):
@@ -86,6 +89,8 @@ class StatsSnapshot(NamedTuple):
     """pg -> (seq, op): the first collective that failed."""
     gpu_queue: dict[tuple[str, str], float]
     gpu_exec: dict[tuple[str, str], float]
+    loss_scale_steps: dict[str, int]
+    """outcome ("applied" or "skipped") -> steps a loss scaler ended so."""
 
 
 class RankTelemetry(Protocol):

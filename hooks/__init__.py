@@ -3,11 +3,12 @@
 Example::
 
     import torch.distributed as dist
-    from commlens.hooks import FlightRecorderHook, NanCheckHook, instrument, register_post_hook
+    from commlens.hooks import FlightRecorderHook, NanCheckHook, instrument, register_post_hook, watch_loss_scaling
 
     instrument()                                   # every torch.distributed collective is recorded
     recorder = FlightRecorderHook(max_entries=1024).register_with_comm()
     NanCheckHook(mode="report").register_with_comm()
+    watch_loss_scaling()                           # GradScaler's skipped steps: its overflow, no fault
     register_post_hook(lambda a: print(a.name.value, a.duration_ns))
     dist.all_reduce(t)
     recorder.dump_file(dist.get_rank())            # torchfrtrace reads a folder of these
@@ -29,7 +30,7 @@ def ring():
 
 _HOMES = {
     "instrument": "distributed", "is_instrumented": "distributed", "uninstrument": "distributed",
-    "FlightRecorderHook": "flight_recorder", "NanCheckHook": "nan_check",
+    "FlightRecorderHook": "flight_recorder", "NanCheckHook": "nan_check", "watch_loss_scaling": "loss_scale",
     "AbortHookArgs": "ops", "OpName": "ops", "PostHookArgs": "ops", "PreHookArgs": "ops",
     "RemovableHandle": "registry", "hook_errors": "registry", "register_abort_hook": "registry",
     "register_post_hook": "registry", "register_pre_hook": "registry",

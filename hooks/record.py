@@ -25,7 +25,7 @@ import json
 from typing import Any, Callable, NamedTuple
 
 from . import process_ring
-from .ring import END, ERROR, GPU_START, NAN, OK, REASONS, SNAPSHOT, START, TIMEOUT
+from .ring import END, ERROR, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, OK, REASONS, SNAPSHOT, START, TIMEOUT
 
 Write = Callable[..., int]
 """``Ring.write``: (kind, op, flags, pg, op_id, seq, nbytes, sig, peer, aux, where=0, t_ns=now) -> t_ns."""
@@ -82,6 +82,11 @@ def nan(write: Write, op: int, pg: int, op_id: int, seq: int, sig: int, peer: in
 def snapshot(write: Write, reason: str) -> int:
     """SNAPSHOT: the writer asks its reader for a flight-recorder dump, for ``reason`` (``REASONS``)."""
     return write(SNAPSHOT, 0, REASONS.index(reason), 0, 0, 0, 0, 0, -1, 0)
+
+
+def loss_scale(write: Write, event: str) -> int:
+    """LOSS_SCALE: a loss scaler's ``event`` (``LOSS_SCALE_EVENTS``)."""
+    return write(LOSS_SCALE, 0, LOSS_SCALE_EVENTS.index(event), 0, 0, 0, 0, 0, -1, 0)
 
 
 def status_of(error: BaseException | None) -> int:

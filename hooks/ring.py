@@ -49,9 +49,10 @@ import time
 import weakref
 from typing import Callable, NamedTuple
 
-START, END, NAN, GPU_START, SNAPSHOT = 1, 2, 3, 4, 5
+START, END, NAN, GPU_START, SNAPSHOT, LOSS_SCALE = 1, 2, 3, 4, 5, 6
 """Record kinds: a collective was issued, finished, had a non-finite tensor, started on the GPU; the
-writer asks its reader for a flight-recorder snapshot (``flags``: the reason's index in ``REASONS``)."""
+writer asks its reader for a flight-recorder snapshot (``flags``: the reason's index in ``REASONS``);
+a loss scaler began or ended a step (``flags``: the index in ``LOSS_SCALE_EVENTS``)."""
 REASONS = ("abort", "hang", "signal", "exception", "peer", "exit")
 """Why a snapshot was written: a collective's abort, a hang, SIGTERM, an unhandled exception,
 another rank's hang or abort, the writer's process ended without closing its ring (killed, crashed)."""
@@ -59,6 +60,9 @@ ERRORS = ("hook", "recorder", "string_dropped", "work_unjudged", "gpu_pool_exhau
 """What the writer lost, counted in the header: hooks that raised, collectives it failed to record,
 strings with no room in the arena, async works dropped before their completion could be observed,
 collectives on the GPU timed on the CPU for want of events."""
+LOSS_SCALE_EVENTS = ("scaled", "applied", "skipped")
+"""A loss scaler (``torch.amp.GradScaler``) scaled a loss: the step's gradients follow; it ended the
+step and applied it; it skipped it, the gradients holding Inf or NaN (hooks/loss_scale.py)."""
 NAN_OUTPUT, NAN_HAS_NAN, NAN_HAS_INF = 1, 2, 4
 """Bits of a NAN record's ``flags``: the tensor was an output; it held NaN; it held Inf."""
 FLAG_ASYNC, FLAG_LAST_BUCKET = 1, 2

@@ -19,6 +19,10 @@ Faults, on rank ``--rank`` at step ``--step`` (``--fault none`` for a healthy ru
     order    the rank issues the job's loss all_reduce before its pair's: it waits there for the
              others, its pair partner waits for it in the pair, and their data-parallel peers wait
              for them; every rank waits on another (a deadlock, until the backend's timeout)
+
+``--amp``: mixed precision, the forward in float16 with dynamic loss scaling (``torch.amp.GradScaler``,
+growing its scale every few steps): every few steps the scaled gradients overflow to Inf, the
+gradient buckets of every rank hold it, and the scaler skips the step and lowers its scale. Healthy.
 """
 
 import argparse
@@ -37,6 +41,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--step-ms", type=float, default=20, help="compute time of a step")
     parser.add_argument("--late-s", type=float, default=8)
+    parser.add_argument("--amp", action="store_true", help="float16 forward, dynamic loss scaling")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -50,9 +55,12 @@ def main() -> None:
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64), process_group=data_parallel)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     data = torch.Generator().manual_seed(rank)
+    scaler = torch.amp.GradScaler("cpu", growth_factor=2.0 ** 4, backoff_factor=2.0 ** -4, growth_interval=3,
+                                  enabled=args.amp)
     for step in range(args.steps):
         time.sleep(args.step_ms / 1000)
-        out = model(torch.randn(32, 64, generator=data))
+        with torch.autocast("cpu", dtype=torch.float16, enabled=args.amp):
+            out = model(torch.randn(32, 64, generator=data)).float()
         shard = out.detach().clone()
         if rank == args.rank and step == args.step and args.fault == "late":
             time.sleep(args.late_s)
@@ -69,8 +77,9 @@ def main() -> None:
             shard = received  # this stage goes on from the previous stage's activations
         loss = (out - shard / 2).pow(2).mean()
         optimizer.zero_grad()
-        loss.backward()  # DDP: the gradients all_reduced over the data-parallel group
-        optimizer.step()
+        scaler.scale(loss).backward()  # DDP: the gradients all_reduced over the data-parallel group
+        scaler.step(optimizer)
+        scaler.update()
         if step % 10 == 0:
             total = loss.detach().clone()
             dist.all_reduce(total)  # the job's loss, for the log

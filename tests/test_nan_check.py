@@ -1,10 +1,11 @@
 """The NaN check's one pass over a tensor agrees with torch's own element-wise verdict, for every
-float dtype, wherever the NaN or Inf sits, and where a sum of finite values would overflow."""
+float dtype, wherever the NaN or Inf sits, and where a sum of finite values would overflow; and its
+count of a non-finite tensor's NaNs and Infs agrees with torch's."""
 
 import pytest
 import torch
 
-from commlens.hooks.finite import SCAN_UP_TO
+from commlens.hooks.finite import SCAN_UP_TO, counted
 from commlens.hooks.nan_check import tensor_finite
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128]
@@ -54,3 +55,5 @@ def test_random_tensors_agree_with_torch():
             index = int(torch.randint(0, t.numel(), (1,), generator=generator))
             t[index] = (float("nan"), float("inf"), float("-inf"))[index % 3]
         assert tensor_finite(t) == bool(torch.isfinite(t).all()), t
+        if not t.is_complex():  # complex tensors are counted by torch
+            assert counted(t) == (int(torch.isnan(t).sum()), int(torch.isinf(t).sum())), t

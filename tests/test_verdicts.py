@@ -107,13 +107,13 @@ def test_the_alert_and_diagnose_name_the_faulty_rank_and_only_it(tmp_path, fault
             assert f"{{{CULPRIT}}}" in report, report  # its process ended without a dump: "missing ... {1}"
 
 
-@EXPORTERS
-def test_a_rank_late_in_its_tensor_parallel_pair_is_named_and_the_ranks_held_up_by_it_are_not(tmp_path, pod):
+def test_a_rank_late_in_its_tensor_parallel_pair_is_named_and_the_ranks_held_up_by_it_are_not(tmp_path):
     """4 ranks, four kinds of group at once (``tests/parallel_train.py``). Rank 1 comes late to its
     pair's all_reduce: rank 0 waits for it there, rank 3 waits in ``recv`` for its activations, and
     rank 2 in ``recv`` for rank 0's. Rank 0 holds up rank 2 only because it waits in the pair: naming
-    it would cordon a healthy node."""
-    with _stack(tmp_path, "late", world=4, step=30, steps=200, script=PARALLEL_SCRIPT, pod=pod,
+    it would cordon a healthy node. Exported from every rank; the pipeline's test below runs with the
+    pod sidecar, so that each exporter's point-to-point waits are read by the rules once."""
+    with _stack(tmp_path, "late", world=4, step=30, steps=200, script=PARALLEL_SCRIPT,
                 extra=["--late-s", "30"]) as (
             webhook, training, prometheus):
         wait_for(lambda: webhook.firing("CommlensRankLate"), "CommlensRankLate at the webhook", timeout_s=90,
@@ -131,14 +131,14 @@ def test_a_rank_late_in_its_tensor_parallel_pair_is_named_and_the_ranks_held_up_
     assert "late or missing: rank 1 " in offline and _culprits(offline) == {1}, offline
 
 
-@EXPORTERS
-def test_a_pipeline_stage_late_on_its_send_is_named_and_the_stages_waiting_in_recv_are_not(tmp_path, pod):
+def test_a_pipeline_stage_late_on_its_send_is_named_and_the_stages_waiting_in_recv_are_not(tmp_path):
     """Rank 1, of the pipeline's first stage, sends its activations 30 s late in a step that ends with
     the job's loss all_reduce (``tests/parallel_train.py``): rank 3 waits in ``recv`` for it, and ranks
     0 and 2 wait in the loss all_reduce for both. Rank 3 is behind there only because it waits on its
-    peer. About 65 s per exporter: the late send must outlast the hang threshold, the alert's ``for``
-    and Alertmanager's hand-off, and the job must then finish for its files to be read."""
-    with _stack(tmp_path, "late-send", world=4, step=30, steps=200, script=PARALLEL_SCRIPT, pod=pod,
+    peer. With the pod sidecar (the test above exports from every rank). About 70 s: the late send
+    must outlast the hang threshold, the alert's ``for`` and Alertmanager's hand-off, and the job must
+    then finish for its files to be read."""
+    with _stack(tmp_path, "late-send", world=4, step=30, steps=200, script=PARALLEL_SCRIPT, pod=True,
                 extra=["--late-s", "30"]) as (webhook, training, prometheus):
         wait_for(lambda: webhook.firing("CommlensPeerLate"), "CommlensPeerLate at the webhook", timeout_s=90,
                  explain=lambda: _evidence(prometheus, training))
@@ -174,49 +174,50 @@ def test_ranks_that_issue_two_groups_collectives_in_different_orders_are_a_deadl
     assert "deadlock: waiting on each other, ranks 0, 1, 2, 3 " in live and "late or missing" not in live, live
 
 
-def test_a_healthy_run_of_the_parallel_script_fires_nothing(tmp_path):
-    """The 4-rank script of pairs, pipeline stages, DDP and the job's loss, with no fault, for about a
-    minute (1,500 steps of 20 ms): no alert fires or stays pending, and its files show nothing wrong.
-    A minute, because the rules' windows (20 s) and ``for`` clauses must run over the healthy pipeline's
-    waits many times to show they stay quiet. One exporter: the other reads the same series (above)."""
-    with _stack(tmp_path, "none", world=4, steps=1500, script=PARALLEL_SCRIPT) as (webhook, training, prometheus):
-        wait_for(lambda: prometheus.query("commlens:collective_wait_seconds:mean20s"), "the first recording")
-        assert training.wait(600) == 0, _evidence(prometheus, training)
-        pending = prometheus.query('max_over_time(count_over_time(ALERTS{alertstate="pending"}[3s])[5m:1s])')
-        firing = prometheus.query('ALERTS{alertstate="firing"}')
-    assert not webhook.alerts and not firing, (webhook.alerts, firing)
-    assert all(float(p["value"][1]) <= 1 for p in pending), pending
-    assert "nothing wrong found" in _diagnose(str(training.out))
-
-
 @pytest.mark.long
 @EXPORTERS
 def test_a_healthy_run_fires_nothing_and_leaves_nothing_pending(tmp_path, pod):
-    """A job of 60 ms steps watched for 150 s, longer than every rule's window but the bandwidth
-    drop's: the suite's longest test, with the other exporter's (both started first). 60 ms, not 20:
-    the same watch at about half the CPU, on cores the other tests share. On the way an operator
-    takes a snapshot (``commlens dump``): every rank writes its dump (with a pod sidecar, from shared
-    memory), and the job trains on and stays healthy."""
-    with _stack(tmp_path, "none", steps=2400, extra=["--step-ms", "60"], pod=pod) as (webhook, training, prometheus):
+    """The 4-rank script of pairs, pipeline stages, DDP and the job's loss (``tests/parallel_train.py``),
+    in mixed precision with dynamic loss scaling (every few steps the scaled gradients overflow: Inf in
+    every rank's gradient buckets, and the scaler skips the step), in 60 ms steps, watched for 150 s:
+    longer than every rule's window but the bandwidth drop's, so that the rules run over the healthy
+    pipeline's waits and overflows many times. The suite's longest test, with the other exporter's
+    (both started first). 60 ms, not 20: the same watch at about half the CPU, on cores the other tests
+    share. On the way an operator takes a snapshot (``commlens dump``): every rank writes its dump
+    (with a pod sidecar, from shared memory), and the job trains on and stays healthy."""
+    world = 4
+    with _stack(tmp_path, "none", world=world, steps=2400, script=PARALLEL_SCRIPT,
+                extra=["--step-ms", "60", "--amp"], pod=pod) as (webhook, training, prometheus):
         wait_for(lambda: prometheus.query("commlens:collective_wait_seconds:mean20s"), "the first recording")
         asked = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "dump", "--store", training.store,
                                 "--job-id", "verdict-test"], capture_output=True, text=True, timeout=60)
         assert asked.returncode == 0 and "asked every rank of job 'verdict-test'" in asked.stdout, asked
-        dumps = [training.out / f"rank_{rank}" for rank in range(WORLD)]
+        dumps = [training.out / f"rank_{rank}" for rank in range(world)]
         wait_for(lambda: all(dump.exists() for dump in dumps), "every rank's dump", timeout_s=30)
         wait_for(lambda: prometheus.by_rank('commlens_abort_snapshots_total{reason="peer"}') ==
-                 {rank: 1.0 for rank in range(WORLD)}, "one snapshot on demand counted by every rank")
+                 {rank: 1.0 for rank in range(world)}, "one snapshot on demand counted by every rank")
         started = time.monotonic()
         while time.monotonic() - started < 150 and training.process.poll() is None:
             time.sleep(1)  # not synchronisation: the healthy run lasts this long while the rules evaluate
         pending = prometheus.query('max_over_time(count_over_time(ALERTS{alertstate="pending"}[3s])[5m:1s])')
         firing = prometheus.query('ALERTS{alertstate="firing"}')
+        skipped = prometheus.by_rank('commlens_loss_scale_steps_total{outcome="skipped"}')
+        infs = prometheus.by_rank('sum by (rank) (commlens_nan_events_total{kind="inf"})')
+        live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
         # a healthy job ends on its own: stopped by the test instead, a rank's last collective fails
         # (its peer is gone), and the files would rightly show that
         assert training.wait(600) == 0, _evidence(prometheus, training)
         offline_files = training.out
     assert not webhook.alerts and not firing, (webhook.alerts, firing)
     assert all(float(p["value"][1]) <= 1 for p in pending), pending
-    assert "nothing wrong found" in _diagnose(str(offline_files))
+    # the overflows were there, and counted: skipped steps on every rank, Inf in their collectives
+    assert sorted(skipped) == list(range(world)) and min(skipped.values()) >= 10, skipped
+    assert sorted(infs) == list(range(world)) and min(infs.values()) >= 10, infs
+    offline = _diagnose(str(offline_files))
+    for report in (live, offline):  # live, each line starts with the job's name
+        first, *notes = report.splitlines()
+        assert first.endswith("nothing wrong found") and len(notes) == 1, report
+        assert "no fault: the loss scaler skipped " in notes[0], report
+        assert notes[0].endswith("(ranks 0, 1, 2, 3): its overflow"), report
     for dump in dumps:  # written while the job trained: its collectives, the all_reduces among them
         assert any(e["profiling_name"].endswith("all_reduce") for e in pickle.loads(dump.read_bytes())["entries"])

@@ -1,0 +1,73 @@
+"""``watch_loss_scaling()``: what a dynamic loss scaler did with each step, into the ring.
+
+With ``torch.amp.GradScaler`` a step whose scaled gradients overflow holds Inf (or NaN) in its gradient
+buckets by design: the scaler skips it and lowers its scale. The ring gets a LOSS_SCALE record when
+the scaler scales a loss (the step's gradients follow) and when it ends the step, applied or skipped,
+so that the sidecar tells those values from non-finite values entering the job (agent/sidecar.py).
+Reading whether the step was skipped copies the scaler's found-Inf flags to the host once per step;
+``GradScaler.step`` has already waited for them.
+
+Example::
+
+    unwatch = watch_loss_scaling()
+    scaler = torch.amp.GradScaler("cuda")
+    scaler.scale(loss).backward()   # LOSS_SCALE "scaled"
+    scaler.step(optimizer)
+    scaler.update()                 # LOSS_SCALE "applied", or "skipped" after an overflow
+    unwatch()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from . import process_ring, record
+from .patch import Patches
+
+
+def _scaled(original: Callable) -> Callable:
+    def scale(self: Any, outputs: Any) -> Any:
+        scaled = original(self, outputs)
+        if self._enabled:
+            _write("scaled")
+        return scaled
+    return scale
+
+
+def _updated(original: Callable) -> Callable:
+    def update(self: Any, new_scale: Any = None) -> None:
+        event = _outcome(self) if self._enabled and new_scale is None else None
+        original(self, new_scale)
+        if event is not None:
+            _write(event)
+    return update
+
+
+def _outcome(scaler: Any) -> str | None:
+    """"skipped" when any optimizer's gradients held Inf or NaN this step (what ``update`` lowers the
+    scale for), else "applied"; None when commlens cannot tell (counted, the step goes on)."""
+    try:
+        found = [flag for state in scaler._per_optimizer_states.values()
+                 for flag in state["found_inf_per_device"].values()]
+        return "skipped" if any(float(flag) for flag in found) else "applied"
+    except Exception as error:  # a torch whose scaler keeps its state elsewhere
+        process_ring.internal_error("loss scaling", error)
+        return None
+
+
+def _write(event: str) -> None:
+    try:
+        record.loss_scale(record.writer(), event)
+    except Exception as error:
+        process_ring.internal_error("loss scaling", error)
+
+
+def watch_loss_scaling() -> Callable[[], None]:
+    """Record every ``torch.amp.GradScaler``'s steps (its CUDA and CPU subclasses' too) until the
+    returned function is called."""
+    from torch.amp import GradScaler
+
+    patches = Patches()
+    patches.add(GradScaler.scale, _scaled, "torch.amp.GradScaler.scale")
+    patches.add(GradScaler.update, _updated, "torch.amp.GradScaler.update")
+    return patches.undo
