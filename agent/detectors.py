@@ -22,6 +22,9 @@ STRAGGLER_RATIO = 0.5
 """... and waits less than this fraction of what the group's longest waiter waits (live) ..."""
 STRAGGLER_EVIDENCE = 30
 """After the fact, a straggler is only named from at least this many collectives seen by every rank."""
+STALL_MIN_S = 1.0
+"""After the fact, a one-off stall is named where the ranks held up by it waited at least this long (and
+under the hang threshold: longer is a hang, named as such): a GC pause, a checkpoint written on one node."""
 STRAGGLER_LEAD = 1.5
 """... or, after the fact, arrives later on average than this many times the next latest rank (a rank
 that waits on the straggler inherits part of its lateness: a broadcast's root, say)."""
@@ -48,7 +51,7 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
             stuck += _mismatch(pg, members)
         found += stuck
         if not stuck and not any(f.pg == pg for f in links):
-            found += _straggler(pg, members, facts)
+            found += _straggler(pg, members, facts) + _stalls(pg, members, facts)
     found += _late_peers(facts)
     if links and not any(f.kind in ("lost_rank", "desync", "late_rank") for f in found):
         found.append(Finding("deadlock", tuple(sorted({r for f in links for r in f.ranks})), links[0].pg,
@@ -57,7 +60,7 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
         found = [dataclasses.replace(f, evidence="; ".join([f.evidence, *(
             f"held up through them: {link.evidence}" for link in links if f.pg in link.waits_in)]))
             if f.kind == "late_rank" else f for f in found]
-    order = ("nan_origin", "lost_rank", "desync", "late_rank", "deadlock", "hang", "straggler")
+    order = ("nan_origin", "lost_rank", "desync", "late_rank", "deadlock", "hang", "stall", "straggler")
     return sorted(found, key=lambda f: order.index(f.kind))
 
 
@@ -280,6 +283,39 @@ def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> 
                         f"over {len(common)} collectives it arrived on average {mean[rank] * 1e3:.1f} ms after the "
                         f"first rank (the next latest rank: {runner_up * 1e3:.1f} ms), last in {last[rank]}")]
     return []
+
+
+def _stalls(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:
+    """One-off stalls, after the fact: a collective of the group that some members waited in long (a
+    slow outlier of at least ``STALL_MIN_S``, under the hang threshold) and others not at all. Those
+    arrived late, and are named, unless they waited themselves in another group or on a peer
+    meanwhile: held up there, they are links of a chain whose end is named in that group."""
+    waiting_in: dict[int, dict[int, tuple[str, int, int]]] = collections.defaultdict(dict)
+    for f in members:
+        for seq, wait in f.groups[pg].slow_waits.items():
+            waiting_in[seq][f.rank] = wait
+    found = []
+    for seq, waiting in sorted(waiting_in.items()):
+        waited_s = min(end - start for _, start, end in waiting.values()) / 1e9
+        if waited_s < STALL_MIN_S:
+            continue
+        since, until = max(start for _, start, _ in waiting.values()), min(end for _, _, end in waiting.values())
+        late = [f.rank for f in members if f.rank not in waiting and seq <= f.groups[pg].issued
+                and not _waited_within(f, since, until)]
+        if late and len(late) < len(members):
+            op = collections.Counter(op for op, _, _ in waiting.values()).most_common(1)[0][0]
+            found.append(Finding("stall", tuple(late), pg, op, seq,
+                                 f"ranks {sorted(waiting)} waited {waited_s:.1f} s in it, several times their usual "
+                                 f"wait and under the hang threshold, while ranks {late} waited nowhere"))
+    return found
+
+
+def _waited_within(facts: RankFacts, since: int, until: int) -> bool:
+    """Whether the rank waited long (in any group, on any peer) over most of ``since`` to ``until``
+    (ns; from the same host's clock as its own waits, in a job of one node)."""
+    span = until - since
+    return any(min(until, end if end is not None else until) - max(since, start) > span / 2
+               for start, end in facts.waits)
 
 
 def _trimmed_mean(values: list[float]) -> float:

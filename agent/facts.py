@@ -39,6 +39,9 @@ class GroupFacts:
     past the hang threshold (offline)."""
     threshold_s: float | None = None
     """The hang threshold, as the age at which its first hang was reported (offline)."""
+    slow_waits: dict[int, tuple[str, int, int]] = dataclasses.field(default_factory=dict)
+    """seq -> (op, start ns, end ns) of each collective it waited in long (a slow outlier: several
+    times its usual), but under the hang threshold (offline)."""
 
 
 @dataclasses.dataclass
@@ -51,6 +54,9 @@ class RankFacts:
     """Its process ended without a signal or an exception (killed, crashed), as a pod sidecar saw."""
     signalled_ns: int | None = None
     """When its process was signalled to stop (SIGTERM), wall-clock ns, from its dump (offline)."""
+    waits: list[tuple[int, int | None]] = dataclasses.field(default_factory=list)
+    """(start ns, end ns or None while in flight) of every collective and point-to-point op it waited
+    in long (slow) or past the hang threshold, in any group (offline)."""
     loss_scale_skipped: int = 0
     """Steps its loss scaler skipped for Inf or NaN in the gradients (offline: those seen in its spans)."""
 
@@ -61,7 +67,7 @@ class RankFacts:
 @dataclasses.dataclass(frozen=True)
 class Finding:
     kind: str
-    """nan_origin, lost_rank, late_rank, desync, straggler, hang or deadlock."""
+    """nan_origin, lost_rank, late_rank, desync, straggler, stall, hang or deadlock."""
     ranks: tuple[int, ...]
     pg: str
     op: str
@@ -74,6 +80,6 @@ class Finding:
         who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {', '.join(map(str, self.ranks))}"
         where = f"{self.op} (group {self.pg}" + (f", seq {self.seq})" if self.seq is not None else ")")
         title = {"nan_origin": "NaN/Inf entered on", "lost_rank": "killed or crashed:", "late_rank": "late or missing:",
-                 "desync": "desync:", "straggler": "straggler:", "hang": "hang: all waiting,",
+                 "desync": "desync:", "straggler": "straggler:", "stall": "stall:", "hang": "hang: all waiting,",
                  "deadlock": "deadlock: waiting on each other,"}[self.kind]
         return f"{title} {who} in {where} — {self.evidence}"

@@ -263,11 +263,16 @@ def _value(attribute: dict):
 
 
 def _p2p_span_fact(ranks: dict[int, RankFacts], span: dict, a: dict) -> None:
-    """A point-to-point op waited in past the hang threshold: on whom, and when."""
+    """A point-to-point op waited in long or past the hang threshold: on whom, and when."""
+    if not (a.get(names.SLOW) or a.get(names.HANG)):
+        return
+    facts = ranks.setdefault(int(a[names.RANK]), RankFacts(int(a[names.RANK])))
+    start = int(span["startTimeUnixNano"])
+    facts.waits.append((start, None if a.get(names.IN_FLIGHT) else int(span["endTimeUnixNano"])))
     if not a.get(names.HANG) or names.PEER not in a:
         return
-    group = ranks.setdefault(int(a[names.RANK]), RankFacts(int(a[names.RANK]))).group(str(a[names.PG_NAME]))
-    start, op, peer = int(span["startTimeUnixNano"]), a[names.OP], int(a[names.PEER])
+    group = facts.group(str(a[names.PG_NAME]))
+    op, peer = a[names.OP], int(a[names.PEER])
     group.p2p_waits_seen = [w for w in group.p2p_waits_seen if w[0] != start]  # its end replaces its in-flight span
     group.p2p_waits_seen.append((start, None if a.get(names.IN_FLIGHT) else int(span["endTimeUnixNano"]), op, peer))
 
@@ -284,8 +289,13 @@ def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[
         completed.add((rank, pg, seq))
         if a.get(names.STATUS) in ("error", "timeout") and (group.failed is None or seq < group.failed[1]):
             group.failed = (op, seq)
-    group.arrivals[seq] = (op, int(span["startTimeUnixNano"]))
+    start, end = int(span["startTimeUnixNano"]), None if a.get(names.IN_FLIGHT) else int(span["endTimeUnixNano"])
+    group.arrivals[seq] = (op, start)
     group.issued = max(group.issued, seq)
+    if a.get(names.SLOW) or a.get(names.HANG):
+        ranks[rank].waits.append((start, end))
+        if not a.get(names.HANG) and end is not None:
+            group.slow_waits[seq] = (op, start, end)
     if a.get(names.HANG):
         in_flight = bool(a.get(names.IN_FLIGHT))
         if seq not in group.hangs_seen or not in_flight:  # the span of its end, once there is one

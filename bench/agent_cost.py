@@ -33,6 +33,7 @@ a process of its own, drains them). Workloads: all_reduce of 4 KiB, 1 MiB and 64
 
     python bench/agent_cost.py --repeats 5       # the figures (about 15 minutes on 2 cores)
     python bench/agent_cost.py --quick           # every path once, briefly (CI: no timing judged)
+    python bench/agent_cost.py --payload inf     # every collective holding Inf: the non-finite path
 """
 
 from __future__ import annotations
@@ -92,11 +93,13 @@ def _busy(us: float):
     return busy
 
 
-def workload_step(name: str, busy_us: float = 0.0):
-    """One iteration of workload ``name``, as a function; an all_reduce preceded by ``busy_us`` of Python."""
+def workload_step(name: str, busy_us: float = 0.0, fill: float = 0.0):
+    """One iteration of workload ``name``, as a function; an all_reduce preceded by ``busy_us`` of Python,
+    of a payload of ``fill`` (zeros: a summed payload of ones would double each time, and be Inf after
+    128 collectives; Inf stays Inf: every collective a NaN/Inf event)."""
     elements, _ = WORKLOADS[name]
-    if elements is not None:  # zeros: a summed payload of ones would double each time, and be Inf
-        tensor = torch.zeros(elements)  # after 128 collectives: every one a NaN/Inf event from then on
+    if elements is not None:
+        tensor = torch.full((elements,), fill)
         if busy_us:
             busy = _busy(busy_us)
             return lambda: (busy(), dist.all_reduce(tensor))
@@ -177,7 +180,7 @@ def _process_cpu_s(pid: int) -> float:
 
 
 def _trial(rank: int, world_size: int, port: int, workload: str, iterations: int, settings: dict | None,
-           out: dict, busy_us: float = 0.0) -> None:
+           out: dict, busy_us: float = 0.0, fill: float = 0.0) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
@@ -191,7 +194,7 @@ def _trial(rank: int, world_size: int, port: int, workload: str, iterations: int
         os.environ.update(settings)
         agent = commlens.agent.start()
     main_thread, group = threading.main_thread().native_id, dist.distributed_c10d._get_default_group()
-    step = workload_step(workload, busy_us)
+    step = workload_step(workload, busy_us, fill)
     before = {t.native_id: _thread_cpu_s(t.native_id) for t in threading.enumerate()}
     first_seq, process_before = group._get_sequence_number_for_group(), time.process_time()
     seconds = _workload(step, iterations)
@@ -245,8 +248,9 @@ def idle_cpu_s(seconds: float) -> float:
         return out["idle_cpu_s"]
 
 
-def trial(workload: str, config: str, iterations: int, world_size: int = 2) -> dict:
-    """One fresh gloo job of ``workload`` under ``config`` (or the ``YARDSTICK``); rank 0's figures."""
+def trial(workload: str, config: str, iterations: int, world_size: int = 2, fill: float = 0.0) -> dict:
+    """One fresh gloo job of ``workload`` under ``config`` (or the ``YARDSTICK``), its all_reduces' payload
+    of ``fill``; rank 0's figures."""
     busy_us = YARDSTICK_US if config == YARDSTICK else 0.0
     settings = None if busy_us or CONFIGS[config] is None else {
         "COMMLENS_METRICS_PORT": str(free_ports(world_size)), "COMMLENS_METRICS_ADDR": "127.0.0.1",
@@ -266,7 +270,7 @@ def trial(workload: str, config: str, iterations: int, world_size: int = 2) -> d
             with mp.Manager() as manager:
                 out = manager.dict()
                 mp.start_processes(_trial, nprocs=world_size, start_method="forkserver",
-                                   args=(world_size, free_port(), workload, iterations, settings, out, busy_us))
+                                   args=(world_size, free_port(), workload, iterations, settings, out, busy_us, fill))
                 result = dict(out["result"])
             if sidecar is not None:
                 result["sidecar_cpu_s"] = _process_cpu_s(sidecar.pid) - sidecar_started_s
@@ -291,7 +295,11 @@ def main() -> int:
                         help="all_reduces of 4 KiB a one-rank job runs per configuration for the CPU figures")
     parser.add_argument("--cpu-repeats", type=int, default=3, help="one-rank jobs per configuration for the CPU figures")
     parser.add_argument("--idle-s", type=float, default=10.0, help="seconds the idle job runs")
+    parser.add_argument("--payload", choices=("zeros", "inf"), default="zeros",
+                        help="the all_reduces' values: zeros, or Inf in every element (a diverged job, an overflow "
+                             "storm: every collective a NaN/Inf event)")
     args = parser.parse_args()
+    fill = float("inf") if args.payload == "inf" else 0.0
     # imported once, not per job (DDP imports dynamo, fully_shard FSDP: 2 s and 1 s of CPU)
     mp.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp",
                                "commlens.agent"])
@@ -301,13 +309,13 @@ def main() -> int:
         for workload in args.workloads:
             iterations = 2 if args.quick else WORKLOADS[workload][1]
             for config in CONFIGS:
-                results.setdefault((workload, config), []).append(trial(workload, config, iterations))
+                results.setdefault((workload, config), []).append(trial(workload, config, iterations, fill=fill))
             print(f"repeat {repeat + 1}/{repeats}: {workload} done", file=sys.stderr, flush=True)
     collectives = 2000 if args.quick else args.cpu_collectives
     cpu: dict[str, list[dict]] = {config: [] for config in [*CONFIGS, YARDSTICK]}
     for _ in range(1 if args.quick else args.cpu_repeats):  # interleaved: each paired with its repeat's "none"
         for config in cpu:
-            cpu[config].append(trial("all_reduce 4 KiB", config, collectives, world_size=1))
+            cpu[config].append(trial("all_reduce 4 KiB", config, collectives, world_size=1, fill=fill))
     print(f"{'workload':<20}{'config':<14}{'ratio min - median - max':>26}")
     for workload in args.workloads:
         baseline = results[(workload, "none")]
@@ -338,7 +346,7 @@ def main() -> int:
             threads = statistics.median(run["commlens_cpu_s"] / run["iterations"] for run in runs) * 1e6
             print(f"{workload:<20}{config:<14}{over:>18.1f}{_spread([on / off for on, off in per]):>26}"
                   f"{training:>17.1f}{threads:>18.1f}")
-    print(f"\nCPU per collective, µs: one rank, {collectives:,} all_reduces of 4 KiB per configuration, "
+    print(f"\nCPU per collective, µs: one rank, {collectives:,} all_reduces of 4 KiB of {args.payload} per configuration, "
           f"medians of {len(cpu['none'])} interleaved jobs (total: their sum)")
     print(f"{'config':<16}{'commlens threads':>18}{'+training thread':>18}{'pod sidecar':>13}{'total':>8}")
     for config, runs in cpu.items():

@@ -34,7 +34,7 @@ def _stack(tmp_path, fault, world=WORLD, **job):
 
 def _culprits(report: str) -> set[int]:
     """The ranks that the findings of ``commlens diagnose`` blame."""
-    found = re.findall(r"(?:entered on|late or missing:|desync:|straggler:|all waiting,|waiting on each other,) "
+    found = re.findall(r"(?:entered on|late or missing:|desync:|straggler:|stall:|all waiting,|waiting on each other,) "
                        r"ranks? ([\d, ]+) in", report)
     return {int(rank) for ranks in found for rank in ranks.split(",")}
 
@@ -157,6 +157,23 @@ def test_a_pipeline_stage_late_on_its_send_is_named_and_the_stages_waiting_in_re
     assert "rank 3 is behind too, but waits itself on rank 1 in recv (group 6)" in live, live
     offline = _diagnose(str(training.out))
     assert "late or missing: rank 1 " in offline and _culprits(offline) == {1}, offline
+
+
+def test_a_one_off_stall_under_the_hang_threshold_is_named_after_the_fact_and_only_its_rank(tmp_path):
+    """Rank 1 stalls 1.5 s once (a GC pause, a checkpoint write), under the 3 s hang threshold, before
+    its pair's all_reduce (``tests/parallel_train.py``): rank 0 waits for it there, ranks 2 and 3 in
+    ``recv``. No hang, so nothing is pending past it; from the job's files, ``commlens diagnose``
+    names the stall, with its rank and collective, and not the ranks it held up. No alert names
+    anyone else (the straggler rule may name rank 1: it did arrive late)."""
+    with _stack(tmp_path, "late", world=4, step=30, steps=200, script=PARALLEL_SCRIPT,
+                extra=["--late-s", "1.5"]) as (webhook, training, prometheus):
+        assert training.wait(120) == 0, training.log.read_text()[-3000:]
+        named = {a["labels"]["rank"] for a in webhook.alerts if a["labels"]["alertname"] in CULPRIT_ALERTS}
+    assert named <= {"1"}, webhook.alerts
+    offline = _diagnose(str(training.out))
+    assert _culprits(offline) == {1}, offline
+    assert re.search(r"^stall: rank 1 in all_reduce \(group 1, seq \d+\) — ranks \[0\] waited 1\.\d s in it, .*"
+                     r"while ranks \[1\] waited nowhere$", offline, re.MULTILINE), offline
 
 
 def test_ranks_that_issue_two_groups_collectives_in_different_orders_are_a_deadlock_and_none_is_named_late(tmp_path):
