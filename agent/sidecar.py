@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from typing import Callable, NamedTuple, Sequence
@@ -55,6 +56,11 @@ _SHAPES = 4096
 """Shapes kept before the cache starts over (variable-size payloads would otherwise grow it)."""
 _HELD = 4096
 """Collectives with non-finite tensors held in a loss scaler's step, at most (then exported as they end)."""
+NAN_SPANS_KEPT = 100
+"""Spans of collectives with a non-finite tensor kept whatever the sampling, per group: the first ones,
+where values entered. Past that many they are sampled like the others (every one still counted in
+``commlens_nan_events_total``), so that a job whose every collective holds NaN or Inf (diverged, an
+overflow storm) does not have each one built and exported."""
 _make = tuple.__new__
 
 
@@ -117,6 +123,8 @@ class Sidecar:
         """While a loss scaler's step is in progress: its collectives with non-finite tensors, held
         until the scaler says whether it skipped the step (hooks/loss_scale.py)."""
         self._skipped_steps = 0
+        self._nan_spans: collections.Counter[str] = collections.Counter()
+        """Group -> spans of non-finite collectives kept so far (``NAN_SPANS_KEPT``)."""
         self._typical: dict[tuple, tuple[float, int]] = {}
         self._groups: dict[int, tuple[str, int]] = {}
         self._members: dict[int, list[int]] = {}
@@ -297,7 +305,10 @@ class Sidecar:
             self.stats.on_gpu(shape, (gpu_start - start.t_ns) / 1e9, (end.t_ns - gpu_start) / 1e9)
         self.stats.finished(shape, None if shape.is_p2p else end.seq, status, seconds)
         slow = seconds is not None and bool(self._slow(shape, (seconds,)))
-        if not (nan or hung or slow or status != "ok" or self.sample(shape.pg, (end.seq,), shape.is_p2p)):
+        if nan:
+            self._nan_spans[shape.pg] += 1
+        if not (nan and self._nan_spans[shape.pg] <= NAN_SPANS_KEPT or hung or slow or status != "ok"
+                or self.sample(shape.pg, (end.seq,), shape.is_p2p)):
             return
         collective = self._collective(shape, start or end, end, status, nan, hung, slow, gpu_start=gpu_start)
         if nan and self._scaled_step is not None and len(self._scaled_step) < _HELD:

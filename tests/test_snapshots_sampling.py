@@ -130,6 +130,31 @@ def test_the_sidecar_builds_only_the_collectives_the_sampler_keeps_and_every_ano
     assert sum(sidecar.stats.completed.values()) == 200  # every collective in the metrics
 
 
+def test_past_the_first_non_finite_collectives_of_a_group_they_are_sampled_and_every_one_counted():
+    """A diverged job: every collective holds NaN. The first ``NAN_SPANS_KEPT`` of the group are exported
+    whatever the sampling (where the values entered); the others as the sampler keeps any collective."""
+    from commlens.agent.sidecar import NAN_SPANS_KEPT
+
+    exporter = _Kept()
+    spans = BatchSpanProcessor(exporter, {}, job="job-8", sampler_ratio=0.25)
+    reference = BatchSpanProcessor(_Nowhere(), {}, job="job-8", sampler_ratio=0.25)
+    total = 3 * NAN_SPANS_KEPT
+    sampled = _kept(reference, range(NAN_SPANS_KEPT + 1, total + 1))
+    ring = Ring(slots=4096)
+    sidecar = Sidecar(ring, rank=0, hang_threshold_s=60, on_collective=spans.queue, sample=spans.sampled)
+    group = ring.intern(record.encode_group("0", "default_pg", [0, 1], 0, "gloo"))
+    for seq in range(1, total + 1):
+        record.start(ring.write, 0, group, seq, seq, 64, 0, -1, t_ns=seq * 1_000_000)
+        record.nan(ring.write, 0, group, seq, seq, 0, -1, 0, NAN_HAS_NAN, 1)
+        record.end(ring.write, 0, group, seq, seq, 64, 0, -1, t_ns=seq * 1_000_000 + 100_000)
+    sidecar.drain()
+    spans.shutdown(5)
+    reference.shutdown(5)
+    assert len(exporter.names) == NAN_SPANS_KEPT + len(sampled) and 0 < len(sampled) < total - NAN_SPANS_KEPT
+    assert sidecar.stats.nans == {("all_reduce", "0", "nan"): total}  # every one counted
+    assert sidecar.stats.first_nonfinite == {("0", "nan"): (1, "all_reduce")}
+
+
 def test_a_slow_outlier_is_judged_against_its_own_op_and_size_at_the_default_detail_level():
     from commlens.hooks.ops import CODE, OpName
 
