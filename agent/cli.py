@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(live from metrics or Prometheus, or from trace files and dumps)")
     commands.add_parser("timeline", add_help=False, help="a cross-rank timeline of a job's collectives, for "
                         "ui.perfetto.dev or chrome://tracing, from its trace files")
+    commands.add_parser("report", add_help=False, help="a job's verdict, timeline, ranks, latencies and anomalies "
+                        "as one HTML page, from its trace files")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["diagnose"]:
         from .diagnose import main as diagnose
@@ -123,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         from .timeline import main as timeline
 
         return timeline(argv[1:])
+    if argv[:1] == ["report"]:
+        from .report import main as report
+
+        return report(argv[1:])
     args = parser.parse_args(argv)
 
     from .config import ConfigError
@@ -192,9 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     print(outcome.summary)
     report = (outcome.analyzer.stdout + outcome.analyzer.stderr).strip()
     print("torchfrtrace:", report or "no mismatch found")
+    from . import report as page
     from .timeline import OPEN_IN, write
 
     print(f"timeline: {write(out)} ({OPEN_IN})")
+    print(f"report: {page.write(out)} (open it in a browser)")
     print(f"the job's files are in {out}: commlens diagnose {out}")
     return outcome.analyzer.returncode
 

@@ -120,7 +120,8 @@ def run(command: list[str], settings: dict[str, str], sidecar: bool = False, out
                     pod.kill()
                     pod.wait()
             if folder is not None:
-                print(f"commlens run: the job's files are in {folder}: commlens diagnose {folder}", file=sys.stderr)
+                print(f"commlens run: the job's files are in {folder}: commlens diagnose {folder}; "
+                      f"commlens report {folder}", file=sys.stderr)
     finally:
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)

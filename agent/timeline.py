@@ -34,6 +34,7 @@ from typing import Iterable, Iterator, NamedTuple
 from commlens.exporters import names
 
 from .detectors import findings
+from .facts import RankFacts
 from .readers import from_files
 
 
@@ -74,6 +75,12 @@ def read(folder: str) -> tuple[list[Slice], list]:
     """The collectives in ``folder``'s trace files, one per rank and collective (a hung one's completed
     span replaces the in-flight one of its hang snapshot), and ``commlens diagnose``'s findings on
     the folder: both from one pass over the files."""
+    found, facts = read_facts(folder)
+    return found, findings(facts)
+
+
+def read_facts(folder: str) -> tuple[list[Slice], list[RankFacts]]:
+    """``read``'s collectives, and the facts the findings are drawn from."""
     found: dict[tuple, Slice] = {}
 
     def keep(span: dict, a: dict) -> None:
@@ -83,8 +90,8 @@ def read(folder: str) -> tuple[list[Slice], list]:
             if key not in found or found[key].in_flight:
                 found[key] = s
 
-    verdicts = findings(from_files(folder, keep))
-    return sorted(found.values(), key=lambda s: s.start_ns), verdicts
+    facts = from_files(folder, keep)
+    return sorted(found.values(), key=lambda s: s.start_ns), facts
 
 
 def clock_offsets(found: Iterable[Slice]) -> dict[int, int]:
@@ -100,6 +107,12 @@ def clock_offsets(found: Iterable[Slice]) -> dict[int, int]:
             for rank, end in by_rank.items():
                 deltas[rank].append(end - middle)
     return {rank: int(statistics.median(values)) for rank, values in deltas.items()}
+
+
+def aligned(found: Iterable[Slice], offsets: dict[int, int]) -> list[Slice]:
+    """``found`` on the job's clock (each rank's ``clock_offsets`` subtracted), in order of start."""
+    return sorted((s._replace(start_ns=s.start_ns - offsets.get(s.rank, 0), end_ns=s.end_ns - offsets.get(s.rank, 0))
+                   for s in found), key=lambda s: s.start_ns)
 
 
 def _step_ends(found: list[Slice]) -> dict[int, list[int]]:
@@ -129,8 +142,7 @@ def events(folder: str, last_s: float | None = None, steps: tuple[int, int] | No
     if not found:
         raise ValueError(f"no telemetry in {folder}: no trace file (*.jsonl) with commlens spans")
     offsets = clock_offsets(found)
-    found = sorted((s._replace(start_ns=s.start_ns - offsets.get(s.rank, 0), end_ns=s.end_ns - offsets.get(s.rank, 0))
-                    for s in found), key=lambda s: s.start_ns)
+    found = aligned(found, offsets)
     boundaries = _step_ends(found)
     if steps is not None and not boundaries:
         raise ValueError("--steps needs the steps' ends, which only a DDP model's last gradient buckets give; "

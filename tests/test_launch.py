@@ -87,7 +87,8 @@ def test_run_keeps_each_jobs_files_in_a_folder_of_its_own_never_written_over_and
     job = folder.name
     assert first.returncode == 0 and (folder / "rank_0").read_text() == "a dump", err
     assert f"job {job}: its trace files and flight-recorder dumps go to commlens-out/{job}\n" in err, err
-    assert err.endswith(f"the job's files are in commlens-out/{job}: commlens diagnose commlens-out/{job}\n"), err
+    assert err.endswith(f"the job's files are in commlens-out/{job}: commlens diagnose commlens-out/{job}; "
+                        f"commlens report commlens-out/{job}\n"), err
     again = _commlens("run", "--job-id", job, "--", sys.executable, "-c", dump, cwd=tmp_path, env=env,
                       stderr=subprocess.PIPE, text=True)
     _, err = again.communicate(timeout=60)

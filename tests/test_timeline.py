@@ -1,7 +1,9 @@
-"""``commlens timeline`` on ordinary training scripts with a fault written into them, run under
-``commlens run`` (4 gloo ranks): the trace-event file a user opens in Perfetto or chrome://tracing."""
+"""``commlens timeline`` and ``commlens report`` on ordinary training scripts with a fault written into
+them, run under ``commlens run`` (4 gloo ranks): the trace-event file a user opens in Perfetto or
+chrome://tracing, and the page a user opens in a browser (Debian's Chromium, headless)."""
 
 import collections
+import html
 import json
 import pathlib
 import shutil
@@ -121,7 +123,7 @@ def test_damaged_files_are_named_and_skipped_and_a_folder_without_telemetry_is_r
         f.write('{"resourceSpans": [{"scopeSpans": [{"spans": [{"attributes": 7}]}]}]}\n{"cut off\n')
     (out / "rank_9").write_bytes(b"not a pickle")
     lines = {}
-    for command in ("diagnose", "timeline"):
+    for command in ("diagnose", "timeline", "report"):
         done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", command, str(out)],
                               capture_output=True, text=True, timeout=120)
         lines[command] = done.stdout
@@ -130,10 +132,35 @@ def test_damaged_files_are_named_and_skipped_and_a_folder_without_telemetry_is_r
         assert [line for line in skipped if f"{first}, line " in line and "not an OTLP JSON line" in line]
         assert [line for line in skipped if "rank_9 is not a flight-recorder dump" in line]
     assert lines["diagnose"].startswith("NaN/Inf entered on rank 1 in all_reduce"), lines
-    assert lines["timeline"].startswith("timeline: "), lines
+    assert lines["timeline"].startswith("timeline: ") and lines["report"].startswith("report: "), lines
     (tmp_path / "empty").mkdir()
-    for command in ("diagnose", "timeline"):
+    for command in ("diagnose", "timeline", "report"):
         done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", command, str(tmp_path / "empty")],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and f"no telemetry in {tmp_path / 'empty'}" in done.stderr, done
-        assert "nothing wrong" not in done.stdout and not (tmp_path / "empty" / "timeline.json").exists()
+        assert "nothing wrong" not in done.stdout and not list((tmp_path / "empty").iterdir())
+
+
+@ON_THE_NAN_JOBS_WORKER
+def test_the_report_opens_from_disk_in_a_browser_without_error_and_shows_the_verdict(tmp_path, nan_job):
+    """``commlens report`` writes one page into the job's folder; headless Chromium opens it from disk
+    (no server, no network): no console message, and the page shows ``commlens diagnose``'s verdict,
+    every rank's lane and row, and the NaN among the anomalies."""
+    out = shutil.copytree(nan_job, tmp_path / "job")
+    done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "report", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith(f"report: {out / 'report.html'} "), done
+    verdict = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "diagnose", str(out)],
+                             capture_output=True, text=True, timeout=120).stdout.splitlines()[0]
+    assert verdict.startswith("NaN/Inf entered on rank 1 "), verdict
+    browser = shutil.which("chromium")
+    assert browser, "the report's test needs Debian's chromium (apt-get install chromium)"
+    shown = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
+                            "--v=0", "--dump-dom", (out / "report.html").as_uri()],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert not [line for line in shown.stderr.splitlines() if ":CONSOLE" in line], shown.stderr
+    page = shown.stdout
+    assert f'id="verdict">{html.escape(verdict, quote=False)}</div>' in page, page[:3000]
+    assert all(f">rank {rank}</text>" in page and f"<tr><td>{rank}</td>" in page for rank in range(WORLD)), page
+    assert '<td class="text">NaN' in page, page

@@ -1,0 +1,185 @@
+"""``commlens report``: a job's folder as one self-contained HTML page, to open from disk.
+
+The page holds the verdict of ``commlens diagnose`` on the folder (the same lines, and its notes), the
+cross-rank timeline of the spans kept (a lane per rank, anomalies and the ranks named drawn over them,
+clocks aligned as ``commlens timeline`` aligns them), each rank's time in the collectives kept, the
+latency of each op in each group, and the anomalies one by one. Ordinary collectives are sampled
+into the trace files and anomalies all kept, so the figures are of the spans kept: the metrics hold the
+exact counts. No script, no style sheet or font from elsewhere: it opens in any browser, offline.
+
+Example::
+
+    commlens report commlens-out/train-42          # writes commlens-out/train-42/report.html
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import html
+import os
+import sys
+
+from .detectors import findings
+from .diagnose import NOTHING_WRONG, notes
+from .timeline import Slice, aligned, clock_offsets, read_facts
+
+WIDTH = 1100
+"""The timeline's width in pixels."""
+LANE = 22
+DRAWN = 20_000
+"""Spans drawn on the timeline at most (every anomaly, then the others evenly): a page stays light."""
+EVENTS = 200
+"""Anomalies listed at most, the first ones."""
+_STYLE = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 24px; color: #1d2330; max-width: 1180px }
+h1 { font-size: 22px; margin: 0 0 4px } h2 { font-size: 16px; margin: 28px 0 8px }
+.meta { color: #5b6475 } .verdict { padding: 10px 14px; border-radius: 6px; font-family: ui-monospace, monospace }
+.bad { background: #fdecec; border: 1px solid #e5a3a3 } .ok { background: #e9f7ee; border: 1px solid #9fd3b0 }
+.note { background: #eef3fb; border: 1px solid #a9bfe3; margin-top: 6px }
+table { border-collapse: collapse } th, td { padding: 3px 10px; text-align: right; border-bottom: 1px solid #e3e6ec }
+th:first-child, td:first-child, td.text { text-align: left } svg text { font: 11px system-ui, sans-serif }
+"""
+_COLORS = {"NaN": "#8e44ad", "Inf": "#8e44ad", "hang": "#d62728", "collective error": "#d62728",
+           "collective timeout": "#d62728"}
+
+
+def render(folder: str) -> str:
+    """The report of the job in ``folder`` as HTML text; ValueError if the folder holds no spans."""
+    found, facts = read_facts(folder)
+    if not found:
+        raise ValueError(f"no telemetry in {folder}: no trace file (*.jsonl) with commlens spans")
+    found = aligned(found, clock_offsets(found))
+    verdict = findings(facts)
+    lines = [f.line() for f in verdict] or [NOTHING_WRONG]
+    ranks, groups = sorted({s.rank for s in found}), len({s.pg for s in found})
+    seconds = (max(s.end_ns for s in found) - found[0].start_ns) / 1e9
+    parts = [f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>commlens report: "
+             f"{_e(os.path.basename(os.path.abspath(folder)))}</title><style>{_STYLE}</style></head><body>",
+             "<h1>commlens report</h1>",
+             f"<p class=meta>{_e(os.path.abspath(folder))} · {len(ranks)} rank{'s' * (len(ranks) > 1)} · "
+             f"{groups} group{'s' * (groups > 1)} · {len(found):,} spans kept over {seconds:.1f} s</p>",
+             "<h2>Verdict</h2>",
+             *(f"<div class='verdict {'bad' if verdict else 'ok'}' id=verdict>{_e(line)}</div>" for line in lines),
+             *(f"<div class='verdict note'>{_e(line)}</div>" for line in notes(facts)),
+             "<h2>Timeline</h2>", _timeline(found, ranks, verdict),
+             "<h2>Ranks</h2>", _ranks(found, ranks),
+             "<h2>Latency by op and group</h2>", _latency(found),
+             "<h2>Anomalies</h2>", _anomalies(found),
+             "</body></html>"]
+    return "\n".join(parts)
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _timeline(found: list[Slice], ranks: list[int], verdict: list) -> str:
+    t0, t1 = found[0].start_ns, max(s.end_ns for s in found)
+    scale = (WIDTH - 60) / max(t1 - t0, 1)
+    lane = {rank: i for i, rank in enumerate(ranks)}
+    anomalies = [s for s in found if s.markers]
+    others = [s for s in found if not s.markers]
+    step = max(1, len(others) // max(1, DRAWN - len(anomalies)))
+    height = LANE * len(ranks) + 30
+    out = [f"<svg width={WIDTH} height={height} role=img aria-label='cross-rank timeline'>"]
+    for rank in ranks:
+        y = lane[rank] * LANE
+        out.append(f"<text x=0 y={y + 15}>rank {rank}</text><line x1=60 x2={WIDTH} y1={y + LANE - 1} "
+                   f"y2={y + LANE - 1} stroke=#eef0f4 />")
+    for s in others[::step] + anomalies:
+        x, width = 60 + (s.start_ns - t0) * scale, max(1.0, (s.end_ns - s.start_ns) * scale)
+        color = next((_COLORS[m] for m in s.markers if m in _COLORS), "#7f8ea3")
+        out.append(f"<rect x={x:.1f} y={lane[s.rank] * LANE + 3} width={width:.1f} height={LANE - 8} fill={color}>"
+                   f"<title>rank {s.rank} {_e(s.op)} group {_e(s.pg)} seq {s.seq}: "
+                   f"{(s.end_ns - s.start_ns) / 1e6:.2f} ms {_e(' '.join(s.markers))}</title></rect>")
+    where = {(s.rank, s.pg, s.seq): s.start_ns for s in found if not s.p2p}
+    for finding in verdict:
+        for rank in finding.ranks:
+            at = where.get((rank, finding.pg, finding.seq))
+            if at is not None and rank in lane:
+                x, y = 60 + (at - t0) * scale, lane[rank] * LANE
+                out.append(f"<path d='M{x:.1f},{y + 1} l5,8 l-10,0 z' fill=#d62728><title>{_e(finding.line())}</title></path>")
+    out.append(f"<text x=60 y={height - 8}>0 s</text><text x={WIDTH - 60} y={height - 8}>{(t1 - t0) / 1e9:.2f} s</text>")
+    drawn = len(others[::step]) + len(anomalies)
+    caption = f"<p class=meta>{drawn:,} of {len(found):,} spans drawn; grey: collectives, purple: NaN/Inf, " \
+              "red: hangs and failures, red triangles: the ranks the verdict names. Hover for each span.</p>"
+    return "".join(out) + "</svg>" + caption
+
+
+def _ranks(found: list[Slice], ranks: list[int]) -> str:
+    spans, seconds = collections.Counter(), collections.Counter()
+    marked: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    for s in found:
+        spans[s.rank] += 1
+        seconds[s.rank] += (s.end_ns - s.start_ns) / 1e9
+        for marker in s.markers:
+            marked[s.rank][marker] += 1
+    rows = "".join(f"<tr><td>{rank}</td><td>{spans[rank]:,}</td><td>{seconds[rank]:.3f}</td>"
+                   f"<td>{marked[rank]['NaN'] + marked[rank]['Inf']}</td><td>{marked[rank]['hang']}</td>"
+                   f"<td>{sum(n for m, n in marked[rank].items() if m.startswith('collective'))}</td></tr>"
+                   for rank in ranks)
+    return ("<table><tr><th>rank</th><th>spans kept</th><th>seconds in them</th><th>NaN/Inf</th><th>hangs</th>"
+            f"<th>failed</th></tr>{rows}</table>")
+
+
+def _latency(found: list[Slice]) -> str:
+    by: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    for s in found:
+        if not s.in_flight:
+            by[(s.op, s.pg)].append((s.end_ns - s.start_ns) / 1e6)
+    rows = []
+    for (op, pg), values in sorted(by.items()):
+        values.sort()
+        rows.append(f"<tr><td>{_e(op)}</td><td>{_e(pg)}</td><td>{len(values):,}</td><td>{_at(values, 0.5):.3f}</td>"
+                    f"<td>{_at(values, 0.99):.3f}</td><td>{values[-1]:.3f}</td></tr>")
+    return ("<table><tr><th>op</th><th>group</th><th>spans</th><th>median ms</th><th>p99 ms</th><th>max ms</th></tr>"
+            + "".join(rows) + "</table>")
+
+
+def _at(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _anomalies(found: list[Slice]) -> str:
+    marked = [s for s in found if s.markers]
+    if not marked:
+        return "<p class=meta>none: no NaN/Inf, hang or failed collective in the spans</p>"
+    t0 = found[0].start_ns
+    rows = "".join(f"<tr><td>{(s.start_ns - t0) / 1e9:.3f}</td><td>{s.rank}</td><td class=text>{_e(s.op)}</td>"
+                   f"<td>{_e(s.pg)}</td><td>{s.seq}</td><td>{(s.end_ns - s.start_ns) / 1e6:.2f}</td>"
+                   f"<td class=text>{_e(', '.join(s.markers))}</td></tr>" for s in marked[:EVENTS])
+    more = f"<p class=meta>the first {EVENTS} of {len(marked):,}</p>" if len(marked) > EVENTS else ""
+    return ("<table><tr><th>at s</th><th>rank</th><th>op</th><th>group</th><th>seq</th><th>ms</th><th>what</th></tr>"
+            f"{rows}</table>{more}")
+
+
+def write(folder: str, path: str | None = None) -> str:
+    """Write the report of the job in ``folder`` to ``path`` (default ``folder/report.html``)."""
+    path = path or os.path.join(folder, "report.html")
+    page = render(folder)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(page)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``commlens report FOLDER``: write the report and say where it is."""
+    parser = argparse.ArgumentParser(prog="commlens report", description="A job's verdict, timeline, ranks, "
+                                     "latencies and anomalies as one HTML page, from its trace files.")
+    parser.add_argument("folder", help="a job's trace files (*.jsonl), as commlens run or the demo wrote them")
+    parser.add_argument("-o", "--output", help="the page to write (default: FOLDER/report.html)")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.folder):
+        parser.error(f"{args.folder!r} is not a folder: give the folder of a job's trace files")
+    try:
+        path = write(args.folder, args.output)
+    except ValueError as error:
+        print(f"commlens report: {error}", file=sys.stderr)
+        return 2
+    print(f"report: {path} (open it in a browser)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
