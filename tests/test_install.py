@@ -1,4 +1,5 @@
-"""Installing commlens as a newcomer would, where something it needs is missing."""
+"""Installing commlens as a newcomer would, where something it needs is missing; and the newcomer's
+path from the installed package: a job run, its folder, its report in a browser."""
 
 import os
 import pathlib
@@ -6,7 +7,10 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+FROM_THE_WHEEL = pytest.mark.xdist_group("installed-wheel")
 
 
 def _source(tmp_path: pathlib.Path) -> pathlib.Path:
@@ -29,19 +33,27 @@ def test_an_install_without_a_c_compiler_names_what_to_install_in_one_line(tmp_p
     assert "Traceback" not in output, output
 
 
-def test_the_installed_package_writes_out_its_dashboards_rules_and_manifests(tmp_path):
-    """pip builds and installs the wheel (30-50 s: it compiles the C extensions); ``commlens assets``,
-    run from that install alone, writes out every dashboard, rule file and manifest of the repository
-    as it is, and refuses a folder that is not empty."""
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> pathlib.Path:
+    """Where pip installed the wheel it built from the checkout (30-50 s: it compiles the C extensions),
+    for the tests of its group (one pytest-xdist worker)."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "wheel"), str(_source(tmp_path))],
                    check=True, capture_output=True, timeout=300)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path / "site"),
                     *map(str, (tmp_path / "wheel").glob("commlens-*.whl"))], check=True, capture_output=True, timeout=300)
+    return tmp_path / "site"
+
+
+@FROM_THE_WHEEL
+def test_the_installed_package_writes_out_its_dashboards_rules_and_manifests(tmp_path, site):
+    """``commlens assets``, run from the installed wheel alone, writes out every dashboard, rule file and
+    manifest of the repository as it is, and refuses a folder that is not empty."""
 
     def assets(folder):  # -S: no site-packages, so not the checkout's editable install either
         return subprocess.run([sys.executable, "-S", "-m", "commlens.agent.cli", "assets", str(folder)],
                               capture_output=True, text=True, timeout=60, cwd=tmp_path,
-                              env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+                              env={**os.environ, "PYTHONPATH": str(site)})
 
     done = assets(tmp_path / "assets")
     assert done.returncode == 0, done.stderr
@@ -52,3 +64,33 @@ def test_the_installed_package_writes_out_its_dashboards_rules_and_manifests(tmp
     assert f"wrote {len(shipped)} files" in done.stdout, done.stdout
     again = assets(tmp_path / "assets")
     assert again.returncode == 2 and "is not accepted: give a new or empty folder" in again.stderr, again.stderr
+
+
+@FROM_THE_WHEEL
+def test_a_newcomers_job_leaves_one_folder_whose_report_shows_the_fault_in_a_browser(tmp_path, site):
+    """From the installed wheel (ahead of the checkout on the path) and an empty folder, a newcomer runs
+    an ordinary 2-rank training script with a NaN written into rank 1's parameters at step 5 under
+    ``commlens run``, then ``commlens report`` on the one folder the run named: headless Chromium shows
+    the verdict that names rank 1. No metrics port (0): the suite runs other jobs beside it. About 20 s
+    beside the install."""
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    where = subprocess.run([sys.executable, "-c", "import commlens.agent; print(commlens.agent.__file__)"],
+                           capture_output=True, text=True, env=env, cwd=tmp_path, check=True).stdout
+    assert where.startswith(str(site)), where  # the installed package, not the checkout's
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    run = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "run", "--job-id", "first-job", "--metrics-port", "0",
+                          "--", torchrun, "--nproc-per-node", "2", str(ROOT / "tests" / "faulty_train.py"),
+                          "--fault", "nan", "--rank", "1", "--step", "5", "--steps", "12"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    folder = tmp_path / "commlens-out" / "first-job"
+    assert [p.name for p in (tmp_path / "commlens-out").iterdir()] == ["first-job"], run.stderr
+    assert f"commlens report {os.path.relpath(folder, tmp_path)}" in run.stderr, run.stderr
+    report = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "report", str(folder)],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert report.returncode == 0, report.stderr
+    browser = shutil.which("chromium")
+    assert browser, "the newcomer's test needs Debian's chromium (apt-get install chromium)"
+    shown = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                            (folder / "report.html").as_uri()], capture_output=True, text=True, timeout=120)
+    assert 'id="verdict">NaN/Inf entered on rank 1 in ' in shown.stdout, shown.stdout[:3000]
