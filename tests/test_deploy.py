@@ -24,6 +24,18 @@ def test_the_alert_rules_parse_and_pass_their_promtool_unit_tests():
     assert tests.returncode == 0 and "SUCCESS" in tests.stdout, tests.stdout + tests.stderr
 
 
+def test_every_alert_points_at_its_own_section_of_the_runbooks():
+    """Each alert's ``runbook_url`` is ``docs/runbooks.md#<its name>``, and that section is there."""
+    rules = yaml.safe_load((DEPLOY / "prometheus-rules.yaml").read_text())
+    alerts = [rule for group in rules["groups"] for rule in group["rules"] if "alert" in rule]
+    runbooks = DEPLOY.parent / "docs" / "runbooks.md"
+    sections = {line[3:].strip().lower() for line in runbooks.read_text().splitlines() if line.startswith("## ")}
+    assert len(alerts) >= 10
+    for alert in alerts:
+        assert alert["annotations"]["runbook_url"] == f"docs/runbooks.md#{alert['alert'].lower()}", alert
+        assert alert["alert"].lower() in sections, (alert["alert"], sections)
+
+
 def test_the_long_term_storage_config_is_valid_and_keeps_per_rank_buckets_local():
     check = promtool("check", "config", "prometheus-long-term.yaml", cwd=DEPLOY)
     assert check.returncode == 0, check.stdout + check.stderr
