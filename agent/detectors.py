@@ -290,19 +290,20 @@ def _stalls(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> lis
     slow outlier of at least ``STALL_MIN_S``, under the hang threshold) and others not at all. Those
     arrived late, and are named, unless they waited themselves in another group or on a peer
     meanwhile: held up there, they are links of a chain whose end is named in that group."""
+    groups = {f.rank: f.groups[pg] for f in members if pg in f.groups}
     waiting_in: dict[int, dict[int, tuple[str, int, int]]] = collections.defaultdict(dict)
-    for f in members:
-        for seq, wait in f.groups[pg].slow_waits.items():
-            waiting_in[seq][f.rank] = wait
+    for rank, group in groups.items():
+        for seq, wait in group.slow_waits.items():
+            waiting_in[seq][rank] = wait
     found = []
     for seq, waiting in sorted(waiting_in.items()):
         waited_s = min(end - start for _, start, end in waiting.values()) / 1e9
         if waited_s < STALL_MIN_S:
             continue
         since, until = max(start for _, start, _ in waiting.values()), min(end for _, _, end in waiting.values())
-        late = [f.rank for f in members if f.rank not in waiting and seq <= f.groups[pg].issued
+        late = [f.rank for f in members if f.rank in groups and f.rank not in waiting and seq <= groups[f.rank].issued
                 and not _waited_within(f, since, until)]
-        if late and len(late) < len(members):
+        if late and len(late) < len(groups):
             op = collections.Counter(op for op, _, _ in waiting.values()).most_common(1)[0][0]
             found.append(Finding("stall", tuple(late), pg, op, seq,
                                  f"ranks {sorted(waiting)} waited {waited_s:.1f} s in it, several times their usual "

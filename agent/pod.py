@@ -57,6 +57,8 @@ class RankFeed:
         self.inode = 0
         self.alive = False
         self.signalled_ns: int | None = None
+        self.reasons: tuple[str, ...] = ()
+        """Why this rank's dumps were written so far (``flight_recorder.DUMP_REASONS``)."""
         """When the rank's SIGTERM snapshot record was read, in its dumps from then on."""
 
     @property
@@ -89,8 +91,9 @@ class RankFeed:
         ring = self.sidecar.ring
         if reason == "signal" and self.signalled_ns is None:
             self.signalled_ns = time.time_ns()
+        self.reasons += (reason,)
         try:
-            path = write_dump(dump_ring(ring, min(2048, ring.slots // 2)), self.rank, self.signalled_ns)
+            path = write_dump(dump_ring(ring, min(2048, ring.slots // 2)), self.rank, self.signalled_ns, self.reasons)
         except (OSError, ValueError) as error:
             print(f"commlens sidecar: no {reason} snapshot of rank {self.rank}: {error}", file=sys.stderr)
             path = None

@@ -22,7 +22,7 @@ import urllib.request
 from typing import Callable, Iterable, Iterator
 
 from commlens.exporters import names
-from commlens.hooks.flight_recorder import DUMP_SIGNALLED
+from commlens.hooks.flight_recorder import DUMP_REASONS, DUMP_SIGNALLED
 
 from .facts import RankFacts
 
@@ -166,7 +166,8 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
         facts.group(labels["pg"]).waited_s = value
     down = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(f"{names.RANK_UP}{{{selector}}} == 0")}
     endings: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
-    for _, labels, _ in each(f"{names.total(names.ABORT_SNAPSHOTS)}{{{selector}}} > 0"):
+    # over the job: a pod sidecar's counts end with it, and a killed rank stays the evidence after
+    for _, labels, _ in each(f"max_over_time({names.total(names.ABORT_SNAPSHOTS)}{{{selector}}}[15m]) > 0"):
         endings[(labels.get("job", ""), int(labels["rank"]))].add(labels["reason"])
     for name, ranks in jobs.items():
         for rank, facts in ranks.items():
@@ -316,6 +317,8 @@ def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[
 def _dump_fact(facts: RankFacts, dump: dict) -> None:
     if isinstance(dump.get(DUMP_SIGNALLED), int):
         facts.signalled_ns = dump[DUMP_SIGNALLED]
+    if isinstance(dump.get(DUMP_REASONS), list):  # the pod sidecar's dump of a rank whose process was killed
+        facts.lost = _lost(set(map(str, dump[DUMP_REASONS])))
     for entry in dump["entries"]:
         if entry.get("is_p2p"):
             continue

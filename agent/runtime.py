@@ -57,6 +57,8 @@ class Agent:
         self._stopping = threading.Event()
         self._signalled_ns: int | None = None
         """When SIGTERM came, in this process's dumps from then on (``flight_recorder.DUMP_SIGNALLED``)."""
+        self._reasons: tuple[str, ...] = ()
+        """Why this process's dumps were written so far (``flight_recorder.DUMP_REASONS``)."""
         if config.ring_dir is not None:
             ring.open()
             ring.describe({"rank": config.rank, "local_rank": config.local_rank, "world_size": config.world_size,
@@ -138,8 +140,9 @@ class Agent:
                 self._wait_for_scrape(deadline)
             return None
         try:
+            self._reasons += (reason,)
             try:
-                path = write_dump(self.flight_recorder.dump(), self.config.rank, self._signalled_ns)
+                path = write_dump(self.flight_recorder.dump(), self.config.rank, self._signalled_ns, self._reasons)
             except (OSError, ValueError) as error:
                 print(f"commlens: no {reason} snapshot: {error}", file=sys.stderr)
                 path = None

@@ -29,9 +29,12 @@ from .record import GroupDescription, decode_group, decode_signature, new_op_id
 from .ring import END, NOT_ISSUED, START, STATUS
 
 DUMP_SIGNALLED = "commlens_signalled_ns"
-"""commlens' one key beside PyTorch's schema (its analyzer does not read it): the wall-clock time (ns)
-at which the writer's process was signalled to stop (SIGTERM), in every dump written from then on.
+"""One of commlens' keys beside PyTorch's schema (its analyzer does not read them): the wall-clock time
+(ns) at which the writer's process was signalled to stop (SIGTERM), in every dump written from then on.
 ``commlens diagnose`` reads it: the waits the stop causes are no fault."""
+DUMP_REASONS = "commlens_reasons"
+"""Why this rank's dumps were written, this one's last (``ring.REASONS``): ``commlens diagnose`` tells
+from them, after the fact, a rank whose process ended with no signal or exception (``exit``: killed)."""
 
 VERSION = "2.10"
 DUMP_PREFIX_ENV = "TORCHCOMM_FR_DUMP_TEMP_FILE"
@@ -184,15 +187,18 @@ def _dump(found: list[dict], pg_config: dict, pg_status: dict, comm_lib_version:
             "pg_status": pg_status, "entries": found}
 
 
-def write_dump(dump: dict, rank: int, signalled_ns: int | None = None) -> str:
+def write_dump(dump: dict, rank: int, signalled_ns: int | None = None, reasons: tuple[str, ...] = ()) -> str:
     """Write ``dump`` as a pickle named ``<prefix><rank>`` (the prefix from
     ``TORCHCOMM_FR_DUMP_TEMP_FILE``) and return its path. The file appears whole or not at all.
-    ``signalled_ns``: when the writer's process was signalled to stop, kept as ``DUMP_SIGNALLED``."""
+    ``signalled_ns``: when the writer's process was signalled to stop, kept as ``DUMP_SIGNALLED``;
+    ``reasons``: why this rank's dumps were written so far, kept as ``DUMP_REASONS``."""
     if not isinstance(rank, int) or rank < 0:
         raise ValueError(f"dump_file(rank={rank!r}) is not accepted: rank must be an integer >= 0")
     prefix = os.path.expanduser(os.environ.get(DUMP_PREFIX_ENV) or DEFAULT_DUMP_PREFIX)
     path = f"{prefix}{rank}"
-    data = pickle.dumps(dump if signalled_ns is None else {**dump, DUMP_SIGNALLED: signalled_ns})
+    ours = {**({DUMP_SIGNALLED: signalled_ns} if signalled_ns is not None else {}),
+            **({DUMP_REASONS: list(reasons)} if reasons else {})}
+    data = pickle.dumps({**dump, **ours} if ours else dump)
     folder = os.path.dirname(path) or "."
     try:
         os.makedirs(folder, exist_ok=True)

@@ -19,6 +19,8 @@ Faults, on rank ``--rank`` at step ``--step`` (``--fault none`` for a healthy ru
     order    the rank issues the job's loss all_reduce before its pair's: it waits there for the
              others, its pair partner waits for it in the pair, and their data-parallel peers wait
              for them; every rank waits on another (a deadlock, until the backend's timeout)
+    kill     the rank SIGKILLs itself inside its pair's all_reduce (issued, not completed): its
+             partner's all_reduce fails, its peer in the other stage waits in ``recv`` for it
 
 ``--amp``: mixed precision, the forward in float16 with dynamic loss scaling (``torch.amp.GradScaler``,
 growing its scale every few steps): every few steps the scaled gradients overflow to Inf, the
@@ -27,6 +29,8 @@ gradient buckets of every rank hold it, and the scaler skips the step and lowers
 
 import argparse
 import datetime
+import os
+import signal
 import time
 
 import torch
@@ -66,6 +70,9 @@ def main() -> None:
             time.sleep(args.late_s)
         if rank == args.rank and step == args.step and args.fault == "order":
             dist.all_reduce(torch.zeros(()))  # the job's loss all_reduce, too early (a step that has one)
+        if rank == args.rank and step == args.step and args.fault == "kill":
+            dist.all_reduce(shard, group=tensor_parallel, async_op=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         dist.all_reduce(shard, group=tensor_parallel)  # the pair's partial results summed
         if first_stage:  # the activations to the next stage, as a pipeline's schedule sends them
             if rank == args.rank and step == args.step and args.fault == "late-send":

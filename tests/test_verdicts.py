@@ -34,7 +34,8 @@ def _stack(tmp_path, fault, world=WORLD, **job):
 
 def _culprits(report: str) -> set[int]:
     """The ranks that the findings of ``commlens diagnose`` blame."""
-    found = re.findall(r"(?:entered on|late or missing:|desync:|straggler:|stall:|all waiting,|waiting on each other,) "
+    found = re.findall(r"(?:entered on|late or missing:|killed or crashed:|desync:|straggler:|stall:|all waiting,|"
+                       r"waiting on each other,) "
                        r"ranks? ([\d, ]+) in", report)
     return {int(rank) for ranks in found for rank in ranks.split(",")}
 
@@ -174,6 +175,26 @@ def test_a_one_off_stall_under_the_hang_threshold_is_named_after_the_fact_and_on
     assert _culprits(offline) == {1}, offline
     assert re.search(r"^stall: rank 1 in all_reduce \(group 1, seq \d+\) — ranks \[0\] waited 1\.\d s in it, .*"
                      r"while ranks \[1\] waited nowhere$", offline, re.MULTILINE), offline
+
+
+def test_a_rank_killed_inside_its_pairs_all_reduce_is_named_alive_and_after_the_job_from_its_files(tmp_path):
+    """Rank 1 SIGKILLs itself inside its tensor-parallel pair's all_reduce (``tests/parallel_train.py``):
+    its partner's all_reduce fails, rank 3 waits in ``recv`` for it, and torchrun tears the job down
+    within seconds. With the pod sidecar, which outlives the ranks and reads the killed rank's ring from
+    shared memory, the alert names rank 1 and no other, and so does ``commlens diagnose`` from
+    Prometheus once the job is gone, and from the job's files. About 40 s."""
+    with _stack(tmp_path, "kill", world=4, step=30, steps=200, script=PARALLEL_SCRIPT, pod=True) as (
+            webhook, training, prometheus):
+        wait_for(lambda: webhook.firing("CommlensRankKilled"), "CommlensRankKilled at the webhook", timeout_s=90,
+                 explain=lambda: _evidence(prometheus, training))
+        assert training.wait(120) != 0  # torchrun reports the killed rank
+        live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
+        named = {a["labels"]["rank"] for a in webhook.alerts if a["labels"]["alertname"] in CULPRIT_ALERTS
+                 or a["labels"]["alertname"] == "CommlensRankKilled"}
+    assert named == {"1"}, webhook.alerts
+    offline = _diagnose(str(training.out))
+    for report in (live, offline):
+        assert "killed or crashed: rank 1 in all_reduce (group 1, seq " in report and _culprits(report) == {1}, report
 
 
 def test_ranks_that_issue_two_groups_collectives_in_different_orders_are_a_deadlock_and_none_is_named_late(tmp_path):
