@@ -1,5 +1,6 @@
 """The documentation cannot drift from the code: every variable the code reads is in the
-configuration reference with its default, and every relative link in the README and docs/ resolves."""
+configuration reference with its default, every metric and span attribute commlens writes is in its
+reference, and every relative link in the README and docs/ resolves."""
 
 import pathlib
 import re
@@ -18,6 +19,20 @@ def test_every_variable_the_code_reads_is_in_the_configuration_reference_with_it
                 for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", names)}
     assert read - set(defaults) == set(), "not in docs/configuration.md"
     assert [name for name in read if not defaults[name]] == [], "without a default in docs/configuration.md"
+
+
+def test_every_metric_and_span_attribute_commlens_writes_has_a_row_in_its_reference():
+    from commlens.exporters import names
+
+    metrics = {name for name, _ in ROW.findall((ROOT / "docs/metrics.md").read_text())}
+    written = [*(f"`{h}`" for h in names.HISTOGRAMS), *(f"`{names.total(c)}`" for c in names.COUNTERS),
+               *(f"`{g}`" for g in names.GAUGES)]
+    assert [name for name in written if not any(name in row for row in metrics)] == [], "not in docs/metrics.md"
+    attributes = " ".join(name for name, _ in ROW.findall((ROOT / "docs/traces.md").read_text()))
+    constants = [value for key, value in vars(names).items() if key.isupper() and isinstance(value, str)
+                 and value.startswith("commlens.")]
+    assert len(constants) >= 20
+    assert [name for name in constants if f"`{name}`" not in attributes] == [], "not in docs/traces.md"
 
 
 def _anchors(text: str) -> set[str]:
