@@ -21,6 +21,9 @@ Faults, on rank ``--rank`` at step ``--step`` (``--fault none`` for a healthy ru
              for them; every rank waits on another (a deadlock, until the backend's timeout)
     kill     the rank SIGKILLs itself inside its pair's all_reduce (issued, not completed): its
              partner's all_reduce fails, its peer in the other stage waits in ``recv`` for it
+    recv-first  a rank of the first stage receives from its peer in the second before it sends: both
+             wait in ``recv`` on each other (a pipeline schedule's deadlock), and their pair partners
+             wait for them in the next step's tensor-parallel all_reduce
 
 ``--amp``: mixed precision, the forward in float16 with dynamic loss scaling (``torch.amp.GradScaler``,
 growing its scale every few steps): every few steps the scaled gradients overflow to Inf, the
@@ -77,6 +80,8 @@ def main() -> None:
         if first_stage:  # the activations to the next stage, as a pipeline's schedule sends them
             if rank == args.rank and step == args.step and args.fault == "late-send":
                 time.sleep(args.late_s)
+            if rank == args.rank and step == args.step and args.fault == "recv-first":
+                dist.irecv(torch.empty_like(shard), rank + 2, group=pipeline).wait()
             dist.isend(shard, rank + 2, group=pipeline).wait()
         else:
             received = torch.empty_like(shard)

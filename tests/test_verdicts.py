@@ -212,6 +212,24 @@ def test_ranks_that_issue_two_groups_collectives_in_different_orders_are_a_deadl
     assert "deadlock: waiting on each other, ranks 0, 1, 2, 3 " in live and "late or missing" not in live, live
 
 
+def test_two_pipeline_stages_that_both_receive_first_are_a_deadlock_named_with_their_point_to_point_waits(tmp_path):
+    """Rank 1, of the pipeline's first stage, receives from rank 3 before it sends (a schedule's bug): both
+    wait in ``recv`` on each other, and the others wait for them in the next collectives. The alert and
+    ``commlens diagnose`` name ranks 1 and 3 as a deadlock, with the point-to-point waits as evidence,
+    and no rank as late. About 25 s."""
+    with _stack(tmp_path, "recv-first", world=4, step=30, steps=200, script=PARALLEL_SCRIPT) as (
+            webhook, training, prometheus):
+        wait_for(lambda: webhook.firing("CommlensDeadlock"), "CommlensDeadlock at the webhook", timeout_s=90,
+                 explain=lambda: _evidence(prometheus, training))
+        live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
+        fired = {(a["labels"]["alertname"], a["labels"]["rank"]) for a in webhook.alerts
+                 if a["labels"]["alertname"] in CULPRIT_ALERTS and a["status"] == "firing"}
+    assert fired == {("CommlensDeadlock", "1"), ("CommlensDeadlock", "3")}, webhook.alerts
+    assert "deadlock: waiting on each other, ranks 1, 3 " in live and "late or missing" not in live, live
+    assert "rank 1 waits itself on rank 3 in recv (group 6)" in live, live
+    assert "rank 3 waits itself on rank 1 in recv (group 6)" in live, live
+
+
 @pytest.mark.long
 @EXPORTERS
 def test_a_healthy_run_fires_nothing_and_leaves_nothing_pending(tmp_path, pod):
