@@ -2,11 +2,12 @@
 
     commlens demo --world-size 4 --steps 20        train on CPU with every collective recorded
     commlens demo --inject nan:rank=1:step=3       ... and see commlens name the rank and step
-    commlens run -- torchrun --nproc-per-node 4 train.py   instrument every rank of your own job
-    commlens run --sidecar -- torchrun ... train.py        ... with one pod sidecar process serving them all
+    commlens run -- torchrun --nproc-per-node 4 train.py   instrument every rank of your own job (one sidecar)
+    commlens run --in-process -- torchrun ... train.py     ... exporting from a thread in every rank instead
     commlens sidecar --ring-dir /dev/shm/commlens           the pod sidecar (a Kubernetes sidecar container)
     commlens diagnose ./commlens-out/JOB           which rank, which collective, why
     commlens dump --store HOST:PORT --job-id ID    every rank of a live job writes its flight-recorder dump
+    commlens report ./commlens-out/JOB             the verdict, timeline and latencies as one HTML page
     commlens timeline ./commlens-out/JOB           every rank's collectives on one timeline (Perfetto)
     commlens assets ./commlens-assets              the Grafana dashboards, alert rules and Kubernetes manifests
 """
@@ -94,9 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         sidecar.add_argument(f"--{option}", help=f"sets {variable}")
     launch.add_argument("--out", help="the job's folder for its trace files and dumps (default: "
                         "./commlens-out/<job id>, the job id a new one unless --job-id or COMMLENS_JOB_ID gives it)")
-    launch.add_argument("--sidecar", action="store_true",
-                        help="export from one commlens sidecar process for the node, as in a Kubernetes pod, "
-                        "instead of a thread in every rank (rings in --ring-dir, else a new temporary folder)")
+    where = launch.add_mutually_exclusive_group()
+    where.add_argument("--sidecar", dest="sidecar", action="store_const", const=True,
+                       help="export from one commlens sidecar process for the node, as in a Kubernetes pod (the "
+                       "default, unless --ring-dir or COMMLENS_RING_DIR names the rings of a sidecar running beside): "
+                       "it outlives the ranks, so a killed rank's evidence stays")
+    where.add_argument("--in-process", dest="sidecar", action="store_const", const=False,
+                       help="export from a thread in every rank instead, each local rank serving metrics on "
+                       "base + LOCAL_RANK")
     launch.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]",
                         help="the command to run, e.g. torchrun ... train.py")
     dump = commands.add_parser("dump", help="every rank of a live job writes its flight-recorder dump, and "

@@ -6,9 +6,12 @@ is set, as torchrun and the other launchers set it) it starts ``commlens.agent``
 at exit; every other process (torchrun's own agent, data-loader workers started with ``RANK`` unset,
 tools) is left alone. A ``sitecustomize`` the job had is still imported after ours.
 
-With ``--sidecar`` the ranks run only the hot path and one ``commlens sidecar`` process (started
-first, stopped after the command, as Kubernetes runs a native sidecar container) exports for them
-all from their rings in ``COMMLENS_RING_DIR`` (a new temporary folder unless one is given).
+By default the ranks run only the hot path and one ``commlens sidecar`` process (started first,
+stopped after the command, as Kubernetes runs a native sidecar container) exports for them all from
+their rings in a new temporary ``COMMLENS_RING_DIR``: it outlives the ranks, so what a rank killed
+while torchrun tears the job down had done is still exported. Where a ring folder is given
+(``--ring-dir``), a sidecar runs beside (a pod's sidecar container) and ``run`` starts none;
+``--sidecar`` starts one all the same. ``--in-process`` exports from a thread in every rank instead.
 
 Everything of one job (trace files, dumps) goes to one folder, ``./commlens-out/<job id>/`` unless
 ``--out`` says, and is never written over by another job.
@@ -16,7 +19,7 @@ Everything of one job (trace files, dumps) goes to one folder, ``./commlens-out/
 Example::
 
     commlens run --hang-threshold 120 -- torchrun --nproc-per-node 4 train.py
-    commlens run --sidecar -- torchrun --nproc-per-node 4 train.py
+    commlens run --in-process -- torchrun --nproc-per-node 4 train.py
 """
 
 from __future__ import annotations
@@ -79,10 +82,13 @@ def make_job_folder(folder: str) -> None:
                           "this user can write") from None
 
 
-def run(command: list[str], settings: dict[str, str], sidecar: bool = False, out: str | None = None) -> int:
-    """Check the configuration as a rank would see it, then run ``command`` (beside a pod sidecar
-    process when ``sidecar``), its files in one folder (``job_folder``); returns its exit status."""
+def run(command: list[str], settings: dict[str, str], sidecar: bool | None = None, out: str | None = None) -> int:
+    """Check the configuration as a rank would see it, then run ``command`` beside a pod sidecar process
+    (``sidecar``; None: unless a ring folder is given, whose sidecar runs beside), its files in one
+    folder (``job_folder``); returns its exit status."""
     env = environment(dict(os.environ), settings)
+    if sidecar is None:
+        sidecar = not env.get("COMMLENS_RING_DIR")
     made = None
     if sidecar and not env.get("COMMLENS_RING_DIR"):
         made = env["COMMLENS_RING_DIR"] = tempfile.mkdtemp(prefix="commlens-rings-")

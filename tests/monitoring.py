@@ -117,7 +117,7 @@ class TrainingJob:
         self.out.mkdir(exist_ok=True)
         self.fault_time = self.out / "fault_time"
         torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-        options = ["--sidecar"] if pod else []
+        options = ["--sidecar"] if pod else ["--in-process"]
         if ring_dir is not None:
             options += ["--ring-dir", str(ring_dir)]
         command = [sys.executable, "-m", "commlens.agent.cli", "run", "--hang-threshold", str(hang_threshold_s),

@@ -19,8 +19,8 @@ def _commlens(*args, **kwargs):
 def test_an_unmodified_torchrun_job_is_instrumented_in_every_rank(tmp_path):
     script = pathlib.Path(__file__).resolve().parent / "children" / "launch_train.py"
     base = free_ports(2)
-    job = _commlens("run", "--metrics-port", str(base), "--metrics-addr", "127.0.0.1", "--job-id", "zero-code",
-                    "--metrics-detail", "op",
+    job = _commlens("run", "--in-process", "--metrics-port", str(base), "--metrics-addr", "127.0.0.1",
+                    "--job-id", "zero-code", "--metrics-detail", "op",
                     "--trace-file", str(tmp_path / "spans-{rank}.jsonl"), "--",
                     "torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()), str(script), str(tmp_path),
                     cwd=tmp_path)
@@ -57,8 +57,8 @@ def test_a_bad_option_fails_before_the_command_starts(tmp_path):
 
 
 @pytest.mark.parametrize("options, held, whose", [
-    ([], 1, "local rank 1"),  # torchrun's second local rank serves on base + 1
-    (["--sidecar"], 0, None),  # one port for the pod
+    (["--in-process"], 1, "local rank 1"),  # torchrun's second local rank serves on base + 1
+    ([], 0, None),  # the default: one port, for the pod sidecar
 ], ids=["per-rank", "pod-sidecar"])
 def test_run_refuses_a_metrics_port_in_use_before_the_command_starts(tmp_path, options, held, whose):
     """A rank that cannot serve its metrics would train unobserved while the verdict says all is well."""
@@ -80,6 +80,7 @@ def test_run_refuses_a_metrics_port_in_use_before_the_command_starts(tmp_path, o
 
 def test_run_keeps_each_jobs_files_in_a_folder_of_its_own_never_written_over_and_refuses_a_bad_ring_path(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMMLENS_", "OTEL_", "TORCHCOMM_"))}
+    env["COMMLENS_METRICS_PORT"] = "0"  # the pod sidecar serves none: the suite runs other jobs beside
     dump = "import os; open(os.environ['TORCHCOMM_FR_DUMP_TEMP_FILE'] + '0', 'w').write('a dump')"
     first = _commlens("run", "--", sys.executable, "-c", dump, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
     _, err = first.communicate(timeout=60)
@@ -136,11 +137,12 @@ def test_run_imports_torch_only_to_build_the_extensions_and_not_once_they_are_bu
     importing torch takes, once the extensions are built (the test session builds them first)."""
     program = ("import sys\nfrom commlens.agent.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n"
                "    pass\nprint('torch loaded:', 'torch' in sys.modules)")
-    launched = subprocess.run([sys.executable, "-c", program, "run", "--trace-file", str(tmp_path / "t.jsonl"), "--",
-                               "true"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    launched = subprocess.run([sys.executable, "-c", program, "run", "--metrics-port", "0", "--trace-file",
+                               str(tmp_path / "t.jsonl"), "--", "true"], capture_output=True, text=True, timeout=60,
+                              cwd=tmp_path)
     assert launched.stdout.strip() == "torch loaded: False", launched
-    unbuilt = subprocess.run([sys.executable, "-c", program, "run", "--trace-file", str(tmp_path / "t.jsonl"), "--",
-                              "true"], capture_output=True, text=True, timeout=300,
+    unbuilt = subprocess.run([sys.executable, "-c", program, "run", "--metrics-port", "0", "--trace-file",
+                              str(tmp_path / "t.jsonl"), "--", "true"], capture_output=True, text=True, timeout=300,
                              env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CXX": "false"}, cwd=tmp_path)
     assert unbuilt.stdout.strip() == "torch loaded: True", unbuilt  # it tried to build them (no compiler here)
     assert "could not be built" in unbuilt.stderr, unbuilt.stderr
