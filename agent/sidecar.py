@@ -122,7 +122,6 @@ class Sidecar:
         self._scaled_step: list[Collective] | None = None
         """While a loss scaler's step is in progress: its collectives with non-finite tensors, held
         until the scaler says whether it skipped the step (hooks/loss_scale.py)."""
-        self._skipped_steps = 0
         self._nan_spans: collections.Counter[str] = collections.Counter()
         """Group -> spans of non-finite collectives kept so far (``NAN_SPANS_KEPT``)."""
         self._typical: dict[tuple, tuple[float, int]] = {}
@@ -350,10 +349,8 @@ class Sidecar:
             if self._scaled_step is None:
                 self._scaled_step = []
             return
-        skipped = event == "skipped"
-        self._skipped_steps += skipped
         self.stats.loss_scale_step(event)
-        self._release(self._skipped_steps if skipped else 0)
+        self._release(self.stats.loss_scale_steps["skipped"] if event == "skipped" else 0)
 
     def _release(self, skipped_step: int) -> None:
         if self._scaled_step is None:

@@ -108,6 +108,20 @@ def test_the_alert_and_diagnose_name_the_faulty_rank_and_only_it(tmp_path, fault
             assert f"{{{CULPRIT}}}" in report, report  # its process ended without a dump: "missing ... {1}"
 
 
+def _late_rank_one(webhook, training, prometheus, alert: str, evidence: str, why: str) -> tuple[set, str]:
+    """Wait for ``alert`` and for ``evidence`` (a query) in Prometheus, diagnose live, then let the job
+    finish (the late rank catches up): the (alertname, rank) of every culprit alert fired, and the
+    live verdict."""
+    wait_for(lambda: webhook.firing(alert), f"{alert} at the webhook", timeout_s=90,
+             explain=lambda: _evidence(prometheus, training))
+    wait_for(lambda: prometheus.query(evidence), why, explain=lambda: _evidence(prometheus, training))
+    live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
+    assert training.wait(120) == 0, training.log.read_text()[-3000:]
+    fired = {(a["labels"]["alertname"], a["labels"]["rank"]) for a in webhook.alerts
+             if a["labels"]["alertname"] in CULPRIT_ALERTS and a["status"] == "firing"}
+    return fired, live
+
+
 def test_a_rank_late_in_its_tensor_parallel_pair_is_named_and_the_ranks_held_up_by_it_are_not(tmp_path):
     """4 ranks, four kinds of group at once (``tests/parallel_train.py``). Rank 1 comes late to its
     pair's all_reduce: rank 0 waits for it there, rank 3 waits in ``recv`` for its activations, and
@@ -115,17 +129,10 @@ def test_a_rank_late_in_its_tensor_parallel_pair_is_named_and_the_ranks_held_up_
     it would cordon a healthy node. Exported from every rank; the pipeline's test below runs with the
     pod sidecar, so that each exporter's point-to-point waits are read by the rules once."""
     with _stack(tmp_path, "late", world=4, step=30, steps=200, script=PARALLEL_SCRIPT,
-                extra=["--late-s", "30"]) as (
-            webhook, training, prometheus):
-        wait_for(lambda: webhook.firing("CommlensRankLate"), "CommlensRankLate at the webhook", timeout_s=90,
-                 explain=lambda: _evidence(prometheus, training))
-        wait_for(lambda: prometheus.query('commlens_p2p_hung_seconds{rank="3"}'), "rank 3 waiting for rank 1",
-                 explain=lambda: _evidence(prometheus, training))
-        live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
-        assert training.wait(120) == 0, training.log.read_text()[-3000:]  # the late rank catches up
-        fired = {(a["labels"]["alertname"], a["labels"]["rank"], a["labels"].get("pg")) for a in webhook.alerts
-                 if a["labels"]["alertname"] in CULPRIT_ALERTS and a["status"] == "firing"}
-    assert {rank for _, rank, _ in fired} == {"1"}, fired
+                extra=["--late-s", "30"]) as (webhook, training, prometheus):
+        fired, live = _late_rank_one(webhook, training, prometheus, "CommlensRankLate",
+                                     'commlens_p2p_hung_seconds{rank="3"}', "rank 3 waiting for rank 1")
+    assert {rank for _, rank in fired} == {"1"}, fired
     assert "late or missing: rank 1 " in live and _culprits(live) == {1}, live
     assert "rank 3 waits on it in recv (group 6)" in live, live
     offline = _diagnose(str(training.out))
@@ -141,14 +148,8 @@ def test_a_pipeline_stage_late_on_its_send_is_named_and_the_stages_waiting_in_re
     then finish for its files to be read."""
     with _stack(tmp_path, "late-send", world=4, step=30, steps=200, script=PARALLEL_SCRIPT, pod=True,
                 extra=["--late-s", "30"]) as (webhook, training, prometheus):
-        wait_for(lambda: webhook.firing("CommlensPeerLate"), "CommlensPeerLate at the webhook", timeout_s=90,
-                 explain=lambda: _evidence(prometheus, training))
-        wait_for(lambda: prometheus.query('commlens_collective_hung_seq{rank="2"}'), "rank 2 waiting for rank 1",
-                 explain=lambda: _evidence(prometheus, training))
-        live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
-        assert training.wait(120) == 0, training.log.read_text()[-3000:]  # the late rank catches up
-        fired = {(a["labels"]["alertname"], a["labels"]["rank"]) for a in webhook.alerts
-                 if a["labels"]["alertname"] in CULPRIT_ALERTS and a["status"] == "firing"}
+        fired, live = _late_rank_one(webhook, training, prometheus, "CommlensPeerLate",
+                                     'commlens_collective_hung_seq{rank="2"}', "rank 2 waiting for rank 1")
         peer = [a["labels"] for a in webhook.alerts if a["labels"]["alertname"] == "CommlensPeerLate"]
     assert {rank for _, rank in fired} == {"1"}, fired
     assert peer[0]["waiter"] == "3" and peer[0]["op"] == "recv", peer
