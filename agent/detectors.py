@@ -22,6 +22,9 @@ STRAGGLER_RATIO = 0.5
 """... and waits less than this fraction of what the group's longest waiter waits (live) ..."""
 STRAGGLER_EVIDENCE = 30
 """After the fact, a straggler is only named from at least this many collectives seen by every rank."""
+STRAGGLER_LIVE_EVIDENCE = 10
+"""Live, from at least this many collectives of each rank in the window: a group that issues one now and
+then (a job's loss averaged every few steps) tells nothing from the two or three a window holds."""
 STALL_MIN_S = 1.0
 """After the fact, a one-off stall is named where the ranks held up by it waited at least this long (and
 under the hang threshold: longer is a hang, named as such): a GC pause, a checkpoint written on one node."""
@@ -252,13 +255,17 @@ def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> 
         return []
     waits = {rank: g.wait_s for rank, g in groups.items() if g.wait_s is not None}
     if len(waits) == len(groups):  # live: lateness from waits
+        if min(g.completed for g in groups.values()) < STRAGGLER_LIVE_EVIDENCE:
+            return []
         longest = max(waits.values())
         rank = min(waits, key=waits.get)
         lateness = longest - waits[rank]
         # arriving last in this group because it waited in another is not straggling: a straggler
-        # waits less than the others in all its groups together, its own compute holds them up
+        # waits less than the others in all its groups together, its own compute holds them up; and
+        # one that waits now past the hang threshold is a link of a chain that another finding names
         waited = {f.rank: sum(g.waited_s or 0.0 for g in f.groups.values()) for f in everyone if f.rank in groups}
-        if lateness > STRAGGLER_MIN_S and waits[rank] < STRAGGLER_RATIO * longest and \
+        waiting = any(g.hung or g.p2p_hung for f in everyone if f.rank == rank for g in f.groups.values())
+        if lateness > STRAGGLER_MIN_S and waits[rank] < STRAGGLER_RATIO * longest and not waiting and \
                 waited[rank] < STRAGGLER_RATIO * max(waited.values()):
             return [Finding("straggler", (rank,), pg, "all", None,
                             f"it waits {waits[rank] * 1e3:.1f} ms per collective where the group's longest waiter "

@@ -29,6 +29,8 @@ class GroupFacts:
     waited_s: float | None = None
     """Seconds spent in its collectives over the window, or per second of it (live; the same window
     for every rank)."""
+    completed: int = 0
+    """Collectives that completed in the window (live)."""
     arrivals: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
     """seq -> (op, start ns) of each collective seen (offline)."""
     hangs_seen: dict[int, tuple[int, int | None]] = dataclasses.field(default_factory=dict)

@@ -70,6 +70,7 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str] | None = None
         if count > 0:
             ranks[rank].group(pg).wait_s = seconds / count
             ranks[rank].group(pg).waited_s = seconds
+            ranks[rank].group(pg).completed = round(count)
     for rank in range(world_size):  # a rank no endpoint answered for
         ranks.setdefault(rank, RankFacts(rank))
     for rank, facts in ranks.items():
@@ -164,6 +165,8 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
         facts.group(labels["pg"]).wait_s = value
     for facts, labels, value in each(f"{by} (rate({DURATION_SUM}{{{selector}}}[{window}]))"):
         facts.group(labels["pg"]).waited_s = value
+    for facts, labels, value in each(f"{by} (increase({DURATION_COUNT}{{{selector}}}[{window}]))"):
+        facts.group(labels["pg"]).completed = round(value)
     down = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(f"{names.RANK_UP}{{{selector}}} == 0")}
     endings: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
     # over the job: a pod sidecar's counts end with it, and a killed rank stays the evidence after

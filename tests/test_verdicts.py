@@ -16,6 +16,9 @@ import time
 
 import pytest
 
+from commlens.agent.detectors import findings
+from commlens.agent.readers import from_metrics_texts
+from commlens.exporters import names
 from monitoring import PARALLEL_SCRIPT, Alertmanager, Prometheus, TrainingJob, Webhook, wait_for
 
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
@@ -106,6 +109,33 @@ def test_the_alert_and_diagnose_name_the_faulty_rank_and_only_it(tmp_path, fault
             assert "COLLECTIVE_TYPE_MISMATCH" in report, report
         elif fault == "leave":
             assert f"{{{CULPRIT}}}" in report, report  # its process ended without a dump: "missing ... {1}"
+
+
+def _scrape(waits_ms: dict[int, float], count: int, p2p_hung: int | None = None) -> list[str]:
+    """Each rank's metrics text after ``count`` collectives of group 5, ``waits_ms[rank]`` each."""
+    texts = []
+    for rank, wait_ms in waits_ms.items():
+        labels = f'rank="{rank}",pg="5",op="all_reduce"'
+        text = (f"{names.COLLECTIVE_DURATION}_sum{{{labels}}} {count * wait_ms / 1e3}\n"
+                f"{names.COLLECTIVE_DURATION}_count{{{labels}}} {count}\n")
+        if rank == p2p_hung:
+            text += f'{names.P2P_HUNG}{{rank="{rank}",pg="6",op="recv",peer="0"}} 9.0\n'
+        texts.append(text)
+    return texts
+
+
+@pytest.mark.parametrize("count, p2p_hung, named", [(20, None, {2}), (3, None, set()), (20, 2, set())],
+                         ids=["evidence", "too-few-collectives", "waiting-itself"])
+def test_a_live_straggler_is_named_from_enough_collectives_and_never_while_it_waits_itself(count, p2p_hung, named):
+    """Rank 2 waits 0.5 ms per collective of group 5 where the others wait 8 ms: it arrives last. Named
+    from 20 collectives in the window; not from 3 (a job's loss averaged every 10 steps: in a CI run the
+    window held the start and a stall, and rank 2 was named while it waited in ``recv`` for a rank held
+    up elsewhere), nor while it waits itself past the hang threshold."""
+    waits = {0: 8.2, 1: 8.0, 2: 0.5, 3: 8.1}
+    zero = _scrape(waits, 0, p2p_hung)
+    stragglers = {rank for f in findings(from_metrics_texts(zero, _scrape(waits, count, p2p_hung)))
+                  if f.kind == "straggler" for rank in f.ranks}
+    assert stragglers == named
 
 
 def _late_rank_one(webhook, training, prometheus, alert: str, evidence: str, why: str) -> tuple[set, str]:
