@@ -55,7 +55,7 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
         found += stuck
         if not stuck and not any(f.pg == pg for f in links):
             found += _straggler(pg, members, facts) + _stalls(pg, members, facts)
-    found += _late_peers(facts)
+    found += _late_peers(facts) + _lost_unseen(facts, found)
     if links and not any(f.kind in ("lost_rank", "desync", "late_rank") for f in found):
         found.append(Finding("deadlock", tuple(sorted({r for f in links for r in f.ranks})), links[0].pg,
                              links[0].op, links[0].seq, "; ".join(f.evidence for f in links)))
@@ -86,6 +86,12 @@ def _hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[
     stop = _waits_of_the_stop(pg, members)
     live = {f.rank: state for f in members if pg in f.groups and (state := next(
         (s for s in (f.groups[pg].hung, f.groups[pg].failed) if s is not None and s[1] not in stop), None))}
+    lost = sorted(f.rank for f in members if f.lost)
+    if lost:  # live: a killed rank is named in the collective it died in, the one it had in flight
+        dying = {other for f in everyone if f.rank == lost[0] for other, g in f.groups.items()
+                 if g.finished is not None and g.issued > g.finished}
+        if dying and pg not in dying:  # the waits here (one that resolved, say) are not its death's
+            return []
     if live:
         seq = collections.Counter(s for _, s in live.values()).most_common(1)[0][0]
         ops = {rank: op for rank, (op, s) in live.items() if s == seq}
@@ -101,7 +107,6 @@ def _hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[
             return []
     majority, count = collections.Counter(ops.values()).most_common(1)[0]
     waiting = sorted(rank for rank, op in ops.items() if op == majority)
-    lost = sorted(f.rank for f in members if f.lost)
     if lost:
         others = [rank for rank in sorted(ops) if rank not in lost]
         own = [f.groups[pg] for f in members if f.rank == lost[0] and pg in f.groups]
@@ -207,6 +212,23 @@ def _waiting_elsewhere(f: RankFacts, pg: str, live: bool, first_wait_ns: int | N
     return None
 
 
+def _lost_unseen(facts: list[RankFacts], found: list[Finding]) -> list[Finding]:
+    """Live: a killed rank that no other finding names, because no rank was seen waiting on it yet (the
+    job torn down within a scrape): named in the collective it had in flight, whose op the metrics do
+    not hold."""
+    named = {rank for f in found if f.kind == "lost_rank" for rank in f.ranks}
+    unseen = []
+    for f in facts:
+        in_flight = [(pg, g.issued) for pg, g in sorted(f.groups.items())
+                     if g.finished is not None and g.issued > g.finished]
+        if f.lost and f.rank not in named and in_flight:
+            pg, seq = in_flight[0]
+            unseen.append(Finding("lost_rank", (f.rank,), pg, "a collective", seq,
+                                  "its process ended without a signal or an exception (SIGKILL, the OOM killer, "
+                                  "a crash) inside it"))
+    return unseen
+
+
 def _late_peers(facts: list[RankFacts]) -> list[Finding]:
     """Live: the ranks others wait on in point-to-point ops (a pipeline stage's ``recv`` from the one
     before) that wait nowhere themselves: late, stopped or gone. A peer that waits itself is a link of
@@ -267,28 +289,38 @@ def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> 
         waiting = any(g.hung or g.p2p_hung for f in everyone if f.rank == rank for g in f.groups.values())
         if lateness > STRAGGLER_MIN_S and waits[rank] < STRAGGLER_RATIO * longest and not waiting and \
                 waited[rank] < STRAGGLER_RATIO * max(waited.values()):
+            # its cost: the others' time in the group's collectives beyond its own, which they spend
+            # waiting for it, as a share of the job's time (every rank's, the window's length)
+            caused = sum(max(0.0, g.waited_s - groups[rank].waited_s) for g in groups.values())
             return [Finding("straggler", (rank,), pg, "all", None,
                             f"it waits {waits[rank] * 1e3:.1f} ms per collective where the group's longest waiter "
-                            f"waits {longest * 1e3:.1f} ms: it arrives about {lateness * 1e3:.1f} ms after the others")]
+                            f"waits {longest * 1e3:.1f} ms: it arrives about {lateness * 1e3:.1f} ms after the others; "
+                            f"the waits for it cost the job {caused / len(everyone):.1%} of its time over the window")]
         return []
     common = set.intersection(*(set(g.arrivals) for g in groups.values()))
     if len(common) < STRAGGLER_EVIDENCE:  # too few collectives seen by every rank to tell
         return []
     late: dict[int, list[float]] = collections.defaultdict(list)
     last = collections.Counter()
+    caused = collections.Counter()  # rank -> seconds the others spent waiting for it
     for seq in common:  # per collective: how long after the first rank each rank arrived
         starts = {rank: g.arrivals[seq][1] for rank, g in groups.items()}
         first = min(starts.values())
         for rank, start in starts.items():
             late[rank].append((start - first) / 1e9)
+            caused[rank] += sum(max(0, start - other) for other in starts.values()) / 1e9
         last[max(starts, key=starts.get)] += 1
     mean = {rank: _trimmed_mean(values) for rank, values in late.items()}
     rank, *others = sorted(mean, key=mean.get, reverse=True)
     runner_up = max((mean[r] for r in others), default=0.0)
     if mean[rank] > STRAGGLER_MIN_S and mean[rank] > STRAGGLER_LEAD * runner_up:
+        # its cost over all the group's collectives, where spans were sampled (a budget a second): the
+        # waits for it per collective seen, times the collectives issued
+        issued = max(len(common), *(g.issued for g in groups.values()))
         return [Finding("straggler", (rank,), pg, "all", None,
                         f"over {len(common)} collectives it arrived on average {mean[rank] * 1e3:.1f} ms after the "
-                        f"first rank (the next latest rank: {runner_up * 1e3:.1f} ms), last in {last[rank]}")]
+                        f"first rank (the next latest rank: {runner_up * 1e3:.1f} ms), last in {last[rank]}; "
+                        f"{_cost(caused[rank] / len(common) * issued, everyone)}")]
     return []
 
 
@@ -312,10 +344,21 @@ def _stalls(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> lis
                 and not _waited_within(f, since, until)]
         if late and len(late) < len(groups):
             op = collections.Counter(op for op, _, _ in waiting.values()).most_common(1)[0][0]
+            caused = sum(end - start for _, start, end in waiting.values()) / 1e9
             found.append(Finding("stall", tuple(late), pg, op, seq,
                                  f"ranks {sorted(waiting)} waited {waited_s:.1f} s in it, several times their usual "
-                                 f"wait and under the hang threshold, while ranks {late} waited nowhere"))
+                                 f"wait and under the hang threshold, while ranks {late} waited nowhere; "
+                                 f"{_cost(caused, everyone)}"))
     return found
+
+
+def _cost(caused_s: float, everyone: list[RankFacts]) -> str:
+    """What the waits a culprit caused cost the job, after the fact: rank-seconds, and their share of
+    the job's time (every rank's, from its first collective seen to its last)."""
+    starts = [start for f in everyone for g in f.groups.values() for _, start in g.arrivals.values()]
+    seconds = (max(starts) - min(starts)) / 1e9 if starts else 0.0
+    share = f", {caused_s / (len(everyone) * seconds):.1%} of its time" if seconds > 0 else ""
+    return f"the waits for it cost the job {caused_s:.1f} rank-seconds{share}"
 
 
 def _waited_within(facts: RankFacts, since: int, until: int) -> bool:

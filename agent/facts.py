@@ -15,6 +15,8 @@ class GroupFacts:
 
     issued: int = 0
     """The last collective sequence number it issued."""
+    finished: int | None = None
+    """The last collective sequence number it completed (live; None: not known)."""
     hung: tuple[str, int] | None = None
     """(op, seq) of its oldest collective in flight past the hang threshold."""
     p2p_hung: tuple[str, int, float] | None = None
@@ -27,8 +29,8 @@ class GroupFacts:
     wait_s: float | None = None
     """Mean seconds per collective over the window (live)."""
     waited_s: float | None = None
-    """Seconds spent in its collectives over the window, or per second of it (live; the same window
-    for every rank)."""
+    """Seconds per second spent in its collectives over the window (live; the same window for every
+    rank)."""
     completed: int = 0
     """Collectives that completed in the window (live)."""
     arrivals: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)

@@ -29,10 +29,10 @@ from .facts import RankFacts
 DURATION_SUM, DURATION_COUNT = f"{names.COLLECTIVE_DURATION}_sum", f"{names.COLLECTIVE_DURATION}_count"
 
 
-def from_metrics_texts(first: Iterable[str], second: Iterable[str] | None = None) -> list[RankFacts]:
-    """Facts from the Prometheus text of each rank's endpoint, as the ``first`` scrape found them; with
-    a ``second`` scrape of each, taken later, waits come from what happened between the two (else
-    from the whole run), and a rank that no longer answers is gone."""
+def from_metrics_texts(first: Iterable[str], second: Iterable[str], window_s: float) -> list[RankFacts]:
+    """Facts from the Prometheus text of each rank's endpoint, as the ``first`` scrape found them, and
+    the ``second`` taken ``window_s`` later: waits come from what happened between the two, and a rank
+    that no longer answers is gone."""
     from prometheus_client.parser import text_string_to_metric_families
 
     def samples(text: str):
@@ -44,7 +44,7 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str] | None = None
     down: set[int] = set()  # a pod sidecar's rank whose process has ended
     endings: dict[int, set[str]] = collections.defaultdict(set)  # snapshot reasons seen, by rank
     world_size = 0
-    for index, texts in enumerate((first, second or ())):
+    for index, texts in enumerate((first, second)):
         for text in texts:
             for s in samples(text):
                 rank = int(s.labels.get("rank", -1))
@@ -66,15 +66,15 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str] | None = None
                 elif index == 0:  # the state as first seen: a hang may resolve during the window
                     _metric_fact(facts, s.name, s.labels, s.value)
     for (rank, pg), (sum0, count0, sum1, count1) in totals.items():
-        seconds, count = (sum1 - sum0, count1 - count0) if second is not None else (sum0, count0)
+        seconds, count = sum1 - sum0, count1 - count0
         if count > 0:
             ranks[rank].group(pg).wait_s = seconds / count
-            ranks[rank].group(pg).waited_s = seconds
+            ranks[rank].group(pg).waited_s = seconds / window_s
             ranks[rank].group(pg).completed = round(count)
     for rank in range(world_size):  # a rank no endpoint answered for
         ranks.setdefault(rank, RankFacts(rank))
     for rank, facts in ranks.items():
-        facts.gone = rank not in reporting[1 if second is not None else 0] or rank in down
+        facts.gone = rank not in reporting[1] or rank in down
         facts.lost = _lost(endings[rank])
     return [ranks[rank] for rank in sorted(ranks)]
 
@@ -83,6 +83,8 @@ def _metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> Non
     pg = labels.get("pg")
     if name == names.LAST_SEQ and labels.get("state") == "enqueued":
         facts.group(pg).issued = int(value)
+    elif name == names.LAST_SEQ and labels.get("state") == "completed":
+        facts.group(pg).finished = int(value)
     elif name == names.HUNG_SEQ:
         facts.group(pg).hung = (labels["op"], int(value))
     elif name == names.P2P_HUNG:
@@ -117,7 +119,7 @@ def from_endpoints(urls: list[str], window_s: float = 5.0, timeout_s: float = 5.
 
     first = scrape()
     time.sleep(window_s)  # the window over which waits are measured
-    return from_metrics_texts(first, scrape())
+    return from_metrics_texts(first, scrape(), window_s)
 
 
 # -- sources: Prometheus ----------------------------------------------------------------------------
@@ -147,6 +149,9 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
     hung = f"{names.HUNG_SEQ}{{{selector}}}"
     for facts, labels, value in each(f"last_over_time({enqueued}[15m])"):
         facts.group(labels["pg"]).issued = int(value)
+    completed = f'{names.LAST_SEQ}{{state="completed"{"," + selector if selector else ""}}}'
+    for facts, labels, value in each(f"last_over_time({completed}[15m])"):
+        facts.group(labels["pg"]).finished = int(value)
     # while a group had a hang in the last minute: what each rank had issued (a late rank may have
     # caught up since), and the hang itself
     for facts, labels, value in each(f"min_over_time(({enqueued} and on (job, pg) {hung})[1m:1s])"):

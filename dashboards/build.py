@@ -69,6 +69,22 @@ def arrival() -> statetimeline.Panel:
         .color_scheme(colours).fill_opacity(70).line_width(0).with_target(query(lateness, "rank {{rank}} · group {{pg}}").ref_id("A")))
 
 
+def cost() -> timeseries.Panel:
+    """What the rank that arrives last in each group costs the job (the recording rule
+    ``commlens:wait_caused:ratio5m`` over the interval)."""
+    waited = f"sum by (job, pg, rank) (rate(commlens_collective_duration_seconds_sum{{{GROUP}}}[$__rate_interval]))"
+    caused = (f"sum by (job, pg) ({waited}) - on (job, pg) group_right () "
+              f"({waited} * on (job, pg) group_left () count by (job, pg) ({waited}))")
+    last = f"{waited} == on (job, pg) group_left () min by (job, pg) ({waited})"
+    ranks = ('count by (job) (count by (job, rank) (commlens_collective_duration_seconds_count{job=~"$job"}))')
+    return graph("Cost of the rank that arrives last", "In each group, the time its other members spend in its "
+                 "collectives beyond the time of the rank that waits least there (the last to arrive): they "
+                 "wait for it. As a share of the job's time, all its ranks' seconds. A straggler's line stands "
+                 "out; CommlensStraggler quotes it over 5 min.", "percentunit",
+                 query(f"(({caused}) and on (job, pg, rank) ({last})) / on (job) group_left () {ranks}",
+                       "rank {{rank}} · group {{pg}}"))
+
+
 def latency(selector: str) -> list[prometheus.Dataquery]:
     return [query(f"histogram_quantile({q}, sum by (op, le) "
                   f"(rate(commlens_collective_duration_seconds_bucket{{{selector}}}[$__rate_interval])))",
@@ -128,6 +144,7 @@ def overview() -> dashboard.Dashboard:
                                     "rank {{rank}} · group {{pg}}")))
             .with_row(dashboard.Row("Progress"))
             .with_panel(arrival())
+            .with_panel(cost())
             .with_panel(graph("Collectives behind the group", "How far each rank's last issued collective is "
                               "behind the most advanced rank of its group: a rank that stays above 0 is the one "
                               "the others wait for.", "none", query(lag, "rank {{rank}} · group {{pg}}")))

@@ -50,7 +50,7 @@ def main() -> None:
         faulty = rank == args.rank and step >= args.step
         first = faulty and step == args.step
         if first:
-            _mark_fault_time()
+            mark_fault_time()
         if faulty and args.fault == "leave":
             break
         if first and args.fault == "late":
@@ -80,7 +80,8 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def _mark_fault_time() -> None:
+def mark_fault_time() -> None:
+    """The fault's wall time into ``FAULT_TIME_FILE``: what ``bench/detection.py`` measures from."""
     path = os.environ.get("FAULT_TIME_FILE")
     if path:
         with open(path, "w") as f:

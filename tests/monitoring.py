@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -51,6 +52,14 @@ def wait_for(condition, what: str, timeout_s: float = 90, explain=None):
             evidence = f"; {explain()}" if explain else ""
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}{evidence}")
         time.sleep(0.25)
+
+
+def culprits(report: str) -> set[int]:
+    """The ranks that the findings of ``commlens diagnose`` blame."""
+    found = re.findall(r"(?:entered on|late or missing:|killed or crashed:|desync:|straggler:|stall:|all waiting,|"
+                       r"waiting on each other,) "
+                       r"ranks? ([\d, ]+) in", report)
+    return {int(rank) for ranks in found for rank in ranks.split(",")}
 
 
 def _end_session(process: subprocess.Popen, timeout_s: float) -> None:

@@ -38,6 +38,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from faulty_train import mark_fault_time
 
 
 def main() -> None:
@@ -65,6 +66,8 @@ def main() -> None:
     scaler = torch.amp.GradScaler("cpu", growth_factor=2.0 ** 4, backoff_factor=2.0 ** -4, growth_interval=3,
                                   enabled=args.amp)
     for step in range(args.steps):
+        if rank == args.rank and step == args.step and args.fault != "none":
+            mark_fault_time()
         time.sleep(args.step_ms / 1000)
         with torch.autocast("cpu", dtype=torch.float16, enabled=args.amp):
             out = model(torch.randn(32, 64, generator=data)).float()

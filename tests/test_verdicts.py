@@ -19,7 +19,7 @@ import pytest
 from commlens.agent.detectors import findings
 from commlens.agent.readers import from_metrics_texts
 from commlens.exporters import names
-from monitoring import PARALLEL_SCRIPT, Alertmanager, Prometheus, TrainingJob, Webhook, wait_for
+from monitoring import PARALLEL_SCRIPT, Alertmanager, Prometheus, TrainingJob, Webhook, culprits, wait_for
 
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
 WORLD, CULPRIT = 3, 1
@@ -33,14 +33,6 @@ def _stack(tmp_path, fault, world=WORLD, **job):
             TrainingJob(tmp_path, world, fault, rank=CULPRIT, **job) as training, \
             Prometheus(tmp_path, training, [RULES], alertmanager.address) as prometheus:
         yield webhook, training, prometheus
-
-
-def _culprits(report: str) -> set[int]:
-    """The ranks that the findings of ``commlens diagnose`` blame."""
-    found = re.findall(r"(?:entered on|late or missing:|killed or crashed:|desync:|straggler:|stall:|all waiting,|"
-                       r"waiting on each other,) "
-                       r"ranks? ([\d, ]+) in", report)
-    return {int(rank) for ranks in found for rank in ranks.split(",")}
 
 
 def _evidence(prometheus, training) -> str:
@@ -96,9 +88,13 @@ def test_the_alert_and_diagnose_name_the_faulty_rank_and_only_it(tmp_path, fault
         if op:
             assert a["labels"]["op"] == op
     for report in (live, endpoints) if fault != "leave" else (live,):
-        assert verdict in report and _culprits(report) == {CULPRIT}, report
+        assert verdict in report and culprits(report) == {CULPRIT}, report
     offline = _diagnose(str(training.out))
     assert verdict in offline, offline
+    if fault == "slow":  # its cost: the 2 others wait ~30 ms of its ~55 ms steps, a third of the job's time
+        for report in (live, endpoints, offline):
+            share = re.search(r"cost the job (?:[\d.]+ rank-seconds, )?([\d.]+)% of its time", report)
+            assert share and 15 <= float(share[1]) <= 60, report
     if hung:
         seq = int(float(fired[0]["annotations"]["summary"].split("seq ")[1].split()[0]))
         assert f"seq {seq})" in live and f"seq {seq})" in offline, (seq, live, offline)
@@ -130,12 +126,43 @@ def test_a_live_straggler_is_named_from_enough_collectives_and_never_while_it_wa
     """Rank 2 waits 0.5 ms per collective of group 5 where the others wait 8 ms: it arrives last. Named
     from 20 collectives in the window; not from 3 (a job's loss averaged every 10 steps: in a CI run the
     window held the start and a stall, and rank 2 was named while it waited in ``recv`` for a rank held
-    up elsewhere), nor while it waits itself past the hang threshold."""
+    up elsewhere), nor while it waits itself past the hang threshold. Its cost: the others' waits for it,
+    as a share of the job's time."""
     waits = {0: 8.2, 1: 8.0, 2: 0.5, 3: 8.1}
     zero = _scrape(waits, 0, p2p_hung)
-    stragglers = {rank for f in findings(from_metrics_texts(zero, _scrape(waits, count, p2p_hung)))
-                  if f.kind == "straggler" for rank in f.ranks}
-    assert stragglers == named
+    found = [f for f in findings(from_metrics_texts(zero, _scrape(waits, count, p2p_hung), 20.0))
+             if f.kind == "straggler"]
+    assert {rank for f in found for rank in f.ranks} == named
+    if named:  # the others wait 22.8 ms a second for it, of the 4 ranks' 4 s
+        assert found[0].evidence.endswith("the waits for it cost the job 0.6% of its time over the window")
+
+
+def _killed(partner_failed: bool) -> list[str]:
+    """A pod sidecar's metrics text as a torn-down job left it: rank 1 killed inside its pair's (group 1)
+    all_reduce seq 31; rank 0 waited past the hang threshold in the job's loss all_reduce (group 0) seq
+    3 at the start, which resolved; and, if ``partner_failed``, rank 0's all_reduce seq 31 failed."""
+    seq, hung, failed = names.LAST_SEQ, names.HUNG_SEQ, names.FAILED_SEQ
+    lines = [f'{seq}{{pg="0",state="{state}",rank="{rank}"}} 3' for rank in range(4) for state in ("enqueued", "completed")]
+    lines += [f'{seq}{{pg="{1 + rank // 2}",state="enqueued",rank="{rank}"}} 31' for rank in range(4)]
+    lines += [f'{seq}{{pg="{1 + rank // 2}",state="completed",rank="{rank}"}} 30' for rank in range(4)]
+    lines += [f'{hung}{{pg="0",op="all_reduce",rank="0"}} 3', f'{names.RANK_UP}{{rank="1"}} 0',
+              f'{names.total(names.ABORT_SNAPSHOTS)}{{reason="exit",rank="1"}} 1']
+    if partner_failed:
+        lines.append(f'{failed}{{pg="1",op="all_reduce",rank="0"}} 31')
+    return ["\n".join(lines) + "\n"]
+
+
+@pytest.mark.parametrize("partner_failed, verdict", [
+    (True, "killed or crashed: rank 1 in all_reduce (group 1, seq 31)"),
+    (False, "killed or crashed: rank 1 in a collective (group 1, seq 31)"),
+], ids=["partner-failed", "torn-down-first"])
+def test_a_killed_rank_is_named_once_in_the_collective_it_had_in_flight(partner_failed, verdict):
+    """A CI run named rank 1 killed in group 0's seq 3, where rank 0 had waited at the start (its hang
+    kept for a minute), and not in group 1, where it died: torchrun tore the job down before rank 0's
+    failure was scraped. The collective it had in flight (issued, not completed) says where it died."""
+    text = _killed(partner_failed)
+    lines = [f.line() for f in findings(from_metrics_texts(text, text, 5.0))]
+    assert len(lines) == 1 and lines[0].startswith(verdict), lines
 
 
 def _late_rank_one(webhook, training, prometheus, alert: str, evidence: str, why: str) -> tuple[set, str]:
@@ -163,10 +190,10 @@ def test_a_rank_late_in_its_tensor_parallel_pair_is_named_and_the_ranks_held_up_
         fired, live = _late_rank_one(webhook, training, prometheus, "CommlensRankLate",
                                      'commlens_p2p_hung_seconds{rank="3"}', "rank 3 waiting for rank 1")
     assert {rank for _, rank in fired} == {"1"}, fired
-    assert "late or missing: rank 1 " in live and _culprits(live) == {1}, live
+    assert "late or missing: rank 1 " in live and culprits(live) == {1}, live
     assert "rank 3 waits on it in recv (group 6)" in live, live
     offline = _diagnose(str(training.out))
-    assert "late or missing: rank 1 " in offline and _culprits(offline) == {1}, offline
+    assert "late or missing: rank 1 " in offline and culprits(offline) == {1}, offline
 
 
 def test_a_pipeline_stage_late_on_its_send_is_named_and_the_stages_waiting_in_recv_are_not(tmp_path):
@@ -184,18 +211,18 @@ def test_a_pipeline_stage_late_on_its_send_is_named_and_the_stages_waiting_in_re
     assert {rank for _, rank in fired} == {"1"}, fired
     assert peer[0]["waiter"] == "3" and peer[0]["op"] == "recv", peer
     assert "is being deprecated" not in training.log.read_text()  # commlens asks torch nothing it deprecates
-    assert _culprits(live) == {1}, live
+    assert culprits(live) == {1}, live
     assert "late or missing: rank 1 in recv (group 6) — rank 3 waits on it in recv (group 6)" in live, live
     assert "rank 3 is behind too, but waits itself on rank 1 in recv (group 6)" in live, live
     offline = _diagnose(str(training.out))
-    assert "late or missing: rank 1 " in offline and _culprits(offline) == {1}, offline
+    assert "late or missing: rank 1 " in offline and culprits(offline) == {1}, offline
 
 
 def test_a_one_off_stall_under_the_hang_threshold_is_named_after_the_fact_and_only_its_rank(tmp_path):
     """Rank 1 stalls 1.5 s once (a GC pause, a checkpoint write), under the 3 s hang threshold, before
     its pair's all_reduce (``tests/parallel_train.py``): rank 0 waits for it there, ranks 2 and 3 in
     ``recv``. No hang, so nothing is pending past it; from the job's files, ``commlens diagnose``
-    names the stall, with its rank and collective, and not the ranks it held up. No alert names
+    names the stall, with its rank, collective and cost, and not the ranks it held up. No alert names
     anyone else (the straggler rule may name rank 1: it did arrive late)."""
     with _stack(tmp_path, "late", world=4, step=30, steps=200, script=PARALLEL_SCRIPT,
                 extra=["--late-s", "1.5"]) as (webhook, training, prometheus):
@@ -203,9 +230,10 @@ def test_a_one_off_stall_under_the_hang_threshold_is_named_after_the_fact_and_on
         named = {a["labels"]["rank"] for a in webhook.alerts if a["labels"]["alertname"] in CULPRIT_ALERTS}
     assert named <= {"1"}, webhook.alerts
     offline = _diagnose(str(training.out))
-    assert _culprits(offline) == {1}, offline
+    assert culprits(offline) == {1}, offline
     assert re.search(r"^stall: rank 1 in all_reduce \(group 1, seq \d+\) — ranks \[0\] waited 1\.\d s in it, .*"
-                     r"while ranks \[1\] waited nowhere$", offline, re.MULTILINE), offline
+                     r"while ranks \[1\] waited nowhere; the waits for it cost the job 1\.\d rank-seconds, "
+                     r"\d+\.\d% of its time$", offline, re.MULTILINE), offline
 
 
 def test_a_rank_killed_inside_its_pairs_all_reduce_is_named_alive_and_after_the_job_from_its_files(tmp_path):
@@ -225,7 +253,7 @@ def test_a_rank_killed_inside_its_pairs_all_reduce_is_named_alive_and_after_the_
     assert named == {"1"}, webhook.alerts
     offline = _diagnose(str(training.out))
     for report in (live, offline):
-        assert "killed or crashed: rank 1 in all_reduce (group 1, seq " in report and _culprits(report) == {1}, report
+        assert "killed or crashed: rank 1 in all_reduce (group 1, seq " in report and culprits(report) == {1}, report
 
 
 def test_ranks_that_issue_two_groups_collectives_in_different_orders_are_a_deadlock_and_none_is_named_late(tmp_path):
