@@ -1,48 +1,88 @@
-"""Seconds from a fault to its verdict, for each fault the end-to-end tests inject.
+"""Seconds from a fault to its verdict, and the verdicts' precision, for the faults the end-to-end tests
+write into training scripts.
 
-Each run starts an ordinary training script with the fault written into it (``tests/faulty_train.py``,
-3 gloo ranks) under ``commlens run -- torchrun``, and Debian's Prometheus (1 s scrape and evaluation)
-with the shipped rules. From the wall time the script wrote when the fault happened, it measures:
+Each run starts an ordinary training script with the fault written into it under ``commlens run --
+torchrun``, and Debian's Prometheus (1 s scrape and evaluation) with the shipped rules: 3 gloo ranks of
+one DDP group (``tests/faulty_train.py``), or 4 ranks in tensor-parallel pairs, a pipeline of two stages
+(``isend``/``irecv``), DDP and a global group at once (``tests/parallel_train.py``: the faults named
+``tp-late``, ``late-send`` and ``kill``; ``late-send`` and ``kill`` with the pod sidecar). From the wall
+time the script wrote when the fault happened, it measures:
 
 * **named**: the first evaluation whose data names the culprit (its alert pending or firing);
-* **firing**: the alert firing, and which ranks any culprit-naming alert named while firing (a false
-  alert would add a rank other than the culprit; a culprit alert may be pending for one evaluation on
-  another rank while the origin's scrape is not in yet, which is why the NaN rule waits 2 s).
+* **firing**: the alert firing;
+* **precision**: culprits named / ranks named, by every culprit-naming alert while firing, and by
+  ``commlens diagnose --prometheus`` once the alert fires (1.00: the culprit and nobody else).
 
-Medians (and min – max) of ``--runs`` runs per fault. Goals: NaN origin ≤ 5 s; late or missing rank
-≤ hang threshold (3 s here) + 5 s; straggler ≤ 20 s; no false alert on the other ranks.
+Medians (and min – max) of ``--runs`` runs per fault; precision over all runs. Goals: NaN origin ≤ 5 s;
+late or missing rank ≤ hang threshold (3 s here) + 5 s; straggler ≤ 10 s; a kill ≤ 5 s; precision 1.00.
 
-    python bench/detection.py [--runs 3] [--faults nan,inf,late,leave,slow,desync]
+    python bench/detection.py [--runs 3] [--faults nan,inf,late,leave,slow,desync,tp-late,late-send,kill]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from monitoring import Prometheus, TrainingJob, wait_for  # noqa: E402
+from monitoring import PARALLEL_SCRIPT, SCRIPT, Prometheus, TrainingJob, culprits, wait_for  # noqa: E402
 
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
-ALERTS = {"nan": "CommlensNaNOrigin", "inf": "CommlensNaNOrigin", "late": "CommlensRankLate",
-          "leave": "CommlensRankLate", "slow": "CommlensStraggler", "desync": "CommlensCollectiveDesync"}
 CULPRIT = 1
-CULPRIT_ALERTS = set(ALERTS.values())
 
 
-def measure(fault: str) -> tuple[float, float, set[str]]:
-    """(seconds to named, seconds to firing, ranks any culprit alert named while firing) for one run."""
-    alert = ALERTS[fault]
-    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp, TrainingJob(pathlib.Path(tmp), 3, fault, rank=CULPRIT) as job, \
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    alert: str
+    """The alert that names the culprit."""
+    script: str = SCRIPT
+    world: int = 3
+    job: dict = dataclasses.field(default_factory=dict)
+    """``TrainingJob``'s options: where the fault is, its length, the pod sidecar."""
+
+
+PARALLEL = {"script": PARALLEL_SCRIPT, "world": 4}
+FAULTS = {
+    "nan": Fault("CommlensNaNOrigin"),
+    "inf": Fault("CommlensNaNOrigin"),
+    "late": Fault("CommlensRankLate"),
+    "leave": Fault("CommlensRankLate"),
+    "slow": Fault("CommlensStraggler"),
+    "desync": Fault("CommlensCollectiveDesync"),
+    "tp-late": Fault("CommlensRankLate", **PARALLEL, job={"fault": "late", "step": 30, "extra": ["--late-s", "15"]}),
+    "late-send": Fault("CommlensPeerLate", **PARALLEL, job={"step": 30, "extra": ["--late-s", "15"], "pod": True}),
+    "kill": Fault("CommlensRankKilled", **PARALLEL, job={"step": 30, "pod": True}),
+}
+CULPRIT_ALERTS = {fault.alert for fault in FAULTS.values()} | {"CommlensDeadlock"}
+
+
+@dataclasses.dataclass
+class Run:
+    named_s: float
+    firing_s: float
+    by_alerts: set[int]
+    """Ranks that any culprit-naming alert named while firing."""
+    by_diagnose: set[int]
+    """Ranks that ``commlens diagnose --prometheus`` named once the alert fired."""
+
+
+def measure(name: str) -> Run:
+    fault = FAULTS[name]
+    options = {"steps": 1000, **fault.job}
+    written = options.pop("fault", name)  # the fault's name in the script
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp, \
+            TrainingJob(pathlib.Path(tmp), fault.world, written, rank=CULPRIT, script=fault.script, **options) as job, \
             Prometheus(pathlib.Path(tmp), job.targets, [RULES]) as prometheus:
         named = firing = None
-        ranks: set[str] = set()
+        ranks: set[int] = set()
         deadline = time.monotonic() + 120
         while firing is None and time.monotonic() < deadline:
             now = time.time()
@@ -50,30 +90,42 @@ def measure(fault: str) -> tuple[float, float, set[str]]:
                 states = prometheus.query(f'ALERTS{{alertname=~"{"|".join(CULPRIT_ALERTS)}"}}')
             except OSError:
                 states = []
-            ranks |= {s["metric"].get("rank", "") for s in states if s["metric"]["alertstate"] == "firing"}
-            mine = [s for s in states if s["metric"]["alertname"] == alert and s["metric"].get("rank") == str(CULPRIT)]
+            ranks |= {int(s["metric"]["rank"]) for s in states
+                      if s["metric"]["alertstate"] == "firing" and "rank" in s["metric"]}
+            mine = [s for s in states if s["metric"]["alertname"] == fault.alert
+                    and s["metric"].get("rank") == str(CULPRIT)]
             if mine and named is None:
                 named = now
             if any(s["metric"]["alertstate"] == "firing" for s in mine):
                 firing = now
             time.sleep(0.2)  # the polling period of this measurement
+        if firing is None:
+            raise RuntimeError(f"{fault.alert} never fired for the {name} fault")
+        diagnose = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "diagnose", "--prometheus",
+                                   f"http://127.0.0.1:{prometheus.port}"], capture_output=True, text=True, timeout=60)
         fault_at = wait_for(job.fault_at, "the fault's time", timeout_s=5)
-    if firing is None:
-        raise RuntimeError(f"{alert} never fired for the {fault} fault")
-    return named - fault_at, firing - fault_at, ranks
+    return Run(named - fault_at, firing - fault_at, ranks, culprits(diagnose.stdout))
+
+
+def precision(named: list[set[int]]) -> str:
+    """Culprits named / ranks named, over all runs."""
+    ranks = sum(len(r) for r in named)
+    return f"{sum(CULPRIT in r for r in named) / ranks:.2f}" if ranks else "-"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--faults", default=",".join(ALERTS))
+    parser.add_argument("--faults", default=",".join(FAULTS))
     args = parser.parse_args()
-    print(f"{'fault':<8}{'alert':<28}{'named s (min-max)':>22}{'firing s (min-max)':>22}  ranks named by firing alerts")
-    for fault in args.faults.split(","):
-        runs = [measure(fault) for _ in range(args.runs)]
-        named, firing = [r[0] for r in runs], [r[1] for r in runs]
-        ranks = sorted(set().union(*(r[2] for r in runs)))
-        print(f"{fault:<8}{ALERTS[fault]:<28}{_figure(named):>22}{_figure(firing):>22}  {ranks}", flush=True)
+    print(f"{'fault':<10}{'alert':<26}{'named s (min-max)':>20}{'firing s (min-max)':>20}"
+          f"{'precision: alerts':>19}{'diagnose':>10}  ranks named by alerts; by diagnose")
+    for name in args.faults.split(","):
+        runs = [measure(name) for _ in range(args.runs)]
+        by_alerts, by_diagnose = [r.by_alerts for r in runs], [r.by_diagnose for r in runs]
+        print(f"{name:<10}{FAULTS[name].alert:<26}{_figure([r.named_s for r in runs]):>20}"
+              f"{_figure([r.firing_s for r in runs]):>20}{precision(by_alerts):>19}{precision(by_diagnose):>10}  "
+              f"{sorted(set().union(*by_alerts))}; {sorted(set().union(*by_diagnose))}", flush=True)
 
 
 def _figure(values: list[float]) -> str:
