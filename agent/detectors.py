@@ -52,18 +52,21 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
         stuck = [f for f in stuck if f.kind != "deadlock"]
         if not any(f.kind == "desync" for f in stuck):
             stuck += _mismatch(pg, members)
+        mismatched = _size_mismatch(pg, members)
+        if mismatched:  # the backend fails or aborts the ranks in it: their hang or death follows from it
+            stuck = [f for f in stuck if f.kind == "desync"] + mismatched
         found += stuck
         if not stuck and not any(f.pg == pg for f in links):
             found += _straggler(pg, members, facts) + _stalls(pg, members, facts)
     found += _late_peers(facts) + _lost_unseen(facts, found)
-    if links and not any(f.kind in ("lost_rank", "desync", "late_rank") for f in found):
+    if links and not any(f.kind in ("lost_rank", "desync", "size_mismatch", "late_rank") for f in found):
         found.append(Finding("deadlock", tuple(sorted({r for f in links for r in f.ranks})), links[0].pg,
                              links[0].op, links[0].seq, "; ".join(f.evidence for f in links)))
     else:  # each culprit's finding shows who else its lateness holds up, through the ranks waiting on it
         found = [dataclasses.replace(f, evidence="; ".join([f.evidence, *(
             f"held up through them: {link.evidence}" for link in links if f.pg in link.waits_in)]))
             if f.kind == "late_rank" else f for f in found]
-    order = ("nan_origin", "lost_rank", "desync", "late_rank", "deadlock", "hang", "stall", "straggler")
+    order = ("nan_origin", "lost_rank", "desync", "size_mismatch", "late_rank", "deadlock", "hang", "stall", "straggler")
     return sorted(found, key=lambda f: order.index(f.kind))
 
 
@@ -269,6 +272,40 @@ def _mismatch(pg: str, members: list[RankFacts]) -> list[Finding]:
         if wrong and count > len(wrong):
             return [_desync(pg, seq, wrong, sorted(r for r, op in ops.items() if op == majority), majority)]
     return []
+
+
+SAME_INPUTS = ("all_reduce", "reduce", "broadcast")
+"""Ops whose input tensors every rank gives alike, in dtype and size (others, all_gather say, may be uneven)."""
+
+
+def _size_mismatch(pg: str, members: list[RankFacts]) -> list[Finding]:
+    """After the fact, from the dumps: the first collective of the group whose inputs differ between
+    ranks that issued the same op, in dtype (any op) or in size (``SAME_INPUTS``): the fewer gave the
+    wrong ones. gloo aborts the processes in it ("Received data size doesn't match"), NCCL hangs."""
+    by_seq: dict[int, dict[int, tuple[str, str]]] = collections.defaultdict(dict)
+    for f in members:
+        for seq, seen in f.groups.get(pg, GroupFacts()).inputs.items():
+            by_seq[seq][f.rank] = seen
+    for seq in sorted(by_seq):
+        ops = {op for op, _ in by_seq[seq].values()}
+        if len(ops) > 1:  # a desync, told by the ops
+            continue
+        op = ops.pop()
+        dtypes = {rank: _dtypes(tensors) for rank, (_, tensors) in by_seq[seq].items()}
+        told = {rank: tensors for rank, (_, tensors) in by_seq[seq].items()} if op in SAME_INPUTS else dtypes
+        majority, count = collections.Counter(told.values()).most_common(1)[0]
+        wrong = {rank: told for rank, told in told.items() if told != majority}
+        if wrong and count > len(wrong):
+            theirs = sorted(rank for rank in told if rank not in wrong)
+            return [Finding("size_mismatch", tuple(sorted(wrong)), pg, op, seq,
+                            f"its input was {' / '.join(sorted(set(by_seq[seq][r][1] for r in wrong)))} where ranks "
+                            f"{theirs} gave {by_seq[seq][theirs[0]][1]}")]
+    return []
+
+
+def _dtypes(tensors: str) -> str:
+    """The dtypes of a dump entry's tensors as ``readers`` writes them (``"Float[8], Float[2, 4]"``)."""
+    return ", ".join(tensor.partition("[")[0] for tensor in tensors.split("], "))
 
 
 def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:

@@ -22,6 +22,8 @@ in PromQL) share this reasoning:
   ("held up through them: ..."), and the culprits are the ranks at the chains' ends.
 * **Deadlock** — every rank behind waits itself in another group: the waits go round.
 * **Desync** — at the same ``seq`` the ranks issued different ops: the minority issued the wrong one.
+* **Size mismatch** — at the same ``seq`` the ranks gave one op inputs of different dtypes or sizes
+  (after the fact, from the dumps): the minority gave the wrong ones; the backend's failures follow.
 * **Straggler** — in a synchronous collective a rank waits for the last to arrive, so the time rank
   ``r`` spends in its collectives is ``(last arrival - r's arrival) + transfer``. The rank that waits
   least arrives last; how much less it waits than the group's longest waiter is how much later it

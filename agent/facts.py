@@ -35,6 +35,8 @@ class GroupFacts:
     """Collectives that completed in the window (live)."""
     arrivals: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
     """seq -> (op, start ns) of each collective seen (offline)."""
+    inputs: dict[int, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    """seq -> (op, its input tensors' dtypes and sizes) of each collective in its dumps (offline)."""
     hangs_seen: dict[int, tuple[int, int | None]] = dataclasses.field(default_factory=dict)
     """seq -> (start ns, end ns, None while in flight) of each collective it waited in past the hang
     threshold, resolved or not (offline)."""
@@ -71,7 +73,7 @@ class RankFacts:
 @dataclasses.dataclass(frozen=True)
 class Finding:
     kind: str
-    """nan_origin, lost_rank, late_rank, desync, straggler, stall, hang or deadlock."""
+    """nan_origin, lost_rank, late_rank, desync, size_mismatch, straggler, stall, hang or deadlock."""
     ranks: tuple[int, ...]
     pg: str
     op: str
@@ -84,6 +86,6 @@ class Finding:
         who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {', '.join(map(str, self.ranks))}"
         where = f"{self.op} (group {self.pg}" + (f", seq {self.seq})" if self.seq is not None else ")")
         title = {"nan_origin": "NaN/Inf entered on", "lost_rank": "killed or crashed:", "late_rank": "late or missing:",
-                 "desync": "desync:", "straggler": "straggler:", "stall": "stall:", "hang": "hang: all waiting,",
+                 "desync": "desync:", "size_mismatch": "size mismatch:", "straggler": "straggler:", "stall": "stall:", "hang": "hang: all waiting,",
                  "deadlock": "deadlock: waiting on each other,"}[self.kind]
         return f"{title} {who} in {where} — {self.evidence}"

@@ -330,5 +330,8 @@ def _dump_fact(facts: RankFacts, dump: dict) -> None:
     for entry in dump["entries"]:
         if entry.get("is_p2p"):
             continue
-        group = facts.group(str(entry["process_group"][0]))
-        group.issued = max(group.issued, int(entry["collective_seq_id"]))
+        group, seq = facts.group(str(entry["process_group"][0])), int(entry["collective_seq_id"])
+        group.issued = max(group.issued, seq)
+        tensors = zip(entry.get("input_dtypes") or (), entry.get("input_sizes") or ())
+        group.inputs[seq] = (str(entry.get("profiling_name", "")).rpartition(":")[2],
+                             ", ".join(f"{dtype}{list(size)}" for dtype, size in tensors))

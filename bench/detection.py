@@ -80,7 +80,7 @@ def measure(name: str) -> Run:
     written = options.pop("fault", name)  # the fault's name in the script
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp, \
             TrainingJob(pathlib.Path(tmp), fault.world, written, rank=CULPRIT, script=fault.script, **options) as job, \
-            Prometheus(pathlib.Path(tmp), job.targets, [RULES]) as prometheus:
+            Prometheus(pathlib.Path(tmp), job, [RULES]) as prometheus:
         named = firing = None
         ranks: set[int] = set()
         deadline = time.monotonic() + 120

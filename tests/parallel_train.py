@@ -21,6 +21,8 @@ Faults, on rank ``--rank`` at step ``--step`` (``--fault none`` for a healthy ru
              for them; every rank waits on another (a deadlock, until the backend's timeout)
     kill     the rank SIGKILLs itself inside its pair's all_reduce (issued, not completed): its
              partner's all_reduce fails, its peer in the other stage waits in ``recv`` for it
+    size     the rank gives the job's loss all_reduce two elements where the others give one (a shape
+             bug in one rank's code): gloo aborts the processes in it ("Received data size doesn't match")
     recv-first  a rank of the first stage receives from its peer in the second before it sends: both
              wait in ``recv`` on each other (a pipeline schedule's deadlock), and their pair partners
              wait for them in the next step's tensor-parallel all_reduce
@@ -50,8 +52,9 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=20, help="compute time of a step")
     parser.add_argument("--late-s", type=float, default=8)
     parser.add_argument("--amp", action="store_true", help="float16 forward, dynamic loss scaling")
+    parser.add_argument("--timeout-s", type=float, default=60, help="the backend's timeout")
     args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 4, "2 tensor-parallel pairs x 2 data-parallel replicas"
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in one order
@@ -97,6 +100,8 @@ def main() -> None:
         scaler.update()
         if step % 10 == 0:
             total = loss.detach().clone()
+            if rank == args.rank and step == args.step and args.fault == "size":
+                total = total.repeat(2)
             dist.all_reduce(total)  # the job's loss, for the log
     dist.destroy_process_group()
 

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from commlens.agent.detectors import findings
+from commlens.agent.facts import RankFacts
 from commlens.agent.readers import from_metrics_texts
 from commlens.exporters import names
 from monitoring import PARALLEL_SCRIPT, Alertmanager, Prometheus, TrainingJob, Webhook, culprits, wait_for
@@ -254,6 +255,43 @@ def test_a_rank_killed_inside_its_pairs_all_reduce_is_named_alive_and_after_the_
     offline = _diagnose(str(training.out))
     for report in (live, offline):
         assert "killed or crashed: rank 1 in all_reduce (group 1, seq " in report and culprits(report) == {1}, report
+
+
+def test_a_rank_whose_input_size_differs_is_named_from_the_dumps_and_no_alert_names_another(tmp_path):
+    """Rank 1 gives the job's loss all_reduce two elements where the others give one
+    (``tests/parallel_train.py``, a shape bug in one rank's code): gloo fails or aborts the ranks in it
+    and torchrun tears the job down. With the pod sidecar, whose dumps hold every rank's inputs, even a
+    killed one's: ``commlens diagnose`` on the job's files names rank 1 and its input, and no other rank
+    (their failures follow from it), as ``torchfrtrace`` does; no alert names another rank. The backend's timeout at 10 s: a rank
+    sending to one that gloo failed waits it out before the job ends."""
+    with _stack(tmp_path, "size", world=4, step=30, steps=200, script=PARALLEL_SCRIPT, pod=True,
+                extra=["--timeout-s", "10"]) as (
+            webhook, training, prometheus):
+        assert training.wait(120) != 0  # the backend ended it
+        wait_for(lambda: all((training.out / f"rank_{rank}").exists() for rank in range(4)), "every rank's dump")
+        named = {a["labels"]["rank"] for a in webhook.alerts if a["labels"]["alertname"] in CULPRIT_ALERTS
+                 or a["labels"]["alertname"] == "CommlensRankKilled"}
+    assert named <= {"1"}, webhook.alerts
+    offline = _diagnose(str(training.out))
+    assert culprits(offline) == {1}, offline
+    assert re.search(r"^size mismatch: rank 1 in all_reduce \(group 0, seq \d+\) — its input was Float\[2\] where "
+                     r"ranks \[0, 2, 3\] gave Float\[\]$", offline, re.MULTILINE), offline
+    analyzer = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(training.out)],
+                              capture_output=True, text=True, timeout=120)
+    found = analyzer.stdout + analyzer.stderr
+    assert "Culprit rank 1; Error type: SIZE_OR_SYNTAX_MISMATCH" in found, found[-3000:]
+
+
+@pytest.mark.parametrize("op, theirs, named", [
+    ("all_reduce", "Float[8]", {2}), ("all_gather", "Float[8]", set()), ("all_gather", "Half[4]", {2})],
+    ids=["all_reduce-size", "all_gather-uneven", "all_gather-dtype"])
+def test_inputs_that_differ_are_a_size_mismatch_where_the_op_needs_them_alike(op, theirs, named):
+    """Rank 2's input differs from ranks 0 and 1's (``Float[4]``) in one collective of the dumps: in size,
+    a mismatch for all_reduce and not for all_gather (whose inputs may be uneven); in dtype, for any op."""
+    facts = [RankFacts(rank) for rank in range(3)]
+    for f in facts:
+        f.group("0").inputs[5] = (op, theirs if f.rank == 2 else "Float[4]")
+    assert {rank for f in findings(facts) if f.kind == "size_mismatch" for rank in f.ranks} == named
 
 
 def test_ranks_that_issue_two_groups_collectives_in_different_orders_are_a_deadlock_and_none_is_named_late(tmp_path):
