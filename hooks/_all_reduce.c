@@ -1,6 +1,7 @@
 /* all_reduce's common case recorded and issued in one C call, with no Python frame of commlens' own:
  * synchronous, one CPU tensor, a known group, no pre- or post-hook but the NaN check's (which the scan
- * of _nonfinite.c stands in for), outside a DDP bucket and outside another wrapper's collective. It
+ * of _nonfinite.c stands in for, and, in report mode, its NAN record where the scan finds NaN or Inf:
+ * ``registry.reporting``), outside a DDP bucket and outside another wrapper's collective. It
  * writes START and END through the ring's producer, as recorder.run_unhooked does, sets the issuing
  * flag around the call as issuing.issue does, and hands every other call, unchanged, to ``general``
  * (distributed.py's wrapper). On two ranks the training thread meets the wrapper's code with cold
@@ -8,11 +9,11 @@
  *
  *     all_reduce = AllReduce(original, general, default_op, code, steps_aside, known, not_member, in_place,
  *                            describe_in_place, scanned, new_op_id, failed, internal_error, registry, ddp,
- *                            record, process_ring, kinds=(START, END, OK))
+ *                            record, process_ring, kinds=(START, END, OK, NAN))
  *     all_reduce(tensor, op=default_op, group=None, async_op=False)   # torch.distributed.all_reduce's
  *
  * ``registry``, ``ddp``, ``record`` and ``process_ring`` are those modules' namespaces, read at each
- * call: ``hooked``, ``checking_inputs``; ``active``; ``where``; ``current``.
+ * call: ``hooked``, ``checking_inputs``, ``reporting``; ``active``; ``where``; ``current``.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -24,7 +25,7 @@ static int (*issuing_now)(void);
 static int (*issuing_set)(int);
 static uint64_t (*write_record)(PyObject *, const unsigned long long *);
 
-static PyObject *s_hooked, *s_checking_inputs, *s_active, *s_where, *s_current, *s_producer, *s_is_cuda, *s_shape,
+static PyObject *s_hooked, *s_checking_inputs, *s_reporting, *s_active, *s_where, *s_current, *s_producer, *s_is_cuda, *s_shape,
     *s_dtype, *s_sid, *s_next_collective_seq, *s_start;
 static PyObject *s_parameters[4]; /* tensor, op, group, async_op */
 
@@ -33,15 +34,16 @@ typedef struct {
     vectorcallfunc vectorcall;
     PyObject *original, *general, *default_op, *known, *not_member, *in_place, *describe_in_place, *scanned,
         *new_op_id, *failed, *internal_error, *registry, *ddp, *record, *process_ring;
-    unsigned long long code, start, end, ok;
+    unsigned long long code, start, end, ok, nan;
     int steps_aside;
     PyObject *ring, *producer; /* the ring last written to, and its producer */
 } AllReduce;
 
-/* What the common case found: new references to the group and the producer, and START's fields. */
+/* What the common case found: new references to the group and the producer, START's fields, and the
+ * NaN check's NAN record (flags 0: none). */
 typedef struct {
     PyObject *info, *producer;
-    unsigned long long sig, nbytes, where;
+    unsigned long long sig, nbytes, where, nan_flags, nan_count;
 } Common;
 
 /* After a failed test of the common case: 1 when ``general`` decides (an Exception: a caller's mistake
@@ -59,9 +61,27 @@ static int flag_in(PyObject *namespace, PyObject *name) {
     return value == NULL ? (PyErr_Occurred() ? -1 : 0) : PyObject_IsTrue(value);
 }
 
+/* The NaN check's NAN record for an input its scan found non-finite, from the one input check's
+ * ``report`` (registry.reporting): 1 with ``c``'s nan fields set, 0 when the check must run itself
+ * (general's), -1 on error. */
+static int reported(AllReduce *self, PyObject *tensor, Common *c) {
+    PyObject *report = PyDict_GetItemWithError(self->registry, s_reporting);
+    if (report == NULL || report == Py_None)
+        return PyErr_Occurred() ? -1 : 0;
+    Py_INCREF(report);
+    PyObject *found = PyObject_CallOneArg(report, tensor);
+    Py_DECREF(report);
+    if (found == NULL)
+        return -1;
+    int known = found != Py_None && PyArg_ParseTuple(found, "KK", &c->nan_flags, &c->nan_count);
+    Py_DECREF(found);
+    return PyErr_Occurred() ? -1 : known;
+}
+
 /* The op's signature, payload and scan (signatures.in_place's entry), and the NaN check's scan of its
  * input: 1 when commlens may record it without the check's hook, 0 when not, -1 on error. */
 static int described(AllReduce *self, PyObject *tensor, Common *c) {
+    c->nan_flags = 0;
     PyObject *cuda = PyObject_GetAttr(tensor, s_is_cuda);
     if (cuda == NULL)
         return -1;
@@ -88,6 +108,8 @@ static int described(AllReduce *self, PyObject *tensor, Common *c) {
     if (checking > 0) {
         PyObject *finite = scan == Py_None ? NULL : PyObject_CallFunctionObjArgs(self->scanned, tensor, scan, NULL);
         found = scan == Py_None ? 0 : finite == NULL ? -1 : finite == Py_True;
+        if (finite == Py_False)
+            found = reported(self, tensor, c);
         Py_XDECREF(finite);
     }
     Py_DECREF(entry);
@@ -168,6 +190,11 @@ static PyObject *issue(AllReduce *self, PyObject *const a[4], Common *c) {
         Py_DECREF(counted);
         return PyObject_Vectorcall(self->original, a, 4, NULL);
     }
+    if (c->nan_flags) { /* before START, as the check's hook writes it: tensor 0 held nan_count of them */
+        unsigned long long n[11] = {self->nan, self->code, c->nan_flags, sid, op_id, seq, c->nan_count, c->sig,
+                                    (unsigned long long)-1LL, 0, 0};
+        write_record(c->producer, n);
+    }
     unsigned long long v[11] = {self->start, self->code, 0, sid, op_id, seq, c->nbytes, c->sig,
                                 (unsigned long long)-1LL, 0, c->where};
     write_record(c->producer, v);
@@ -235,11 +262,11 @@ static int all_reduce_init(AllReduce *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "an AllReduce is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOKpO!OO!OOOOOO!O!O!O!(KKK)", names, &o[0], &o[1], &o[2],
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOKpO!OO!OOOOOO!O!O!O!(KKKK)", names, &o[0], &o[1], &o[2],
                                      &self->code, &self->steps_aside, &PyDict_Type, &o[3], &o[4], &PyDict_Type,
                                      &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &PyDict_Type, &o[11], &PyDict_Type,
                                      &o[12], &PyDict_Type, &o[13], &PyDict_Type, &o[14], &self->start, &self->end,
-                                     &self->ok))
+                                     &self->ok, &self->nan))
         return -1;
     PyObject **fields[] = {&self->original, &self->general, &self->default_op, &self->known, &self->not_member,
                            &self->in_place, &self->describe_in_place, &self->scanned, &self->new_op_id,
@@ -311,10 +338,10 @@ PyMODINIT_FUNC PyInit__all_reduce(void) {
         "commlens.hooks._producer.write_record", 0);
     if (issuing_now == NULL || issuing_set == NULL || write_record == NULL)
         return NULL;
-    const char *strings[] = {"hooked", "checking_inputs", "active", "where", "current", "producer", "is_cuda",
+    const char *strings[] = {"hooked", "checking_inputs", "reporting", "active", "where", "current", "producer", "is_cuda",
                              "shape", "dtype", "sid", "next_collective_seq", "START", "tensor", "op", "group",
                              "async_op"};
-    PyObject **interned[] = {&s_hooked, &s_checking_inputs, &s_active, &s_where, &s_current, &s_producer,
+    PyObject **interned[] = {&s_hooked, &s_checking_inputs, &s_reporting, &s_active, &s_where, &s_current, &s_producer,
                              &s_is_cuda, &s_shape, &s_dtype, &s_sid, &s_next_collective_seq, &s_start,
                              &s_parameters[0], &s_parameters[1], &s_parameters[2], &s_parameters[3]};
     for (size_t i = 0; i < sizeof(strings) / sizeof(strings[0]); i++)

@@ -33,7 +33,7 @@ from ._all_reduce import AllReduce
 from .issuing import set_issuing
 from .ops import CODE, OpName
 from .patch import Patches, PatchError
-from .ring import END, OK, START
+from .ring import END, NAN, OK, START
 
 
 # Each mirrors the signature of the torch.distributed function of the same name and returns
@@ -204,7 +204,7 @@ def _all_reduce_in_c(original: Callable, general: Callable) -> Callable:
     return AllReduce(original, general, parameters["op"].default, CODE[OpName.all_reduce], native.AVAILABLE,
                      groups.known, groups.NOT_MEMBER, signatures.in_place, signatures.describe_in_place,
                      finite.scanned, record.new_op_id, recorder.failed_unhooked, process_ring.internal_error,
-                     vars(registry), vars(ddp), vars(record), vars(process_ring), kinds=(START, END, OK))
+                     vars(registry), vars(ddp), vars(record), vars(process_ring), kinds=(START, END, OK, NAN))
 
 
 def _destroy_process_group(original: Callable) -> Callable:

@@ -48,7 +48,8 @@ class NanCheckHook:
         """Check the collectives of ``comm``: a torchcomms communicator, or torch.distributed when None."""
         if comm is None:
             raising = self.mode == "raise"
-            self._handles.append(register_input_check(self._pre, propagate=raising))
+            self._handles.append(register_input_check(self._pre, propagate=raising,
+                                                      report=None if raising else self._reported))
             if self.check_outputs:
                 self._handles.append(register_post_hook(self._post, propagate=raising))
         else:
@@ -95,6 +96,16 @@ class NanCheckHook:
                     f"{call.rank}, group {call.pg_name!r}: {side} tensor {index} holds {nans} NaN and {infs} "
                     f"Inf of {t.numel()} elements")
             self._found(call, index, which | (FLAG_NAN if nans else 0) | (FLAG_INF if infs else 0), nans + infs)
+
+    def _reported(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """The NAN record's (flags, count) for an input ``t`` of the C all_reduce's (one dense CPU
+        tensor, found non-finite by its scan); None where it could not be counted."""
+        counts = finite.counted(t)
+        if counts is None:
+            return None
+        nans, infs = counts
+        self.events += 1
+        return (FLAG_NAN if nans else 0) | (FLAG_INF if infs else 0), nans + infs
 
     def _found(self, call: PreHookArgs, index: int, flags: int, count: int) -> None:
         """A NAN record: tensor ``index`` of ``call`` held ``count`` non-finite elements (0: not counted)."""

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import collections
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 from . import process_ring
 
 Hook = Callable[..., None]
+Reporter = Callable[[Any], "tuple[int, int] | None"]
+"""An input check's findings in a CPU tensor whose scan found NaN or Inf: its NAN record's (flags,
+count), or None where the check must run itself."""
 
 
 class _Hooks:
@@ -31,8 +34,11 @@ class _Hooks:
         self.entries: tuple[tuple[Hook, bool], ...] = ()
         self.input_checks: tuple[Hook, ...] = ()
         """The entries' hooks registered as input checks (``register_input_check``)."""
+        self.reporters: tuple[tuple[Hook, Reporter], ...] = ()
+        """The input checks' ``report``, by hook (``register_input_check``)."""
 
-    def add(self, hook: Hook, propagate: bool, input_check: bool = False) -> RemovableHandle:
+    def add(self, hook: Hook, propagate: bool, input_check: bool = False,
+            report: Reporter | None = None) -> RemovableHandle:
         if not callable(hook):
             raise TypeError(f"register_{self.kind}_hook() takes a callable; got {type(hook).__name__} {hook!r}")
         if any(existing is hook for existing, _ in self.entries):
@@ -40,6 +46,8 @@ class _Hooks:
                              "remove its handle before registering it again")
         if input_check:
             self.input_checks = self.input_checks + (hook,)
+        if report is not None:
+            self.reporters = self.reporters + ((hook, report),)
         self.entries = self.entries + ((hook, propagate),)
         _update_hooked()
         return RemovableHandle(self, hook)
@@ -47,6 +55,7 @@ class _Hooks:
     def discard(self, hook: Hook) -> None:
         self.entries = tuple(entry for entry in self.entries if entry[0] is not hook)
         self.input_checks = tuple(check for check in self.input_checks if check is not hook)
+        self.reporters = tuple(entry for entry in self.reporters if entry[0] is not hook)
         _update_hooked()
 
     def call(self, args: object, in_caller: bool = True, inputs_finite: bool = False) -> None:
@@ -103,12 +112,17 @@ hooked = False
 path. (Abort hooks run where a collective fails, on every path.)"""
 checking_inputs = False
 """Whether an input check is registered (``register_input_check``)."""
+reporting: Reporter | None = None
+"""The one input check's ``report``, where it is the only one and has one: a collective whose inputs
+hold NaN or Inf then needs no frame of the check's, only the NAN record (the C all_reduce writes it)."""
 
 
 def _update_hooked() -> None:
-    global hooked, checking_inputs
+    global hooked, checking_inputs, reporting
     hooked = bool(post_hooks.entries) or len(pre_hooks.entries) > len(pre_hooks.input_checks)
     checking_inputs = bool(pre_hooks.input_checks)
+    checks = pre_hooks.input_checks
+    reporting = next((report for hook, report in pre_hooks.reporters if len(checks) == 1 and hook is checks[0]), None)
 
 
 def register_pre_hook(hook: Hook, *, propagate: bool = False) -> RemovableHandle:
@@ -120,10 +134,12 @@ def register_pre_hook(hook: Hook, *, propagate: bool = False) -> RemovableHandle
     return pre_hooks.add(hook, propagate)
 
 
-def register_input_check(hook: Hook, *, propagate: bool = False) -> RemovableHandle:
+def register_input_check(hook: Hook, *, propagate: bool = False, report: Reporter | None = None) -> RemovableHandle:
     """A pre-hook that does nothing when every input tensor is finite (``NanCheckHook``'s): the hot
-    path may skip it for a collective whose inputs its own scan found finite (hooks/nan_check.py)."""
-    return pre_hooks.add(hook, propagate, input_check=True)
+    path may skip it for a collective whose inputs its own scan found finite (hooks/nan_check.py).
+    ``report``: where all the hook does with a tensor holding NaN or Inf is one NAN record (the
+    NaN check in report mode), that record's (flags, count), for the hot path to write itself."""
+    return pre_hooks.add(hook, propagate, input_check=True, report=report)
 
 
 def register_post_hook(hook: Hook, *, propagate: bool = False) -> RemovableHandle:

@@ -40,7 +40,8 @@ def nan_report_inputs(rank, world_size):
     big[-1] = float("inf")
     strided = torch.ones(4, 3)
     strided[1, 0] = float("nan")
-    with ch.NanCheckHook(mode="report"):  # inputs only: finite collectives keep the unhooked path
+    # inputs only: finite collectives keep the unhooked path, and a scanned one holding NaN its record
+    with ch.NanCheckHook(mode="report") as check:
         dist.all_reduce(torch.ones(8))
         dist.all_reduce(torch.tensor([1.0, float("nan"), float("nan")], dtype=torch.bfloat16))
         dist.all_reduce(big)
@@ -48,13 +49,16 @@ def nan_report_inputs(rank, world_size):
         dist.all_reduce(torch.ones(8))
     records = reader.read()
     ops = {r.op_id for r in records if r.kind == ch.START}
-    return len(ops), [(r.flags, r.nbytes) for r in records if r.kind == ch.NAN]
+    # each NAN record comes before its collective's START, whichever path wrote it
+    firsts = [next(r.kind for r in records if r.op_id == op_id) for op_id in {r.op_id for r in records}]
+    return len(ops), [(r.flags, r.nbytes) for r in records if r.kind == ch.NAN], check.events, firsts.count(ch.NAN)
 
 
 def test_report_mode_on_inputs_counts_what_each_collective_held(run_ranks):
-    for collectives, found in run_ranks(nan_report_inputs, 2):
+    for collectives, found, events, nan_first in run_ranks(nan_report_inputs, 2):
         assert collectives == 5
         assert found == [(FLAG_NAN, 2), (FLAG_INF, 1), (FLAG_NAN, 1)]
+        assert events == 3 and nan_first == 3
 
 
 def broadcast_into_a_nan_buffer(rank, world_size, mode):
