@@ -53,12 +53,15 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
         if not any(f.kind == "desync" for f in stuck):
             stuck += _mismatch(pg, members)
         mismatched = _size_mismatch(pg, members)
-        if mismatched:  # the backend fails or aborts the ranks in it: their hang or death follows from it
-            stuck = [f for f in stuck if f.kind == "desync"] + mismatched
+        if mismatched:  # the backend fails or aborts the ranks in it: their hang or death there follows from it
+            stuck = [f for f in stuck if f.kind == "desync" or (f.seq or 0) < mismatched[0].seq] + mismatched
         found += stuck
-        if not stuck and not any(f.pg == pg for f in links):
+        if not stuck and not any(f.pg == pg for f in links) and not any(f.lost for f in members):
             found += _straggler(pg, members, facts) + _stalls(pg, members, facts)
-    found += _late_peers(facts) + _lost_unseen(facts, found)
+    found += _lost_unseen(facts, found)
+    lost = {rank for f in found if f.kind == "lost_rank" for rank in f.ranks}
+    # a killed rank that a pipeline peer waits on is named once, as killed
+    found += [f for f in _late_peers(facts) if not set(f.ranks) <= lost]
     if links and not any(f.kind in ("lost_rank", "desync", "size_mismatch", "late_rank") for f in found):
         found.append(Finding("deadlock", tuple(sorted({r for f in links for r in f.ranks})), links[0].pg,
                              links[0].op, links[0].seq, "; ".join(f.evidence for f in links)))
@@ -89,12 +92,11 @@ def _hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[
     stop = _waits_of_the_stop(pg, members)
     live = {f.rank: state for f in members if pg in f.groups and (state := next(
         (s for s in (f.groups[pg].hung, f.groups[pg].failed) if s is not None and s[1] not in stop), None))}
-    lost = sorted(f.rank for f in members if f.lost)
-    if lost:  # live: a killed rank is named in the collective it died in, the one it had in flight
-        dying = {other for f in everyone if f.rank == lost[0] for other, g in f.groups.items()
-                 if g.finished is not None and g.issued > g.finished}
-        if dying and pg not in dying:  # the waits here (one that resolved, say) are not its death's
-            return []
+    # live: a killed rank is named in the collective it died in, the one it had in flight; the waits in
+    # another group (one that resolved, say) are not its death's
+    lost = sorted(f.rank for f in members if f.lost and pg in (_in_flight(f) or {pg}))
+    if not lost and any(f.lost for f in members):
+        return []
     if live:
         seq = collections.Counter(s for _, s in live.values()).most_common(1)[0][0]
         ops = {rank: op for rank, (op, s) in live.items() if s == seq}
@@ -222,14 +224,19 @@ def _lost_unseen(facts: list[RankFacts], found: list[Finding]) -> list[Finding]:
     named = {rank for f in found if f.kind == "lost_rank" for rank in f.ranks}
     unseen = []
     for f in facts:
-        in_flight = [(pg, g.issued) for pg, g in sorted(f.groups.items())
-                     if g.finished is not None and g.issued > g.finished]
+        in_flight = _in_flight(f)
         if f.lost and f.rank not in named and in_flight:
-            pg, seq = in_flight[0]
+            pg = min(in_flight, key=lambda group: (len(group), group))
+            seq = f.groups[pg].issued
             unseen.append(Finding("lost_rank", (f.rank,), pg, "a collective", seq,
                                   "its process ended without a signal or an exception (SIGKILL, the OOM killer, "
                                   "a crash) inside it"))
     return unseen
+
+
+def _in_flight(f: RankFacts) -> set[str]:
+    """Live: the groups in which rank ``f`` had a collective issued and not completed."""
+    return {pg for pg, g in f.groups.items() if g.finished is not None and g.issued > g.finished}
 
 
 def _late_peers(facts: list[RankFacts]) -> list[Finding]:
@@ -291,21 +298,25 @@ def _size_mismatch(pg: str, members: list[RankFacts]) -> list[Finding]:
         if len(ops) > 1:  # a desync, told by the ops
             continue
         op = ops.pop()
-        dtypes = {rank: _dtypes(tensors) for rank, (_, tensors) in by_seq[seq].items()}
-        told = {rank: tensors for rank, (_, tensors) in by_seq[seq].items()} if op in SAME_INPUTS else dtypes
+        if op in SAME_INPUTS:
+            told = {rank: tensors for rank, (_, tensors) in by_seq[seq].items()}
+        else:  # a scatter's root alone gives inputs, an all_gather's may be uneven: the dtypes given
+            told = {rank: _dtypes(tensors) for rank, (_, tensors) in by_seq[seq].items() if tensors}
+        if not told:
+            continue
         majority, count = collections.Counter(told.values()).most_common(1)[0]
-        wrong = {rank: told for rank, told in told.items() if told != majority}
+        wrong = sorted(rank for rank, given in told.items() if given != majority)
         if wrong and count > len(wrong):
             theirs = sorted(rank for rank in told if rank not in wrong)
-            return [Finding("size_mismatch", tuple(sorted(wrong)), pg, op, seq,
+            return [Finding("size_mismatch", tuple(wrong), pg, op, seq,
                             f"its input was {' / '.join(sorted(set(by_seq[seq][r][1] for r in wrong)))} where ranks "
                             f"{theirs} gave {by_seq[seq][theirs[0]][1]}")]
     return []
 
 
-def _dtypes(tensors: str) -> str:
+def _dtypes(tensors: str) -> frozenset[str]:
     """The dtypes of a dump entry's tensors as ``readers`` writes them (``"Float[8], Float[2, 4]"``)."""
-    return ", ".join(tensor.partition("[")[0] for tensor in tensors.split("], "))
+    return frozenset(tensor.partition("[")[0] for tensor in tensors.split("], "))
 
 
 def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:
@@ -323,7 +334,7 @@ def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> 
         # waits less than the others in all its groups together, its own compute holds them up; and
         # one that waits now past the hang threshold is a link of a chain that another finding names
         waited = {f.rank: sum(g.waited_s or 0.0 for g in f.groups.values()) for f in everyone if f.rank in groups}
-        waiting = any(g.hung or g.p2p_hung for f in everyone if f.rank == rank for g in f.groups.values())
+        waiting = any(g.hung or g.p2p_hung or g.failed for f in everyone if f.rank == rank for g in f.groups.values())
         if lateness > STRAGGLER_MIN_S and waits[rank] < STRAGGLER_RATIO * longest and not waiting and \
                 waited[rank] < STRAGGLER_RATIO * max(waited.values()):
             # its cost: the others' time in the group's collectives beyond its own, which they spend

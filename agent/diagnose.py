@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=5.0,
                         help="with --metrics: seconds between the two scrapes that waits are measured over")
     args = parser.parse_args(argv)
+    if not args.window > 0:
+        parser.error(f"--window {args.window} is not accepted: give the seconds between the two scrapes, above 0")
     if args.folder is not None and not os.path.isdir(args.folder):
         parser.error(f"{args.folder!r} is not a folder: give the folder of a job's trace files and dumps")
     try:

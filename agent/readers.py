@@ -76,6 +76,7 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str], window_s: fl
     for rank, facts in ranks.items():
         facts.gone = rank not in reporting[1] or rank in down
         facts.lost = _lost(endings[rank])
+        _none_completed(facts)
     return [ranks[rank] for rank in sorted(ranks)]
 
 
@@ -97,6 +98,14 @@ def _metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> Non
             group.nonfinite = (int(value), labels["op"], labels["kind"])
     elif name == names.total(names.LOSS_SCALE_STEPS) and labels.get("outcome") == "skipped":
         facts.loss_scale_skipped = int(value)
+
+
+def _none_completed(facts: RankFacts) -> None:
+    """Live: a group in which the rank issued collectives and completed none (no completed sequence
+    number is exported before the first) has completed up to 0."""
+    for group in facts.groups.values():
+        if group.finished is None and group.issued > 0:
+            group.finished = 0
 
 
 def _lost(reasons: set[str]) -> bool:
@@ -181,6 +190,7 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
         for rank, facts in ranks.items():
             facts.gone = (name, rank) not in live or (name, rank) in down
             facts.lost = _lost(endings[(name, rank)])
+            _none_completed(facts)
     return {name: [ranks[r] for r in sorted(ranks)] for name, ranks in jobs.items()}
 
 

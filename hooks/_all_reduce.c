@@ -1,5 +1,5 @@
-/* all_reduce's common case recorded and issued in one C call, with no Python frame of commlens' own:
- * synchronous, one CPU tensor, a known group, no pre- or post-hook but the NaN check's (which the scan
+/* all_reduce's common case recorded and issued in one C call, with no Python frame of commlens' own
+ * (but the NaN check's report of an input holding NaN or Inf): synchronous, one CPU tensor, a known group, no pre- or post-hook but the NaN check's (which the scan
  * of _nonfinite.c stands in for, and, in report mode, its NAN record where the scan finds NaN or Inf:
  * ``registry.reporting``), outside a DDP bucket and outside another wrapper's collective. It
  * writes START and END through the ring's producer, as recorder.run_unhooked does, sets the issuing
@@ -62,8 +62,8 @@ static int flag_in(PyObject *namespace, PyObject *name) {
 }
 
 /* The NaN check's NAN record for an input its scan found non-finite, from the one input check's
- * ``report`` (registry.reporting): 1 with ``c``'s nan fields set, 0 when the check must run itself
- * (general's), -1 on error. */
+ * ``report`` (registry.reporting, a Python call: the check counts its finding): 1 with ``c``'s nan
+ * fields set, 0 when the check must run itself (general's), -1 on error. */
 static int reported(AllReduce *self, PyObject *tensor, Common *c) {
     PyObject *report = PyDict_GetItemWithError(self->registry, s_reporting);
     if (report == NULL || report == Py_None)
@@ -108,8 +108,10 @@ static int described(AllReduce *self, PyObject *tensor, Common *c) {
     if (checking > 0) {
         PyObject *finite = scan == Py_None ? NULL : PyObject_CallFunctionObjArgs(self->scanned, tensor, scan, NULL);
         found = scan == Py_None ? 0 : finite == NULL ? -1 : finite == Py_True;
-        if (finite == Py_False)
-            found = reported(self, tensor, c);
+        if (finite == Py_False) { /* the check's report decides, once the rest of the common case holds */
+            c->nan_flags = 1;
+            found = 1;
+        }
         Py_XDECREF(finite);
     }
     Py_DECREF(entry);
@@ -154,6 +156,8 @@ static int common_case(AllReduce *self, PyObject *const a[4], Common *c) {
             Py_XSETREF(self->producer, producer);
         }
     }
+    if (common > 0 && c->nan_flags)
+        common = reported(self, a[0], c);
     if (common <= 0) {
         Py_DECREF(info);
         return common < 0 ? (general_decides() ? 0 : -1) : 0;

@@ -21,8 +21,8 @@ Faults, on rank ``--rank`` at step ``--step`` (``--fault none`` for a healthy ru
              for them; every rank waits on another (a deadlock, until the backend's timeout)
     kill     the rank SIGKILLs itself inside its pair's all_reduce (issued, not completed): its
              partner's all_reduce fails, its peer in the other stage waits in ``recv`` for it
-    size     the rank gives the job's loss all_reduce two elements where the others give one (a shape
-             bug in one rank's code): gloo aborts the processes in it ("Received data size doesn't match")
+    size     the rank gives the job's loss all_reduce (the first from ``--step`` on) two elements where
+             the others give one (a shape bug in one rank's code): gloo fails or aborts the ranks in it
     recv-first  a rank of the first stage receives from its peer in the second before it sends: both
              wait in ``recv`` on each other (a pipeline schedule's deadlock), and their pair partners
              wait for them in the next step's tensor-parallel all_reduce
@@ -100,7 +100,7 @@ def main() -> None:
         scaler.update()
         if step % 10 == 0:
             total = loss.detach().clone()
-            if rank == args.rank and step == args.step and args.fault == "size":
+            if rank == args.rank and args.step <= step < args.step + 10 and args.fault == "size":
                 total = total.repeat(2)
             dist.all_reduce(total)  # the job's loss, for the log
     dist.destroy_process_group()

@@ -40,8 +40,16 @@ def nan_report_inputs(rank, world_size):
     big[-1] = float("inf")
     strided = torch.ones(4, 3)
     strided[1, 0] = float("nan")
-    # inputs only: finite collectives keep the unhooked path, and a scanned one holding NaN its record
-    with ch.NanCheckHook(mode="report") as check:
+    class Check(ch.NanCheckHook):  # counts the collectives its Python hook saw
+        hooked = 0
+
+        def _pre(self, args):
+            self.hooked += 1
+            super()._pre(args)
+
+    # inputs only: finite collectives keep the unhooked path, and a scanned one holding NaN its record,
+    # which the C all_reduce writes: the hook sees only the two its scan cannot read
+    with Check(mode="report") as check:
         dist.all_reduce(torch.ones(8))
         dist.all_reduce(torch.tensor([1.0, float("nan"), float("nan")], dtype=torch.bfloat16))
         dist.all_reduce(big)
@@ -51,14 +59,15 @@ def nan_report_inputs(rank, world_size):
     ops = {r.op_id for r in records if r.kind == ch.START}
     # each NAN record comes before its collective's START, whichever path wrote it
     firsts = [next(r.kind for r in records if r.op_id == op_id) for op_id in {r.op_id for r in records}]
-    return len(ops), [(r.flags, r.nbytes) for r in records if r.kind == ch.NAN], check.events, firsts.count(ch.NAN)
+    return (len(ops), [(r.flags, r.nbytes) for r in records if r.kind == ch.NAN], check.events, firsts.count(ch.NAN),
+            check.hooked)
 
 
 def test_report_mode_on_inputs_counts_what_each_collective_held(run_ranks):
-    for collectives, found, events, nan_first in run_ranks(nan_report_inputs, 2):
+    for collectives, found, events, nan_first, hooked in run_ranks(nan_report_inputs, 2):
         assert collectives == 5
         assert found == [(FLAG_NAN, 2), (FLAG_INF, 1), (FLAG_NAN, 1)]
-        assert events == 3 and nan_first == 3
+        assert events == 3 and nan_first == 3 and hooked == 2
 
 
 def broadcast_into_a_nan_buffer(rank, world_size, mode):

@@ -134,7 +134,7 @@ def test_a_live_straggler_is_named_from_enough_collectives_and_never_while_it_wa
     found = [f for f in findings(from_metrics_texts(zero, _scrape(waits, count, p2p_hung), 20.0))
              if f.kind == "straggler"]
     assert {rank for f in found for rank in f.ranks} == named
-    if named:  # the others wait 22.8 ms a second for it, of the 4 ranks' 4 s
+    if named:  # the others wait 22.8 ms a second for it, of the 4 ranks' 4 rank-seconds a second
         assert found[0].evidence.endswith("the waits for it cost the job 0.6% of its time over the window")
 
 
@@ -282,15 +282,17 @@ def test_a_rank_whose_input_size_differs_is_named_from_the_dumps_and_no_alert_na
     assert "Culprit rank 1; Error type: SIZE_OR_SYNTAX_MISMATCH" in found, found[-3000:]
 
 
-@pytest.mark.parametrize("op, theirs, named", [
-    ("all_reduce", "Float[8]", {2}), ("all_gather", "Float[8]", set()), ("all_gather", "Half[4]", {2})],
-    ids=["all_reduce-size", "all_gather-uneven", "all_gather-dtype"])
-def test_inputs_that_differ_are_a_size_mismatch_where_the_op_needs_them_alike(op, theirs, named):
-    """Rank 2's input differs from ranks 0 and 1's (``Float[4]``) in one collective of the dumps: in size,
-    a mismatch for all_reduce and not for all_gather (whose inputs may be uneven); in dtype, for any op."""
+@pytest.mark.parametrize("op, ours, theirs, named", [
+    ("all_reduce", "Float[4]", "Float[8]", {2}), ("all_gather", "Float[4]", "Float[8]", set()),
+    ("all_gather", "Float[4]", "Half[4]", {2}), ("scatter", "", "Float[3, 4]", set())],
+    ids=["all_reduce-size", "all_gather-uneven", "all_gather-dtype", "scatter-root"])
+def test_inputs_that_differ_are_a_size_mismatch_where_the_op_needs_them_alike(op, ours, theirs, named):
+    """Rank 2's input differs from ranks 0 and 1's in one collective of the dumps: in size, a mismatch
+    for all_reduce and not for all_gather (whose inputs may be uneven); in dtype, for any op; a scatter's
+    root alone gives inputs, and is no mismatch."""
     facts = [RankFacts(rank) for rank in range(3)]
     for f in facts:
-        f.group("0").inputs[5] = (op, theirs if f.rank == 2 else "Float[4]")
+        f.group("0").inputs[5] = (op, theirs if f.rank == 2 else ours)
     assert {rank for f in findings(facts) if f.kind == "size_mismatch" for rank in f.ranks} == named
 
 
