@@ -90,6 +90,11 @@ def _within(gpu_start_ns: int, start: Record, end: Record) -> int:
     return min(max(gpu_start_ns, start.t_ns), end.t_ns)
 
 
+def _kinds(flags: int) -> tuple[str, ...]:
+    """What a NAN record's ``flags`` say its tensor held: "nan", "inf" or both."""
+    return tuple(kind for bit, kind in ((NAN_HAS_NAN, "nan"), (NAN_HAS_INF, "inf")) if flags & bit)
+
+
 def _keep_all(pg: str, seqs: Sequence[int], is_p2p: bool) -> list[int]:
     """The default sampler: every collective of ``seqs`` is kept (by index)."""
     return list(range(len(seqs)))
@@ -249,8 +254,8 @@ class Sidecar:
     def _read(self) -> tuple[list[Record], list[Folded]]:
         """The next records (at most ``READ_AT_ONCE``), with the collectives that started and ended ok
         among them folded (on a GPU too); none while a NAN record read before waits for its
-        collective's END (its START and END could both be in this read)."""
-        if self._nan:
+        collective's START (its START and END could both be in this read, and fold without it)."""
+        if self._nan and not self._nan.keys() <= self.inflight.keys():
             return self.reader.read(READ_AT_ONCE), []
         return self.reader.read_folded(READ_AT_ONCE)
 
@@ -309,7 +314,10 @@ class Sidecar:
         if not (nan and self._nan_spans[shape.pg] <= NAN_SPANS_KEPT or hung or slow or status != "ok"
                 or self.sample(shape.pg, (end.seq,), shape.is_p2p)):
             return
-        collective = self._collective(shape, start or end, end, status, nan, hung, slow, gpu_start=gpu_start)
+        self._emit(self._collective(shape, start or end, end, status, nan, hung, slow, gpu_start=gpu_start), nan)
+
+    def _emit(self, collective: Collective, nan: int) -> None:
+        """A span to export; a non-finite one in a loss scaler's step waits for the step's outcome."""
         if nan and self._scaled_step is not None and len(self._scaled_step) < _HELD:
             self._scaled_step.append(collective)
         else:
@@ -317,30 +325,38 @@ class Sidecar:
 
     def _folded(self, group: Folded) -> None:
         """Collectives of one shape that started and ended ok within this drain: counted at once; the
-        slow ones and those sampled are built from their records."""
+        slow ones, those sampled and, of a group whose inputs held NaN or Inf, the first kept of their
+        process group (``NAN_SPANS_KEPT``) are built from their records."""
         shape = self._shapes.get((group.op, group.pg, group.nbytes, group.sig)) or self._shape(group)
         seqs, seconds = group.seqs(), group.seconds()
         self.stats.completed_ok(shape, seqs, seconds)
+        first_nan = range(0)  # of the group's collectives, those whose spans are kept for their NaN or Inf
+        if group.nan:
+            self.stats.nonfinite(shape, min(seqs), _kinds(group.nan), True, self._scaled_step is not None, len(seqs))
+            first_nan = range(max(0, min(len(seqs), NAN_SPANS_KEPT - self._nan_spans[shape.pg])))
+            self._nan_spans[shape.pg] += len(seqs)
         if group.gpu_bytes:
             queued, executing = group.gpu_seconds()
             self.stats.on_gpu(shape, sum(queued), sum(executing))
         slow = self._slow(shape, seconds)
         ordinary = range(len(seqs)) if not slow else [k for k in range(len(seqs)) if k not in slow]
         kept = self.sample(shape.pg, seqs if not slow else [seqs[k] for k in ordinary], shape.is_p2p)
-        for n, k in enumerate(sorted(slow.union(ordinary[i] for i in kept)) if kept or slow else ()):
+        built = slow.union(ordinary[i] for i in kept).union(first_nan) if kept or slow or first_nan else ()
+        for n, k in enumerate(sorted(built)):
             if n % _BUILT_BETWEEN_HAND_OVERS == _BUILT_BETWEEN_HAND_OVERS - 1:
                 self._hand_over()
             records = group.records(k)
             start, end = records[0], records[-1]
             gpu_start = _within(records[1].t_ns, start, end) if len(records) == 3 else None
-            self.on_collective(self._collective(shape, start, end, "ok", 0, False, k in slow, gpu_start=gpu_start))
+            self._emit(self._collective(shape, start, end, "ok", group.nan, False, k in slow, gpu_start=gpu_start),
+                       group.nan)
 
     def _nan_found(self, record: Record) -> None:
         shape = self._shape(record)
         if not record.flags & NAN_OUTPUT:  # an output's comes after its END (a post-hook's): nothing waits for it
             self._nan[record.op_id] = self._nan.get(record.op_id, 0) | record.flags
-        kinds = tuple(kind for bit, kind in ((NAN_HAS_NAN, "nan"), (NAN_HAS_INF, "inf")) if record.flags & bit)
-        self.stats.nonfinite(shape, record.seq, kinds, not record.flags & NAN_OUTPUT, self._scaled_step is not None)
+        self.stats.nonfinite(shape, record.seq, _kinds(record.flags), not record.flags & NAN_OUTPUT,
+                             self._scaled_step is not None)
 
     def _loss_scale(self, event: str) -> None:
         """A loss scaler began a step ("scaled": the step's gradients follow), or ended it: the

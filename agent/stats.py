@@ -113,12 +113,14 @@ class Stats:
         if seq > self.last_seq.get(shape.enqueued_key, -1):
             self.last_seq[shape.enqueued_key] = seq
 
-    def nonfinite(self, shape, seq: int, kinds: tuple[str, ...], is_input: bool, scaled_step: bool = False) -> None:
-        """A collective of ``shape`` had a tensor holding ``kinds`` ("nan", "inf"); ``scaled_step``: in
-        a loss scaler's step, whose outcome (``loss_scale_step``) decides whether the values entered."""
+    def nonfinite(self, shape, seq: int, kinds: tuple[str, ...], is_input: bool, scaled_step: bool = False,
+                  count: int = 1) -> None:
+        """``count`` collectives of ``shape``, the first ``seq``, had a tensor holding ``kinds`` ("nan",
+        "inf"); ``scaled_step``: in a loss scaler's step, whose outcome (``loss_scale_step``) decides
+        whether the values entered."""
         first = self._step_first_nonfinite if scaled_step else self.first_nonfinite
         for kind in kinds:
-            self.nans[(*shape.counter_key, kind)] += 1
+            self.nans[(*shape.counter_key, kind)] += count
             key = (shape.pg, kind)
             if is_input and not shape.is_p2p and seq < first.get(key, (seq + 1,))[0]:
                 first[key] = (seq, shape.op)

@@ -9,14 +9,18 @@
 
 #include "_record.h"
 
-/* fold_run(data, record_type, start, end, gpu_start) -> (records, groups): the records of ``data``
- * (whole records as read_whole copied them), where each ``start`` record whose ``end`` record with
- * status ok (flags 0) follows in ``data``, with no other record of its op_id there (a NAN) but at most
- * one ``gpu_start`` between them, is folded away into one group per (op, pg, nbytes, sig, timed on a
- * GPU or not), in order of first appearance: (op, pg, nbytes, sig, seqs, seconds, records, gpu) where
+/* fold_run(data, record_type, start, end, gpu_start, nan, nan_output, barrier) -> (records, groups): the
+ * records of ``data`` (whole records as read_whole copied them), where each ``start`` record whose
+ * ``end`` record with status ok (flags 0) follows in ``data``, with no other record of its op_id there
+ * but at most one ``gpu_start`` between them and one ``nan`` record of its input before it (its
+ * ``flags`` without ``nan_output``; none where ``data`` holds a ``barrier`` record, which must be read
+ * in order with them, or ``nan`` is -1), is folded away into one group per (op, pg, nbytes, sig, timed
+ * on a GPU or not, the nan record's flags), in order of first appearance: (op, pg, nbytes, sig, seqs,
+ * seconds, records, gpu, nan) where
  * seqs are uint64, seconds float64 (end - start), records the collectives' own (START, END, or START,
  * GPU_START, END: 72 bytes each) and gpu, for a GPU's group, float64 pairs (queue, execution): the GPU
- * start, within [start, end], less start, and end less it. ``records``: every other record, in
+ * start, within [start, end], less start, and end less it; nan: the flags of their nan records (0:
+ * none). ``records``: every other record, in
  * order, as ``record_type`` tuples. Most collectives start and end within one drain: their counting
  * then costs the reader no Python object each (agent/sidecar.py). */
 typedef struct {
@@ -73,6 +77,7 @@ static PyObject *record_tuple(PyTypeObject *type, const record_t *r) {
 typedef struct {
     const record_t *first; /* its key: op, pg, nbytes, sig, and whether a GPU timed it */
     int gpu, width;        /* width: records a collective (2, or 3 with its GPU_START) */
+    int nan;               /* the flags of its collectives' NAN records (0: none) */
     Py_ssize_t count;
     uint64_t *seqs;
     double *seconds, *gpu_seconds;
@@ -80,19 +85,20 @@ typedef struct {
 } group_t;
 
 static PyObject *group_tuple(const group_t *g) {
-    return Py_BuildValue("(iIKIy#y#y#y#)", (int)g->first->op, (unsigned)g->first->pg,
+    return Py_BuildValue("(iIKIy#y#y#y#i)", (int)g->first->op, (unsigned)g->first->pg,
                          (unsigned long long)g->first->nbytes, (unsigned)g->first->sig, (const char *)g->seqs,
                          g->count * (Py_ssize_t)sizeof(uint64_t), (const char *)g->seconds,
                          g->count * (Py_ssize_t)sizeof(double), (const char *)g->records,
                          g->width * g->count * (Py_ssize_t)RECORD_SIZE, (const char *)g->gpu_seconds,
-                         g->gpu ? 2 * g->count * (Py_ssize_t)sizeof(double) : 0);
+                         g->gpu ? 2 * g->count * (Py_ssize_t)sizeof(double) : 0, g->nan);
 }
 
 static PyObject *fold_run(PyObject *module, PyObject *args) {
     Py_buffer view;
     PyTypeObject *record_type;
-    int start_kind, end_kind, gpu_kind;
-    if (!PyArg_ParseTuple(args, "y*O!iii", &view, &PyType_Type, &record_type, &start_kind, &end_kind, &gpu_kind))
+    int start_kind, end_kind, gpu_kind, nan_kind, nan_output, barrier_kind;
+    if (!PyArg_ParseTuple(args, "y*O!iiiiii", &view, &PyType_Type, &record_type, &start_kind, &end_kind, &gpu_kind,
+                          &nan_kind, &nan_output, &barrier_kind))
         return NULL;
     if (!PyType_IsSubtype(record_type, &PyTuple_Type) || view.len % RECORD_SIZE) {
         PyBuffer_Release(&view);
@@ -101,7 +107,7 @@ static PyObject *fold_run(PyObject *module, PyObject *args) {
     }
     Py_ssize_t n = view.len / RECORD_SIZE, m = n ? n : 1, groups = 0;
     const record_t *records = (const record_t *)view.buf;
-    table_t ends = {0}, gpus = {0}, others = {0}, shapes = {0};
+    table_t ends = {0}, gpus = {0}, others = {0}, shapes = {0}, nans = {0};
     Py_ssize_t *partner = calloc(m, sizeof(Py_ssize_t)); /* END index -> index + 1 of its START */
     Py_ssize_t *gpu_of = calloc(m, sizeof(Py_ssize_t));  /* END index -> index + 1 of its GPU_START, or 0 */
     group_t *group = calloc(m, sizeof(group_t));
@@ -112,17 +118,26 @@ static PyObject *fold_run(PyObject *module, PyObject *args) {
     char *folded_away = calloc(m, 1);                     /* a START or GPU_START folded with its END */
     PyObject *out = NULL, *rest = NULL, *folded = NULL;
     if (!table_init(&ends, n) || !table_init(&gpus, n) || !table_init(&others, n) || !table_init(&shapes, n) ||
+        !table_init(&nans, n) ||
         partner == NULL || gpu_of == NULL || group == NULL || seqs == NULL || seconds == NULL ||
         gpu_seconds == NULL || kept == NULL || member == NULL || folded_away == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) { /* each op_id's ok END and GPU_START, and the op_ids with others */
+    for (Py_ssize_t i = 0; nan_kind >= 0 && i < n; i++)
+        if (records[i].kind == barrier_kind)
+            nan_kind = -1;
+    for (Py_ssize_t i = 0; i < n; i++) { /* each op_id's ok END, GPU_START and NAN, and the op_ids with others */
         const record_t *r = &records[i];
         if (r->kind == end_kind && r->flags == 0) {
             Py_ssize_t *found = table_slot(&ends, r->op_id);
             if (!*found)
                 *found = i + 1;
+        } else if (r->kind == nan_kind && !(r->flags & nan_output)) {
+            Py_ssize_t *found = table_slot(&nans, r->op_id);
+            if (*found) /* a second tensor's: not the common case, left to the reader */
+                *table_slot(&others, r->op_id) = 1;
+            *found = i + 1;
         } else if (r->kind == gpu_kind) {
             Py_ssize_t *found = table_slot(&gpus, r->op_id);
             if (*found) /* a second one: not the common case, left to the reader */
@@ -137,27 +152,33 @@ static PyObject *fold_run(PyObject *module, PyObject *args) {
         if (r->kind != start_kind)
             continue;
         Py_ssize_t j = *table_slot(&ends, r->op_id) - 1, g_at = *table_slot(&gpus, r->op_id) - 1;
-        if (j <= i || partner[j] || *table_slot(&others, r->op_id) || (g_at >= 0 && (g_at < i || g_at > j)))
+        Py_ssize_t n_at = *table_slot(&nans, r->op_id) - 1;
+        if (j <= i || partner[j] || *table_slot(&others, r->op_id) || (g_at >= 0 && (g_at < i || g_at > j)) ||
+            n_at > i)
             continue;
-        int gpu = g_at >= 0;
+        int gpu = g_at >= 0, nan = n_at >= 0 ? records[n_at].flags : 0;
         partner[j] = i + 1;
         gpu_of[j] = g_at + 1;
         folded_away[i] = 1;
         if (gpu)
             folded_away[g_at] = 1;
+        if (n_at >= 0)
+            folded_away[n_at] = 1;
         uint64_t key = ((uint64_t)r->op << 56) ^ ((uint64_t)r->pg << 32) ^ r->sig ^ (r->nbytes * 0xC2B2AE3D27D4EB4Full) ^
-                       ((uint64_t)gpu << 63);
+                       ((uint64_t)gpu << 63) ^ ((uint64_t)nan << 40);
         Py_ssize_t *g = table_slot(&shapes, key);
         while (*g) { /* a key shared by two shapes: probe on past the other */
             const group_t *other = &group[*g - 1];
             const record_t *f = other->first;
-            if (f->op == r->op && f->pg == r->pg && f->nbytes == r->nbytes && f->sig == r->sig && other->gpu == gpu)
+            if (f->op == r->op && f->pg == r->pg && f->nbytes == r->nbytes && f->sig == r->sig && other->gpu == gpu &&
+                other->nan == nan)
                 break;
             g = table_slot(&shapes, ++key);
         }
         if (!*g) {
             group[groups].first = r;
             group[groups].gpu = gpu;
+            group[groups].nan = nan;
             group[groups].width = gpu ? 3 : 2;
             *g = ++groups;
         }
@@ -225,6 +246,7 @@ done:
     table_free(&gpus);
     table_free(&others);
     table_free(&shapes);
+    table_free(&nans);
     free(partner);
     free(gpu_of);
     free(group);
@@ -240,7 +262,8 @@ done:
 
 static PyMethodDef module_methods[] = {
     {"fold_run", fold_run, METH_VARARGS,
-     "fold_run(data, record_type, start, end, gpu_start) -> (records, groups of STARTs folded with their ok ENDs)"},
+     "fold_run(data, record_type, start, end, gpu_start, nan, nan_output, barrier) -> (records, groups of STARTs "
+     "folded with their ok ENDs)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -419,6 +419,8 @@ class Folded(NamedTuple):
     record_bytes: bytes
     gpu_bytes: bytes
     """float64 (queue, execution) pairs; empty when the group was not timed on a GPU."""
+    nan: int
+    """``NAN_HAS_*`` bits its collectives' inputs held, each told by a NAN record (0: finite)."""
 
     def seqs(self) -> memoryview:
         return memoryview(self.seq_bytes).cast("Q")
@@ -459,10 +461,21 @@ class RingReader:
 
     def read_folded(self, limit: int = 1 << 20) -> tuple[list[Record], list[Folded]]:
         """``read()``, with each START whose END (status ok) comes in the same read, and no other
-        record of its op but its GPU_START, folded into one ``Folded`` per (op, pg, nbytes, sig, on a
-        GPU or not): a reader's common case, counted a group at a time. ``limit`` bounds the records read."""
+        record of its op but its GPU_START and its input's NAN before it, folded into one ``Folded``
+        per (op, pg, nbytes, sig, on a GPU or not, NAN flags): a reader's common case, counted a group
+        at a time. ``limit`` bounds the records read. A reader handles the records left before the
+        groups: collectives with NAN records are folded only where that order is theirs too, a read
+        of one run of records holding no LOSS_SCALE (whose step they may belong to)."""
         groups: list[Folded] = []
-        return self._read(limit, lambda data: _folded(data, groups)), groups
+        pieces = self._read(limit, lambda data: [data])  # runs of whole records, and records one at a time
+        whole = len(pieces) == 1 and isinstance(pieces[0], bytes)
+        out: list[Record] = []
+        for piece in pieces:
+            if isinstance(piece, bytes):
+                out.extend(_folded(piece, groups, with_nan=whole))
+            else:
+                out.append(piece)
+        return out, groups
 
     def _read(self, limit: int, decode: Callable[[bytes], list]) -> list:
         ring, out, left = self.ring, [], limit
@@ -514,8 +527,8 @@ def _records(data: bytes) -> list[Record]:
     return [make(Record, fields) for fields in RECORD.iter_unpack(data)]
 
 
-def _folded(data: bytes, groups: list[Folded]) -> list[Record]:
-    records, folded = fold_run(data, Record, START, END, GPU_START)
+def _folded(data: bytes, groups: list[Folded], with_nan: bool) -> list[Record]:
+    records, folded = fold_run(data, Record, START, END, GPU_START, NAN if with_nan else -1, NAN_OUTPUT, LOSS_SCALE)
     make = tuple.__new__
     groups.extend(make(Folded, group) for group in folded)
     return records

@@ -14,7 +14,7 @@ import types
 import pytest
 
 from commlens.hooks import END, START, Ring, RingReader
-from commlens.hooks.ring import GPU_START, NAN
+from commlens.hooks.ring import GPU_START, LOSS_SCALE, NAN
 
 CHILDREN = pathlib.Path(__file__).resolve().parent / "children"
 
@@ -47,7 +47,7 @@ def test_reader_gets_records_in_order_and_then_nothing():
 def test_a_folded_read_groups_the_collectives_that_ended_ok_by_shape_and_keeps_every_other_record_in_order():
     ring = Ring(slots=64)
     # (op_id, kind, op, status, nbytes, t_ns): 1, 2 and 6 start and end ok (2 and 6 in another shape
-    # than 1, 6 in yet another); 3 fails, 4 lost its START, 5 is still in flight, 7 held a NaN; 9 ran
+    # than 1, 6 in yet another); 3 fails, 4 lost its START, 5 is still in flight, 7's output held a NaN; 9 ran
     # on a GPU (a group of its own), 10 failed there, 11 started before this read
     for op_id, kind, op, status, nbytes, t_ns in [
             (1, START, 2, 0, 64, 100), (2, START, 2, 0, 128, 200), (3, START, 2, 0, 64, 300), (7, NAN, 2, 2, 64, 310),
@@ -73,6 +73,23 @@ def test_a_folded_read_groups_the_collectives_that_ended_ok_by_shape_and_keeps_e
         for k, seq in enumerate(group.seqs()):
             assert group.records(k) == tuple(r for r in records if r.seq == seq)
     assert len(rest) + sum(group.record_count() for group in groups) == len(records)
+
+
+@pytest.mark.parametrize("run, folded", [
+    ([(NAN, 2), (START, 0), (END, 0)], True),
+    ([(START, 0), (NAN, 2), (END, 0)], False),  # a NAN after its START: left to the reader, in order
+    ([(NAN, 1), (START, 0), (END, 0)], False),  # an output's
+    ([(NAN, 2), (START, 0), (END, 0), (LOSS_SCALE, 2)], False),  # a loss scaler's step ends in the same read
+], ids=["input-before-start", "after-start", "output", "loss-scale-in-the-read"])
+def test_a_collective_with_its_inputs_nan_record_is_folded_only_where_its_order_holds(run, folded):
+    ring = Ring(slots=64)
+    for op_id in (1, 2):  # a NaN collective, and a finite one (always folded)
+        for kind, flags in run if op_id == 1 else [(START, 0), (END, 0)]:
+            ring.write(kind, 2, flags, 9, 0 if kind == LOSS_SCALE else op_id, op_id, 64, 7, -1, 0, 0,
+                       100 * op_id + len(ring.snapshot()))
+    rest, groups = RingReader(ring).read_folded()
+    assert [g.nan for g in groups] == ([2, 0] if folded else [0])
+    assert {r.op_id for r in rest if r.kind != LOSS_SCALE} == (set() if folded else {1})
 
 
 def test_the_sidecar_counts_a_gpus_collectives_alike_whether_they_end_within_one_drain_or_across_two():
@@ -105,6 +122,37 @@ def test_the_sidecar_counts_a_gpus_collectives_alike_whether_they_end_within_one
     assert sum(within[1].values()) == pytest.approx(sum(k * 1e-6 for k in range(1, 41) if k != 7))
     spans = [[(c.seq, c.gpu_start_ns - c.start_ns, c.end_ns - c.start_ns) for c in seen] for seen in (within[3], across[3])]
     assert spans[0] == spans[1] and len(spans[0]) == 40 and spans[0][6] == (7, 0, 49_500)  # 7: clamped to its issue
+
+
+def test_the_sidecar_counts_non_finite_collectives_alike_whether_they_end_within_one_drain_or_across_two():
+    """An overflow storm: 150 all_reduces whose inputs held Inf (their NAN record before START, as the
+    NaN check writes it). Folded in one drain or read record by record, the same counts, the same first
+    non-finite sequence number, and the spans of the group's first ``NAN_SPANS_KEPT`` kept."""
+    from commlens.agent.sidecar import NAN_SPANS_KEPT, Sidecar
+    from commlens.hooks.ops import CODE, OpName
+    from commlens.hooks.ring import NAN_HAS_INF
+
+    def drained(across: bool) -> tuple:
+        ring, seen = Ring(slots=1024), []
+        sidecar = Sidecar(ring, rank=0, hang_threshold_s=60, on_collective=seen.append,
+                          sample=lambda pg, seqs, is_p2p: [])  # no span sampled: only the NaN rule keeps any
+        pg = ring.intern(json.dumps({"name": "0", "desc": "default", "ranks": [0, 1], "rank": 0, "backend": "gloo"}))
+        sig = ring.intern(json.dumps([[[16]], ["Float"], [[16]], ["Float"]]))
+        now, op = time.monotonic_ns(), CODE[OpName.all_reduce]
+        for op_id in range(1, 151):
+            t = now + op_id * 1_000_000
+            ring.write(NAN, op, NAN_HAS_INF, pg, op_id, op_id, 1, sig, -1, 0, 0, t)
+            ring.write(START, op, 0, pg, op_id, op_id, 64, sig, -1, 0, 0, t)
+            if across:
+                sidecar.drain()
+            ring.write(END, op, 0, pg, op_id, op_id, 64, sig, -1, 0, 0, t + 50_000)
+        sidecar.drain()
+        return dict(sidecar.stats.nans), dict(sidecar.stats.first_nonfinite), [c.seq for c in seen]
+
+    within, across = drained(False), drained(True)
+    assert within == across
+    assert sum(within[0].values()) == 150 and within[1] == {("0", "inf"): (1, "all_reduce")}
+    assert within[2] == list(range(1, NAN_SPANS_KEPT + 1))
 
 
 def busy_job_under_a_long_drain_interval(rank, world_size):
