@@ -339,9 +339,10 @@ class Sidecar:
             queued, executing = group.gpu_seconds()
             self.stats.on_gpu(shape, sum(queued), sum(executing))
         slow = self._slow(shape, seconds)
-        ordinary = range(len(seqs)) if not slow else [k for k in range(len(seqs)) if k not in slow]
-        kept = self.sample(shape.pg, seqs if not slow else [seqs[k] for k in ordinary], shape.is_p2p)
-        built = slow.union(ordinary[i] for i in kept).union(first_nan) if kept or slow or first_nan else ()
+        special = slow.union(first_nan)  # kept whatever the sampler says, and not offered to it
+        ordinary = range(len(seqs)) if not special else [k for k in range(len(seqs)) if k not in special]
+        kept = self.sample(shape.pg, seqs if not special else [seqs[k] for k in ordinary], shape.is_p2p)
+        built = special.union(ordinary[i] for i in kept) if kept or special else ()
         for n, k in enumerate(sorted(built)):
             if n % _BUILT_BETWEEN_HAND_OVERS == _BUILT_BETWEEN_HAND_OVERS - 1:
                 self._hand_over()

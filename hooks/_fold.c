@@ -75,7 +75,7 @@ static PyObject *record_tuple(PyTypeObject *type, const record_t *r) {
 }
 
 typedef struct {
-    const record_t *first; /* its key: op, pg, nbytes, sig, and whether a GPU timed it */
+    const record_t *first; /* its key: op, pg, nbytes, sig, whether a GPU timed it, and nan */
     int gpu, width;        /* width: records a collective (2, or 3 with its GPU_START) */
     int nan;               /* the flags of its collectives' NAN records (0: none) */
     Py_ssize_t count;
@@ -115,7 +115,7 @@ static PyObject *fold_run(PyObject *module, PyObject *args) {
     double *seconds = malloc(m * sizeof(double)), *gpu_seconds = malloc(2 * m * sizeof(double));
     record_t *kept = malloc(m * sizeof(record_t));
     Py_ssize_t *member = malloc(m * sizeof(Py_ssize_t)); /* END index -> its group */
-    char *folded_away = calloc(m, 1);                     /* a START or GPU_START folded with its END */
+    char *folded_away = calloc(m, 1);                     /* a START, GPU_START or NAN folded with its END */
     PyObject *out = NULL, *rest = NULL, *folded = NULL;
     if (!table_init(&ends, n) || !table_init(&gpus, n) || !table_init(&others, n) || !table_init(&shapes, n) ||
         !table_init(&nans, n) ||

@@ -434,8 +434,8 @@ class Folded(NamedTuple):
         return pairs[0::2], pairs[1::2]
 
     def record_count(self) -> int:
-        """How many records the group folded away."""
-        return len(self.record_bytes) // RECORD.size
+        """How many records the group folded away (its collectives' own, and their NAN records)."""
+        return len(self.record_bytes) // RECORD.size + (len(self.seq_bytes) // 8 if self.nan else 0)
 
     def records(self, k: int) -> tuple[Record, ...]:
         """The ``k``-th collective's records: START and END, or START, GPU_START and END."""
@@ -465,17 +465,12 @@ class RingReader:
         per (op, pg, nbytes, sig, on a GPU or not, NAN flags): a reader's common case, counted a group
         at a time. ``limit`` bounds the records read. A reader handles the records left before the
         groups: collectives with NAN records are folded only where that order is theirs too, a read
-        of one run of records holding no LOSS_SCALE (whose step they may belong to)."""
-        groups: list[Folded] = []
+        holding no LOSS_SCALE (whose step they may belong to)."""
         pieces = self._read(limit, lambda data: [data])  # runs of whole records, and records one at a time
-        whole = len(pieces) == 1 and isinstance(pieces[0], bytes)
-        out: list[Record] = []
-        for piece in pieces:
-            if isinstance(piece, bytes):
-                out.extend(_folded(piece, groups, with_nan=whole))
-            else:
-                out.append(piece)
-        return out, groups
+        data = b"".join(piece if isinstance(piece, bytes) else RECORD.pack(*piece) for piece in pieces)
+        records, folded = fold_run(data, Record, START, END, GPU_START, NAN, NAN_OUTPUT, LOSS_SCALE)
+        make = tuple.__new__  # a NamedTuple without its __new__
+        return records, [make(Folded, group) for group in folded]
 
     def _read(self, limit: int, decode: Callable[[bytes], list]) -> list:
         ring, out, left = self.ring, [], limit
@@ -525,10 +520,3 @@ class RingReader:
 def _records(data: bytes) -> list[Record]:
     make = tuple.__new__  # a Record without NamedTuple's __new__
     return [make(Record, fields) for fields in RECORD.iter_unpack(data)]
-
-
-def _folded(data: bytes, groups: list[Folded], with_nan: bool) -> list[Record]:
-    records, folded = fold_run(data, Record, START, END, GPU_START, NAN if with_nan else -1, NAN_OUTPUT, LOSS_SCALE)
-    make = tuple.__new__
-    groups.extend(make(Folded, group) for group in folded)
-    return records

@@ -124,35 +124,58 @@ def test_the_sidecar_counts_a_gpus_collectives_alike_whether_they_end_within_one
     assert spans[0] == spans[1] and len(spans[0]) == 40 and spans[0][6] == (7, 0, 49_500)  # 7: clamped to its issue
 
 
-def test_the_sidecar_counts_non_finite_collectives_alike_whether_they_end_within_one_drain_or_across_two():
+@pytest.mark.parametrize("scaled", [False, True], ids=["diverged", "loss-scaler-skips-the-step"])
+def test_the_sidecar_counts_non_finite_collectives_alike_whether_they_end_within_one_drain_or_across_two(scaled):
     """An overflow storm: 150 all_reduces whose inputs held Inf (their NAN record before START, as the
-    NaN check writes it). Folded in one drain or read record by record, the same counts, the same first
-    non-finite sequence number, and the spans of the group's first ``NAN_SPANS_KEPT`` kept."""
+    NaN check writes it), drained after the 50th and at the end (most of them folded with their NAN
+    records), or record by record. The same counts, the same first non-finite sequence number (none in a
+    step a loss scaler skipped: its overflow), and the spans of the group's first ``NAN_SPANS_KEPT``
+    kept, none offered to the sampler."""
     from commlens.agent.sidecar import NAN_SPANS_KEPT, Sidecar
+    from commlens.hooks import record
     from commlens.hooks.ops import CODE, OpName
     from commlens.hooks.ring import NAN_HAS_INF
 
     def drained(across: bool) -> tuple:
-        ring, seen = Ring(slots=1024), []
+        ring, seen, offered, folded = Ring(slots=1024), [], [], []
         sidecar = Sidecar(ring, rank=0, hang_threshold_s=60, on_collective=seen.append,
-                          sample=lambda pg, seqs, is_p2p: [])  # no span sampled: only the NaN rule keeps any
+                          sample=lambda pg, seqs, is_p2p: offered.extend(seqs) or [])  # only the NaN rule keeps
+        read_folded = sidecar.reader.read_folded
+
+        def reading(limit):
+            rest, groups = read_folded(limit)
+            folded.extend(len(group.seqs()) for group in groups if group.nan)
+            return rest, groups
+
+        sidecar.reader.read_folded = reading
         pg = ring.intern(json.dumps({"name": "0", "desc": "default", "ranks": [0, 1], "rank": 0, "backend": "gloo"}))
         sig = ring.intern(json.dumps([[[16]], ["Float"], [[16]], ["Float"]]))
+        if scaled:
+            record.loss_scale(ring.write, "scaled")
+            sidecar.drain()
         now, op = time.monotonic_ns(), CODE[OpName.all_reduce]
         for op_id in range(1, 151):
             t = now + op_id * 1_000_000
             ring.write(NAN, op, NAN_HAS_INF, pg, op_id, op_id, 1, sig, -1, 0, 0, t)
             ring.write(START, op, 0, pg, op_id, op_id, 64, sig, -1, 0, 0, t)
-            if across:
+            if across or op_id == 50:
                 sidecar.drain()
             ring.write(END, op, 0, pg, op_id, op_id, 64, sig, -1, 0, 0, t + 50_000)
         sidecar.drain()
-        return dict(sidecar.stats.nans), dict(sidecar.stats.first_nonfinite), [c.seq for c in seen]
+        if scaled:
+            record.loss_scale(ring.write, "skipped")
+            sidecar.drain()
+        stats = sidecar.stats
+        return (dict(stats.nans), dict(stats.first_nonfinite), sorted(c.seq for c in seen), offered,
+                dict(stats.loss_scale_steps)), sum(folded)
 
-    within, across = drained(False), drained(True)
-    assert within == across
-    assert sum(within[0].values()) == 150 and within[1] == {("0", "inf"): (1, "all_reduce")}
-    assert within[2] == list(range(1, NAN_SPANS_KEPT + 1))
+    (within, folded), (across, _) = drained(False), drained(True)
+    assert within == across and folded > 50
+    nans, first, spans, offered, steps = within
+    assert sum(nans.values()) == 150 and spans == list(range(1, NAN_SPANS_KEPT + 1))
+    assert first == ({} if scaled else {("0", "inf"): (1, "all_reduce")}) and steps == ({"skipped": 1} if scaled else {})
+    assert not set(offered) & set(spans)
+
 
 
 def busy_job_under_a_long_drain_interval(rank, world_size):
