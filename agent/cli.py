@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from .config import Config
     from .demo import demo_environment, demo_job_id, run
-    from .launch import OUT_ROOT, make_job_folder
+    from .launch import OUT_ROOT, conclude, make_job_folder
     from .ports import refuse_taken
 
     for fault in args.inject:
@@ -188,8 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         config = Config.from_env({**os.environ, **environment})  # refused here, before anything runs
         refuse_taken(config.metrics_addr, config.metrics_port or 0, args.world_size, "rank",
                      "choose another base port, or leave it unset for free ones")
-        if args.out is None:
-            make_job_folder(out)
+        make_job_folder(out)
     except ConfigError as error:
         print(f"commlens demo: {error}", file=sys.stderr)
         return 2
@@ -204,12 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     print(outcome.summary)
     report = (outcome.analyzer.stdout + outcome.analyzer.stderr).strip()
     print("torchfrtrace:", report or "no mismatch found")
-    from . import report as page
-    from .timeline import OPEN_IN, write
+    from .timeline import OPEN_IN
 
-    print(f"timeline: {write(out)} ({OPEN_IN})")
-    print(f"report: {page.write(out)} (open it in a browser)")
-    print(f"the job's files are in {out}: commlens diagnose {out}")
+    _, written = conclude(out)
+    print(f"the job's files are in {out}: {', '.join(map(os.path.basename, written))} (timeline.json: {OPEN_IN}; "
+          "report.html: open it in a browser)")
     return outcome.analyzer.returncode
 
 

@@ -48,11 +48,12 @@ import sys
 
 from .detectors import findings
 from .facts import RankFacts
-from .readers import from_endpoints, from_files, from_prometheus
+from .readers import from_endpoints, from_files, from_prometheus, kept_and_said
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``commlens diagnose``: print the verdict; exit status 0 when nothing is wrong, 1 otherwise."""
+    """``commlens diagnose``: print the verdict; exit status 1 when something is wrong, else 2 when the
+    telemetry is missing or incomplete (``caveats``), else 0."""
     import argparse
 
     parser = argparse.ArgumentParser(
@@ -71,35 +72,54 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--window {args.window} is not accepted: give the seconds between the two scrapes, above 0")
     if args.folder is not None and not os.path.isdir(args.folder):
         parser.error(f"{args.folder!r} is not a folder: give the folder of a job's trace files and dumps")
+    unread: list[str] = []
+    problem = kept_and_said(unread)
     try:
         if args.prometheus:
             jobs = from_prometheus(args.prometheus, args.job)
+        elif args.metrics:
+            jobs = {"": from_endpoints(args.metrics, args.window, on_problem=problem)}
         else:
-            jobs = {"": from_endpoints(args.metrics, args.window) if args.metrics else from_files(args.folder)}
+            jobs = {"": from_files(args.folder, on_problem=problem)}
     except OSError as error:
         print(f"commlens diagnose: cannot read the telemetry: {error}", file=sys.stderr)
         return 2
-    if args.folder is not None and not jobs[""]:
-        print(f"commlens diagnose: no telemetry in {args.folder}: no trace file (*.jsonl) with commlens spans and "
-              "no flight-recorder dump (<prefix><rank>)", file=sys.stderr)
+    if not any(jobs.values()):
+        where = args.folder or " ".join(args.metrics or ()) or f"{args.prometheus}" + (f" (job {args.job})" if args.job else "")
+        what = ("no trace file (*.jsonl) with commlens spans and no flight-recorder dump (<prefix><rank>)"
+                if args.folder else "no commlens metrics")
+        print(f"commlens diagnose: no telemetry in {where}: {what}", file=sys.stderr)
         return 2
-    wrong = False
+    wrong = incomplete = False
     for job, facts in sorted(jobs.items()):
-        lines = report(facts)
-        wrong = wrong or lines[0] != NOTHING_WRONG
+        lines = report(facts, unread)
+        wrong, incomplete = wrong or not lines[0].startswith(NOTHING_WRONG), incomplete or bool(caveats(facts, unread))
         for line in lines:
             print(f"{job}: {line}" if job else line)
-    if not jobs:
-        print("no commlens telemetry found")
-    return 1 if wrong else 0
+    return 1 if wrong else 2 if incomplete else 0
 
 
 NOTHING_WRONG = "nothing wrong found"
+IN_WHAT_WAS_SEEN = ", in what commlens saw"
 
 
-def report(facts: list[RankFacts]) -> list[str]:
-    """The verdict as lines: one per finding, or ``NOTHING_WRONG``; then what was seen that is no fault."""
-    return ([finding.line() for finding in findings(facts)] or [NOTHING_WRONG]) + notes(facts)
+def report(facts: list[RankFacts], unread: list[str] = ()) -> list[str]:
+    """The verdict as lines: one per finding, or ``NOTHING_WRONG`` (", in what commlens saw" where there
+    are caveats); then what was seen that is no fault; then what the verdict could not see (``caveats``)."""
+    unseen = caveats(facts, unread)
+    return ([finding.line() for finding in findings(facts)] or [NOTHING_WRONG + (IN_WHAT_WAS_SEEN if unseen else "")]
+            ) + notes(facts) + unseen
+
+
+def caveats(facts: list[RankFacts], unread: list[str]) -> list[str]:
+    """What the verdict could not see: ranks that ran without commlens, and files, lines or endpoints
+    that could not be read (each named in ``unread``, the rest still used).
+
+    >>> caveats([RankFacts(2, unobserved="port 9466 is in use")], ["rank_9 is not a flight-recorder dump"])
+    ['not observed: rank 2 ran without commlens (port 9466 is in use)', 'not read: rank_9 is not a flight-recorder dump']
+    """
+    return ([f"not observed: rank {f.rank} ran without commlens ({f.unobserved})" for f in facts if f.unobserved]
+            + [f"not read: {line}" for line in unread])
 
 
 def notes(facts: list[RankFacts]) -> list[str]:

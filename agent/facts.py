@@ -65,6 +65,8 @@ class RankFacts:
     in long (slow) or past the hang threshold, in any group (offline)."""
     loss_scale_skipped: int = 0
     """Steps its loss scaler skipped for Inf or NaN in the gradients (offline: those seen in its spans)."""
+    unobserved: str = ""
+    """Why commlens did not start in it, where ``commlens run`` was told (offline): it ran unobserved."""
 
     def group(self, pg: str) -> GroupFacts:
         return self.groups.setdefault(pg, GroupFacts())

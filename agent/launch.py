@@ -36,6 +36,7 @@ import time
 from commlens.hooks import extension
 from .config import Config, ConfigError
 from .ports import refuse_taken
+from .readers import NOT_STARTED
 
 OUT_ROOT = "commlens-out"
 """Where each job's folder goes, under the current folder, unless ``--out`` says."""
@@ -82,6 +83,31 @@ def make_job_folder(folder: str) -> None:
                           "this user can write") from None
 
 
+def conclude(folder: str) -> tuple[list[str], list[str]]:
+    """Write the verdict (``verdict.txt``, as ``commlens diagnose`` prints it), the report
+    (``report.html``) and the timeline (``timeline.json``) of the job in ``folder``; returns the
+    verdict's lines and the paths written (none where the folder holds no telemetry). What cannot be
+    read is named on stderr and in the verdict."""
+    from . import diagnose, report, timeline
+    from .readers import kept_and_said
+
+    unread: list[str] = []
+    found, facts = timeline.read_facts(folder, kept_and_said(unread))
+    if not facts:
+        return [f"no telemetry in {folder}: no trace file (*.jsonl) with commlens spans and no flight-recorder "
+                "dump"], []
+    lines = diagnose.report(facts, unread)
+    written = [os.path.join(folder, "verdict.txt")]
+    with open(written[0], "w") as f:
+        f.write("".join(line + "\n" for line in lines))
+    if found:
+        written.append(os.path.join(folder, "report.html"))
+        with open(written[-1], "w", encoding="utf-8") as f:
+            f.write(report.page(folder, found, facts, unread))
+        written.append(timeline.write(folder, on_problem=lambda _: None))  # its problems are named above
+    return lines, written
+
+
 def run(command: list[str], settings: dict[str, str], sidecar: bool | None = None, out: str | None = None) -> int:
     """Check the configuration as a rank would see it, then run ``command`` beside a pod sidecar process
     (``sidecar``; None: unless a ring folder is given, whose sidecar runs beside), its files in one
@@ -100,8 +126,10 @@ def run(command: list[str], settings: dict[str, str], sidecar: bool | None = Non
         else:
             refuse_taken(config.metrics_addr, config.metrics_port or 0, local_ranks(command), "local rank",
                          "choose another base port (each local rank serves on base + LOCAL_RANK), or 0 to serve none")
+        refuse_unwritable(config)
         folder = job_folder(env, out)
         if folder is not None:
+            env["COMMLENS_NOT_STARTED"] = os.path.abspath(os.path.join(folder, NOT_STARTED))
             print(f"commlens run: job {env['COMMLENS_JOB_ID']}: its trace files and flight-recorder dumps go to "
                   f"{folder}", file=sys.stderr, flush=True)
         if not extension.ready():  # torch (seconds of CPU) imported by the launcher only to build them
@@ -119,6 +147,10 @@ def run(command: list[str], settings: dict[str, str], sidecar: bool | None = Non
             return 127
         finally:
             if pod is not None:
+                ended = pod.poll()
+                if ended is not None:
+                    print(f"commlens run: the pod sidecar ended during the job (exit status {ended}): what the "
+                          "ranks did after that was not exported", file=sys.stderr)
                 pod.send_signal(signal.SIGTERM)
                 try:
                     pod.wait(config.snapshot_timeout_s + 10)
@@ -126,11 +158,25 @@ def run(command: list[str], settings: dict[str, str], sidecar: bool | None = Non
                     pod.kill()
                     pod.wait()
             if folder is not None:
-                print(f"commlens run: the job's files are in {folder}: commlens diagnose {folder}; "
-                      f"commlens report {folder}", file=sys.stderr)
+                lines, written = conclude(folder)
+                for line in lines:
+                    print(f"commlens run: verdict: {line}", file=sys.stderr)
+                print(f"commlens run: the job's files are in {folder}" + (f" (wrote {', '.join(map(os.path.basename, written))})"
+                      if written else ""), file=sys.stderr)
     finally:
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)
+
+
+def refuse_unwritable(config: Config) -> None:
+    """``ConfigError`` for a trace file (``COMMLENS_TRACE_FILE``) that the ranks could not write, before
+    any starts: a rank that cannot start commlens trains unobserved."""
+    if config.otlp_endpoint is not None:
+        return
+    where = os.path.dirname(os.path.abspath(config.trace_file.format(rank=0)))
+    if not (os.path.isdir(where) and os.access(where, os.W_OK)):
+        raise ConfigError(f"COMMLENS_TRACE_FILE={config.trace_file!r}: cannot write in {where!r} (no such folder, "
+                          "or not this user's to write); give a writable path ({rank} is replaced)")
 
 
 def local_ranks(command: list[str]) -> int:

@@ -27,6 +27,22 @@ from commlens.hooks.flight_recorder import DUMP_REASONS, DUMP_SIGNALLED
 from .facts import RankFacts
 
 DURATION_SUM, DURATION_COUNT = f"{names.COLLECTIVE_DURATION}_sum", f"{names.COLLECTIVE_DURATION}_count"
+NOT_STARTED = "not-started-{rank}.json"
+"""A rank's note in its job's folder that commlens did not start in it (``{"rank": 3, "error": "..."}``):
+``commlens run``'s ``sitecustomize`` (agent/autostart) writes it, under the name it sets, and trains on."""
+
+
+def say_skipped(problem: str) -> None:
+    print(f"commlens: skipped {problem}", file=sys.stderr)
+
+
+def kept_and_said(unread: list[str]) -> Callable[[str], None]:
+    """An ``on_problem`` that says each problem (``say_skipped``) and keeps it in ``unread``, for the
+    verdict's caveats."""
+    def problem(line: str) -> None:
+        unread.append(line)
+        say_skipped(line)
+    return problem
 
 
 def from_metrics_texts(first: Iterable[str], second: Iterable[str], window_s: float) -> list[RankFacts]:
@@ -113,17 +129,23 @@ def _lost(reasons: set[str]) -> bool:
     return "exit" in reasons and not reasons & {"signal", "exception"}
 
 
-def from_endpoints(urls: list[str], window_s: float = 5.0, timeout_s: float = 5.0) -> list[RankFacts]:
+def from_endpoints(urls: list[str], window_s: float = 5.0, timeout_s: float = 5.0,
+                   on_problem: Callable[[str], None] = say_skipped) -> list[RankFacts]:
     """Scrape each rank's metrics endpoint twice, ``window_s`` apart. An endpoint that does not
-    answer is left out (its rank is then missing from every group)."""
+    answer is left out (its rank is then missing from every group), and ``on_problem`` gets one line
+    naming it."""
+    unanswered: set[str] = set()
+
     def scrape() -> list[str]:
         texts = []
         for url in urls:
             try:
                 with urllib.request.urlopen(url, timeout=timeout_s) as response:
                     texts.append(response.read().decode())
-            except OSError:
-                continue
+            except (OSError, ValueError) as error:
+                if url not in unanswered:
+                    unanswered.add(url)
+                    on_problem(f"the metrics endpoint {url}: {getattr(error, 'reason', None) or error}")
         return texts
 
     first = scrape()
@@ -216,12 +238,8 @@ def load_dump(path: str) -> dict:
     return data
 
 
-def _skipped(problem: str) -> None:
-    print(f"commlens: skipped {problem}", file=sys.stderr)
-
-
 def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = None,
-               on_problem: Callable[[str], None] = _skipped) -> list[RankFacts]:
+               on_problem: Callable[[str], None] = say_skipped) -> list[RankFacts]:
     """Facts from the OTLP JSON-lines trace files (``*.jsonl``) and flight-recorder dumps in ``folder``;
     ``each_span(span, attributes)`` sees every span as it is read, for a caller that needs them too.
     What cannot be read (a corrupt line, a file of the wrong shape) is skipped, the rest still used,
@@ -231,33 +249,45 @@ def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = Non
     for span, attributes in spans_in(folder, on_problem):
         try:
             _span_fact(ranks, span, attributes, completed)
+            if each_span is not None:
+                each_span(span, attributes)
         except (KeyError, TypeError, ValueError) as error:
             on_problem(f"a span {span.get('name')!r} of {folder}: no valid {error} attribute")
-            continue
-        if each_span is not None:
-            each_span(span, attributes)
     for f in ranks.values():  # a hang that the spans show resolved is no longer in flight
         for pg, group in f.groups.items():
             if group.hung is not None and (f.rank, pg, group.hung[1]) in completed:
                 group.hung = None
+    for path in sorted(glob.glob(os.path.join(folder, NOT_STARTED.format(rank="*")))):
+        try:
+            with open(path) as f:
+                note = json.load(f)
+            ranks.setdefault(int(note["rank"]), RankFacts(int(note["rank"]))).unobserved = str(note["error"])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            on_problem(f"{path}: not a note of a rank commlens did not start in ({error})")
     for path in sorted(glob.glob(os.path.join(folder, "*"))):
         digits = len(path) - len(path.rstrip("0123456789"))
         if not digits or os.path.isdir(path) or path.endswith((".json", ".jsonl")):
             continue
         try:
             dump = load_dump(path)
-        except ValueError as error:
+            collectives = _collectives(path, dump["entries"])
+        except (OSError, ValueError) as error:
             on_problem(str(error))
             continue
-        _dump_fact(ranks.setdefault(int(path[-digits:]), RankFacts(int(path[-digits:]))), dump)
+        _dump_fact(ranks.setdefault(int(path[-digits:]), RankFacts(int(path[-digits:]))), dump, collectives)
     return [ranks[rank] for rank in sorted(ranks)]
 
 
-def spans_in(folder: str, on_problem: Callable[[str], None] = _skipped) -> Iterator[tuple[dict, dict]]:
+def spans_in(folder: str, on_problem: Callable[[str], None] = say_skipped) -> Iterator[tuple[dict, dict]]:
     """Every span of the OTLP JSON-lines trace files (``*.jsonl``) in ``folder``, with its attributes;
     a line that is not OTLP JSON is skipped, and ``on_problem`` gets one line naming it."""
     for path in sorted(glob.glob(os.path.join(folder, "*.jsonl"))):
-        with open(path) as f:
+        try:
+            f = open(path, "rb")  # json.loads decodes each line: one not UTF-8 is named, not the file's end
+        except OSError as error:
+            on_problem(f"{path}: cannot be read ({error.strerror})")
+            continue
+        with f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -332,16 +362,30 @@ def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[
             group.nonfinite = (seq, op, kind)
 
 
-def _dump_fact(facts: RankFacts, dump: dict) -> None:
+def _collectives(path: str, entries: list) -> list[tuple[str, int, str, str]]:
+    """(group, seq, op, inputs) of each collective entry of a dump's (point-to-point ones left out);
+    ValueError naming ``path`` and the entry for one of another shape."""
+    found = []
+    for number, entry in enumerate(entries):
+        try:
+            if entry.get("is_p2p"):
+                continue
+            tensors = zip(entry.get("input_dtypes") or (), entry.get("input_sizes") or ())
+            found.append((str(entry["process_group"][0]), int(entry["collective_seq_id"]),
+                          str(entry.get("profiling_name", "")).rpartition(":")[2],
+                          ", ".join(f"{dtype}{list(size)}" for dtype, size in tensors)))
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{path} is not a flight-recorder dump: entry {number} is not a collective's "
+                             f"({type(error).__name__}: {str(error)[:100]})") from None
+    return found
+
+
+def _dump_fact(facts: RankFacts, dump: dict, collectives: list[tuple[str, int, str, str]]) -> None:
     if isinstance(dump.get(DUMP_SIGNALLED), int):
         facts.signalled_ns = dump[DUMP_SIGNALLED]
     if isinstance(dump.get(DUMP_REASONS), list):  # the pod sidecar's dump of a rank whose process was killed
         facts.lost = _lost(set(map(str, dump[DUMP_REASONS])))
-    for entry in dump["entries"]:
-        if entry.get("is_p2p"):
-            continue
-        group, seq = facts.group(str(entry["process_group"][0])), int(entry["collective_seq_id"])
+    for pg, seq, op, inputs in collectives:
+        group = facts.group(pg)
         group.issued = max(group.issued, seq)
-        tensors = zip(entry.get("input_dtypes") or (), entry.get("input_sizes") or ())
-        group.inputs[seq] = (str(entry.get("profiling_name", "")).rpartition(":")[2],
-                             ", ".join(f"{dtype}{list(size)}" for dtype, size in tensors))
+        group.inputs[seq] = (op, inputs)

@@ -21,7 +21,9 @@ import os
 import sys
 
 from .detectors import findings
-from .diagnose import NOTHING_WRONG, notes
+from .diagnose import IN_WHAT_WAS_SEEN, NOTHING_WRONG, caveats, notes
+from .facts import RankFacts
+from .readers import kept_and_said
 from .timeline import Slice, aligned, clock_offsets, read_facts
 
 WIDTH = 1100
@@ -37,6 +39,7 @@ h1 { font-size: 22px; margin: 0 0 4px } h2 { font-size: 16px; margin: 28px 0 8px
 .meta { color: #5b6475 } .verdict { padding: 10px 14px; border-radius: 6px; font-family: ui-monospace, monospace }
 .bad { background: #fdecec; border: 1px solid #e5a3a3 } .ok { background: #e9f7ee; border: 1px solid #9fd3b0 }
 .note { background: #eef3fb; border: 1px solid #a9bfe3; margin-top: 6px }
+.caveat { background: #fff6e0; border: 1px solid #e0c27a; margin-top: 6px }
 table { border-collapse: collapse } th, td { padding: 3px 10px; text-align: right; border-bottom: 1px solid #e3e6ec }
 th:first-child, td:first-child, td.text { text-align: left } svg text { font: 11px system-ui, sans-serif }
 """
@@ -46,12 +49,18 @@ _COLORS = {"NaN": "#8e44ad", "Inf": "#8e44ad", "hang": "#d62728", "collective er
 
 def render(folder: str) -> str:
     """The report of the job in ``folder`` as HTML text; ValueError if the folder holds no spans."""
-    found, facts = read_facts(folder)
+    unread: list[str] = []
+    return page(folder, *read_facts(folder, kept_and_said(unread)), unread)
+
+
+def page(folder: str, found: list[Slice], facts: list[RankFacts], unread: list[str]) -> str:
+    """``render``'s page, of what ``timeline.read_facts`` read from ``folder`` (``unread``: what it
+    could not read, each named)."""
     if not found:
         raise ValueError(f"no telemetry in {folder}: no trace file (*.jsonl) with commlens spans")
     found = aligned(found, clock_offsets(found))
-    verdict = findings(facts)
-    lines = [f.line() for f in verdict] or [NOTHING_WRONG]
+    verdict, unseen = findings(facts), caveats(facts, unread)
+    lines = [f.line() for f in verdict] or [NOTHING_WRONG + (IN_WHAT_WAS_SEEN if unseen else "")]
     ranks, groups = sorted({s.rank for s in found}), len({s.pg for s in found})
     seconds = (max(s.end_ns for s in found) - found[0].start_ns) / 1e9
     parts = [f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>commlens report: "
@@ -62,6 +71,7 @@ def render(folder: str) -> str:
              "<h2>Verdict</h2>",
              *(f"<div class='verdict {'bad' if verdict else 'ok'}' id=verdict>{_e(line)}</div>" for line in lines),
              *(f"<div class='verdict note'>{_e(line)}</div>" for line in notes(facts)),
+             *(f"<div class='verdict caveat'>{_e(line)}</div>" for line in unseen),
              "<h2>Timeline</h2>", _timeline(found, ranks, verdict),
              "<h2>Ranks</h2>", _ranks(found, ranks),
              "<h2>Latency by op and group</h2>", _latency(found),
@@ -157,9 +167,9 @@ def _anomalies(found: list[Slice]) -> str:
 def write(folder: str, path: str | None = None) -> str:
     """Write the report of the job in ``folder`` to ``path`` (default ``folder/report.html``)."""
     path = path or os.path.join(folder, "report.html")
-    page = render(folder)
+    text = render(folder)
     with open(path, "w", encoding="utf-8") as f:
-        f.write(page)
+        f.write(text)
     return path
 
 

@@ -29,13 +29,13 @@ import os
 import re
 import statistics
 import sys
-from typing import Iterable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 from commlens.exporters import names
 
 from .detectors import findings
 from .facts import RankFacts
-from .readers import from_files
+from .readers import from_files, say_skipped
 
 
 class Slice(NamedTuple):
@@ -71,16 +71,17 @@ def _slice(span: dict, a: dict) -> Slice | None:
                  {name: a[key] for key, name in _ARGS.items() if key in a}, markers)
 
 
-def read(folder: str) -> tuple[list[Slice], list]:
+def read(folder: str, on_problem: Callable[[str], None] = say_skipped) -> tuple[list[Slice], list]:
     """The collectives in ``folder``'s trace files, one per rank and collective (a hung one's completed
     span replaces the in-flight one of its hang snapshot), and ``commlens diagnose``'s findings on
     the folder: both from one pass over the files."""
-    found, facts = read_facts(folder)
+    found, facts = read_facts(folder, on_problem)
     return found, findings(facts)
 
 
-def read_facts(folder: str) -> tuple[list[Slice], list[RankFacts]]:
-    """``read``'s collectives, and the facts the findings are drawn from."""
+def read_facts(folder: str, on_problem: Callable[[str], None] = say_skipped) -> tuple[list[Slice], list[RankFacts]]:
+    """``read``'s collectives, and the facts the findings are drawn from; ``on_problem`` as
+    ``readers.from_files``'."""
     found: dict[tuple, Slice] = {}
 
     def keep(span: dict, a: dict) -> None:
@@ -90,7 +91,7 @@ def read_facts(folder: str) -> tuple[list[Slice], list[RankFacts]]:
             if key not in found or found[key].in_flight:
                 found[key] = s
 
-    facts = from_files(folder, keep)
+    facts = from_files(folder, keep, on_problem)
     return sorted(found.values(), key=lambda s: s.start_ns), facts
 
 
@@ -135,10 +136,11 @@ def _window(found: list[Slice], last_s: float | None, steps: tuple[int, int] | N
     return found
 
 
-def events(folder: str, last_s: float | None = None, steps: tuple[int, int] | None = None) -> tuple[Iterator[dict], dict]:
+def events(folder: str, last_s: float | None = None, steps: tuple[int, int] | None = None,
+           on_problem: Callable[[str], None] = say_skipped) -> tuple[Iterator[dict], dict]:
     """The trace events of the job in ``folder`` (see the module's docstring), as they are made,
     and the document's ``otherData``."""
-    found, verdicts = read(folder)
+    found, verdicts = read(folder, on_problem)
     if not found:
         raise ValueError(f"no telemetry in {folder}: no trace file (*.jsonl) with commlens spans")
     offsets = clock_offsets(found)
@@ -243,10 +245,10 @@ def _step_range(text: str) -> tuple[int, int]:
 
 
 def write(folder: str, path: str | None = None, last_s: float | None = None,
-          steps: tuple[int, int] | None = None) -> str:
+          steps: tuple[int, int] | None = None, on_problem: Callable[[str], None] = say_skipped) -> str:
     """Write the timeline of the job in ``folder`` to ``path`` (default ``folder/timeline.json``)."""
     path = path or os.path.join(folder, "timeline.json")
-    made, other = events(folder, last_s, steps)
+    made, other = events(folder, last_s, steps, on_problem)
     with open(path, "w") as f:  # event by event: a long job's timeline is never held whole
         f.write('{"displayTimeUnit":"ms","otherData":' + json.dumps(other) + ',"traceEvents":[')
         for i, event in enumerate(made):

@@ -70,9 +70,10 @@ def test_the_installed_package_writes_out_its_dashboards_rules_and_manifests(tmp
 def test_a_newcomers_job_leaves_one_folder_whose_report_shows_the_fault_in_a_browser(tmp_path, site):
     """From the installed wheel (ahead of the checkout on the path) and an empty folder, a newcomer runs
     an ordinary 2-rank training script with a NaN written into rank 1's parameters at step 5 under
-    ``commlens run``, then ``commlens report`` on the one folder the run named: headless Chromium shows
-    the verdict that names rank 1. No metrics port (0): the suite runs other jobs beside it. About 20 s
-    beside the install."""
+    ``commlens run``, which prints the verdict and writes it, the report and the timeline into the one
+    folder it named: headless Chromium opens the report with no console message and shows the verdict
+    that names rank 1. No metrics port (0): the suite runs other jobs beside it. About 20 s beside the
+    install."""
     env = {**os.environ, "PYTHONPATH": str(site)}
     where = subprocess.run([sys.executable, "-c", "import commlens.agent; print(commlens.agent.__file__)"],
                            capture_output=True, text=True, env=env, cwd=tmp_path, check=True).stdout
@@ -85,12 +86,13 @@ def test_a_newcomers_job_leaves_one_folder_whose_report_shows_the_fault_in_a_bro
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     folder = tmp_path / "commlens-out" / "first-job"
     assert [p.name for p in (tmp_path / "commlens-out").iterdir()] == ["first-job"], run.stderr
-    assert f"commlens report {os.path.relpath(folder, tmp_path)}" in run.stderr, run.stderr
-    report = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "report", str(folder)],
-                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
-    assert report.returncode == 0, report.stderr
+    assert "commlens run: verdict: NaN/Inf entered on rank 1 in " in run.stderr, run.stderr
+    assert run.stderr.endswith(f"the job's files are in {os.path.relpath(folder, tmp_path)} (wrote verdict.txt, "
+                               "report.html, timeline.json)\n"), run.stderr
+    assert (folder / "verdict.txt").read_text().startswith("NaN/Inf entered on rank 1 in ")
     browser = shutil.which("chromium")
     assert browser, "the newcomer's test needs Debian's chromium (apt-get install chromium)"
-    shown = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
-                            (folder / "report.html").as_uri()], capture_output=True, text=True, timeout=120)
+    shown = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
+                            "--dump-dom", (folder / "report.html").as_uri()], capture_output=True, text=True, timeout=120)
+    assert not [line for line in shown.stderr.splitlines() if ":CONSOLE" in line], shown.stderr
     assert 'id="verdict">NaN/Inf entered on rank 1 in ' in shown.stdout, shown.stdout[:3000]

@@ -88,8 +88,10 @@ def test_run_keeps_each_jobs_files_in_a_folder_of_its_own_never_written_over_and
     job = folder.name
     assert first.returncode == 0 and (folder / "rank_0").read_text() == "a dump", err
     assert f"job {job}: its trace files and flight-recorder dumps go to commlens-out/{job}\n" in err, err
-    assert err.endswith(f"the job's files are in commlens-out/{job}: commlens diagnose commlens-out/{job}; "
-                        f"commlens report commlens-out/{job}\n"), err
+    assert f"commlens: skipped {folder.relative_to(tmp_path)}/rank_0 is not a flight-recorder dump" in err, err
+    assert err.endswith(f"commlens run: verdict: no telemetry in commlens-out/{job}: no trace file (*.jsonl) with "
+                        f"commlens spans and no flight-recorder dump\ncommlens run: the job's files are in "
+                        f"commlens-out/{job}\n"), err
     again = _commlens("run", "--job-id", job, "--", sys.executable, "-c", dump, cwd=tmp_path, env=env,
                       stderr=subprocess.PIPE, text=True)
     _, err = again.communicate(timeout=60)
@@ -105,6 +107,33 @@ def test_run_keeps_each_jobs_files_in_a_folder_of_its_own_never_written_over_and
                         text=True)
     _, err = refused.communicate(timeout=60)
     assert refused.returncode == 2 and "COMMLENS_RING_PATH='/no/such/folder/ring-{rank}'" in err and not marker.exists()
+
+
+def test_a_rank_that_cannot_start_commlens_trains_on_and_the_verdict_names_it_unobserved(tmp_path):
+    """The command's own environment (a wrapper script, a launcher's) may hold what ``run`` did not see:
+    the rank trains on, without commlens, and neither ``run`` nor the job's folder says all is well.
+    An unwritable trace file, which ``run`` can see, is refused before the command starts."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMMLENS_", "OTEL_", "TORCHCOMM_"))}
+    trained = tmp_path / "trained"
+    job = _commlens("run", "--in-process", "--metrics-port", "0", "--job-id", "unseen", "--", "env", "RANK=0",
+                    "WORLD_SIZE=1", "COMMLENS_RING_SLOTS=3", sys.executable, "-c", f"open({str(trained)!r}, 'w')",
+                    cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    _, err = job.communicate(timeout=120)
+    folder = tmp_path / "commlens-out" / "unseen"
+    assert job.returncode == 0 and trained.exists(), err  # the job's own status: training was not stopped
+    assert "commlens: not started in rank 0: COMMLENS_RING_SLOTS='3' is not accepted" in err, err
+    unseen = "not observed: rank 0 ran without commlens (COMMLENS_RING_SLOTS='3' is not accepted"
+    assert f"commlens run: verdict: nothing wrong found, in what commlens saw\ncommlens run: verdict: {unseen}" in err, err
+    assert (folder / "verdict.txt").read_text().splitlines()[1].startswith(unseen)
+    diagnosed = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "diagnose", str(folder)],
+                               capture_output=True, text=True, timeout=60)
+    assert diagnosed.returncode == 2 and diagnosed.stdout.splitlines()[1].startswith(unseen), diagnosed
+    refused = _commlens("run", "--in-process", "--metrics-port", "0", "--trace-file", "/no/such/folder/t-{rank}.jsonl",
+                        "--", sys.executable, "-c", f"open({str(tmp_path / 'started')!r}, 'w')", cwd=tmp_path, env=env,
+                        stderr=subprocess.PIPE, text=True)
+    _, err = refused.communicate(timeout=60)
+    assert refused.returncode == 2 and "COMMLENS_TRACE_FILE='/no/such/folder/t-{rank}.jsonl': cannot write in " \
+        "'/no/such/folder'" in err and not (tmp_path / "started").exists(), err
 
 
 def test_a_sigterm_to_run_alone_ends_the_command_and_run_cleans_up_after_it(tmp_path):

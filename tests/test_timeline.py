@@ -6,6 +6,7 @@ import collections
 import html
 import json
 import pathlib
+import pickle
 import shutil
 import subprocess
 import sys
@@ -119,19 +120,27 @@ def test_damaged_files_are_named_and_skipped_and_a_folder_without_telemetry_is_r
     "nothing wrong found"."""
     out = shutil.copytree(nan_job, tmp_path / "job")
     [first, *_] = sorted(out.glob("*.jsonl"))
-    with open(first, "a") as f:
-        f.write('{"resourceSpans": [{"scopeSpans": [{"spans": [{"attributes": 7}]}]}]}\n{"cut off\n')
+    with open(first, "ab") as f:
+        f.write(b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"attributes": 7}]}]}]}\n{"cut off\n\xff\xfe\n')
     (out / "rank_9").write_bytes(b"not a pickle")
+    (out / "rank_8").write_bytes(pickle.dumps({"entries": [1, 2]}))  # a dump's shape, not its entries
+    (out / "spans.jsonl").mkdir()
     lines = {}
     for command in ("diagnose", "timeline", "report"):
         done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", command, str(out)],
                               capture_output=True, text=True, timeout=120)
         lines[command] = done.stdout
         skipped = [line for line in done.stderr.splitlines() if line.startswith("commlens: skipped ")]
-        assert len(skipped) == 3 and all(str(out) in line for line in skipped), done.stderr
-        assert [line for line in skipped if f"{first}, line " in line and "not an OTLP JSON line" in line]
+        assert len(skipped) == 6 and all(str(out) in line for line in skipped), done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+        assert len([line for line in skipped if f"{first}, line " in line and "not an OTLP JSON line" in line]) == 3
         assert [line for line in skipped if "rank_9 is not a flight-recorder dump" in line]
+        assert [line for line in skipped if "rank_8 is not a flight-recorder dump: entry 0 is not a collective's" in line]
+        assert [line for line in skipped if "spans.jsonl: cannot be read (Is a directory)" in line]
     assert lines["diagnose"].startswith("NaN/Inf entered on rank 1 in all_reduce"), lines
+    unread = [line for line in lines["diagnose"].splitlines() if line.startswith("not read: ")]
+    assert len(unread) == 6 and "rank_9 is not a flight-recorder dump" in unread[-2] + unread[-1], lines  # in the verdict too
+    assert "not read: " in (out / "report.html").read_text()
     assert lines["timeline"].startswith("timeline: ") and lines["report"].startswith("report: "), lines
     (tmp_path / "empty").mkdir()
     for command in ("diagnose", "timeline", "report"):

@@ -1,7 +1,9 @@
 """Imported at start-up by every Python process that ``commlens run`` starts (see agent/launch.py).
 
 In a distributed rank it starts commlens; in any other process it does nothing. Telemetry never
-stops the job: if commlens cannot start, the rank says why on stderr and trains without it.
+stops the job: if commlens cannot start, the rank says why on stderr, leaves a note saying so in the
+job's folder (``COMMLENS_NOT_STARTED``, set by ``commlens run``: the verdict then names the rank as
+unobserved, never "nothing wrong found" alone) and trains without it.
 """
 
 import os
@@ -18,9 +20,25 @@ def _start_in_rank() -> None:
 
         commlens.agent.start()
     except Exception as error:  # noqa: BLE001 — whatever it was, the job goes on without commlens
-        print(f"commlens: not started in rank {os.environ['RANK']}: {error}", file=sys.stderr)
+        rank = os.environ["RANK"]
+        print(f"commlens: not started in rank {rank}: {error}", file=sys.stderr)
+        _note(rank, error)
         return
     atexit.register(commlens.agent.stop)
+
+
+def _note(rank: str, error: Exception) -> None:
+    """The note that the verdict reads (agent/readers.py: ``NOT_STARTED``)."""
+    path = os.environ.get("COMMLENS_NOT_STARTED", "").replace("{rank}", rank)
+    if not path:
+        return
+    import json
+
+    try:
+        with open(path, "w") as f:
+            json.dump({"rank": int(rank), "error": str(error)}, f)
+    except (OSError, ValueError) as failed:
+        print(f"commlens: no note of it in {path}: {failed}", file=sys.stderr)
 
 
 def _chain() -> None:
