@@ -181,7 +181,8 @@ def refuse_unwritable(config: Config) -> None:
 
 def local_ranks(command: list[str]) -> int:
     """How many ranks ``command`` starts on this node, as far as its arguments say: torchrun's
-    ``--nproc-per-node N`` (or ``--nproc_per_node``), else 1.
+    ``--nproc-per-node`` (or ``--nproc_per_node``: a number, or ``gpu``, ``cpu``, ``auto``... as
+    torchrun counts them), else 1.
 
     >>> local_ranks(["torchrun", "--nproc-per-node=4", "train.py"])
     4
@@ -190,7 +191,14 @@ def local_ranks(command: list[str]) -> int:
         name, _, value = arg.partition("=")
         if name in ("--nproc-per-node", "--nproc_per_node"):
             value = value or (command[i + 1] if i + 1 < len(command) else "")
-            return int(value) if value.isdigit() else 1
+            if value.isdigit():
+                return int(value)
+            from torch.distributed.run import determine_local_world_size  # torch (seconds) for a word only
+
+            try:
+                return determine_local_world_size(value)
+            except ValueError:  # torchrun refuses it itself, with its own message
+                return 1
     return 1
 
 

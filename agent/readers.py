@@ -246,11 +246,15 @@ def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = Non
     and ``on_problem`` gets one line naming it and what was wrong (default: printed to stderr)."""
     ranks: dict[int, RankFacts] = {}
     completed: set[tuple[int, str, int]] = set()
+    seen, world = set(), 0  # the ranks any span is of; the job's size, as the spans say it
     for span, attributes in spans_in(folder, on_problem):
         try:
             _span_fact(ranks, span, attributes, completed)
             if each_span is not None:
                 each_span(span, attributes)
+            if names.RANK in attributes:
+                seen.add(int(attributes[names.RANK]))
+                world = max(world, int(attributes.get(names.WORLD_SIZE, 0)))
         except (KeyError, TypeError, ValueError) as error:
             on_problem(f"a span {span.get('name')!r} of {folder}: no valid {error} attribute")
     for f in ranks.values():  # a hang that the spans show resolved is no longer in flight
@@ -275,6 +279,8 @@ def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = Non
             on_problem(str(error))
             continue
         _dump_fact(ranks.setdefault(int(path[-digits:]), RankFacts(int(path[-digits:]))), dump, collectives)
+    for rank in sorted(set(range(world)) - seen - set(ranks)):
+        on_problem(f"rank {rank} of the job's {world}: nothing of it in {folder} (no span, no dump)")
     return [ranks[rank] for rank in sorted(ranks)]
 
 

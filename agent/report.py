@@ -1,9 +1,10 @@
 """``commlens report``: a job's folder as one self-contained HTML page, to open from disk.
 
-The page holds the verdict of ``commlens diagnose`` on the folder (the same lines, and its notes), the
-cross-rank timeline of the spans kept (a lane per rank, anomalies and the ranks named drawn over them,
-clocks aligned as ``commlens timeline`` aligns them), each rank's time in the collectives kept, the
-latency of each op in each group, and the anomalies one by one. Ordinary collectives are sampled
+The page holds the verdict of ``commlens diagnose`` on the folder (the same lines, its notes and
+caveats), the cross-rank timeline of the spans kept (a lane per rank, anomalies and the ranks named drawn
+over them, clocks aligned as ``commlens timeline`` aligns them), each rank's time in the collectives kept
+and its waits for the others, the latency of each op in each group (percentiles, distribution), and the
+anomalies one by one. Ordinary collectives are sampled
 into the trace files and anomalies all kept, so the figures are of the spans kept: the metrics hold the
 exact counts. No script, no style sheet or font from elsewhere: it opens in any browser, offline.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import html
+import math
 import os
 import sys
 
@@ -33,6 +35,8 @@ DRAWN = 20_000
 """Spans drawn on the timeline at most (every anomaly, then the others evenly): a page stays light."""
 EVENTS = 200
 """Anomalies listed at most, the first ones."""
+BINS_PER_DECADE = 8
+"""The latency distribution's bins, on a log scale."""
 _STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 24px; color: #1d2330; max-width: 1180px }
 h1 { font-size: 22px; margin: 0 0 4px } h2 { font-size: 16px; margin: 28px 0 8px }
@@ -118,33 +122,63 @@ def _timeline(found: list[Slice], ranks: list[int], verdict: list) -> str:
 
 
 def _ranks(found: list[Slice], ranks: list[int]) -> str:
-    spans, seconds = collections.Counter(), collections.Counter()
+    """Per rank: spans, seconds in them, of which waiting for the others, and anomalies. A rank's wait in
+    a group collective is its time in it beyond the quickest member's (that one arrived last: its time
+    is the transfer), over the collectives kept of every member."""
+    spans, seconds, waited = collections.Counter(), collections.Counter(), collections.Counter()
     marked: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    members: dict[str, set[int]] = collections.defaultdict(set)
+    by_seq: dict[tuple[str, int], list[Slice]] = collections.defaultdict(list)
     for s in found:
         spans[s.rank] += 1
         seconds[s.rank] += (s.end_ns - s.start_ns) / 1e9
         for marker in s.markers:
             marked[s.rank][marker] += 1
-    rows = "".join(f"<tr><td>{rank}</td><td>{spans[rank]:,}</td><td>{seconds[rank]:.3f}</td>"
+        if not s.p2p:
+            members[s.pg].add(s.rank)
+            if not s.in_flight:
+                by_seq[(s.pg, s.seq)].append(s)
+    for (pg, _), kept in by_seq.items():
+        if len(kept) == len(members[pg]) > 1:
+            quickest = min(s.end_ns - s.start_ns for s in kept)
+            for s in kept:
+                waited[s.rank] += (s.end_ns - s.start_ns - quickest) / 1e9
+    rows = "".join(f"<tr><td>{rank}</td><td>{spans[rank]:,}</td><td>{seconds[rank]:.3f}</td><td>{waited[rank]:.3f}</td>"
                    f"<td>{marked[rank]['NaN'] + marked[rank]['Inf']}</td><td>{marked[rank]['hang']}</td>"
                    f"<td>{sum(n for m, n in marked[rank].items() if m.startswith('collective'))}</td></tr>"
                    for rank in ranks)
-    return ("<table><tr><th>rank</th><th>spans kept</th><th>seconds in them</th><th>NaN/Inf</th><th>hangs</th>"
-            f"<th>failed</th></tr>{rows}</table>")
+    return ("<table><tr><th>rank</th><th>spans kept</th><th>seconds in them</th><th>of which waiting for others</th>"
+            f"<th>NaN/Inf</th><th>hangs</th><th>failed</th></tr>{rows}</table><p class=meta>A rank that waits least "
+            "in a group arrives last there: the others wait for it.</p>")
 
 
 def _latency(found: list[Slice]) -> str:
+    """Per op and group: percentiles, and the distribution on one log scale for all rows (bars: the spans
+    in each bin, against the row's fullest; hover for the counts)."""
     by: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     for s in found:
         if not s.in_flight:
-            by[(s.op, s.pg)].append((s.end_ns - s.start_ns) / 1e6)
+            by[(s.op, s.pg)].append(max((s.end_ns - s.start_ns) / 1e6, 1e-3))
+    if not by:
+        return "<p class=meta>none completed</p>"
+    low = math.floor(math.log10(min(min(v) for v in by.values())))
+    high = max(low + 1, math.ceil(math.log10(max(max(v) for v in by.values()))))
+    bins, width = BINS_PER_DECADE * (high - low), 4
     rows = []
     for (op, pg), values in sorted(by.items()):
         values.sort()
-        rows.append(f"<tr><td>{_e(op)}</td><td>{_e(pg)}</td><td>{len(values):,}</td><td>{_at(values, 0.5):.3f}</td>"
-                    f"<td>{_at(values, 0.99):.3f}</td><td>{values[-1]:.3f}</td></tr>")
-    return ("<table><tr><th>op</th><th>group</th><th>spans</th><th>median ms</th><th>p99 ms</th><th>max ms</th></tr>"
-            + "".join(rows) + "</table>")
+        counts = collections.Counter(min(bins - 1, int((math.log10(v) - low) * BINS_PER_DECADE)) for v in values)
+        top = max(counts.values())
+        bars = "".join(f"<rect x={b * width} y={18 - 18 * n / top:.1f} width={width - 1} "
+                       f"height={18 * n / top:.1f} fill=#5b7bd5><title>{n:,} spans from "
+                       f"{10 ** (low + b / BINS_PER_DECADE):.3g} ms</title></rect>" for b, n in sorted(counts.items()))
+        rows.append(f"<tr><td>{_e(op)}</td><td>{_e(pg)}</td><td>{len(values):,}</td><td>{_at(values, 0.1):.3f}</td>"
+                    f"<td>{_at(values, 0.5):.3f}</td><td>{_at(values, 0.9):.3f}</td><td>{_at(values, 0.99):.3f}</td>"
+                    f"<td>{values[-1]:.3f}</td><td class=text><svg width={bins * width} height=18 role=img "
+                    f"aria-label='latency distribution of {_e(op)} in group {_e(pg)}'>{bars}</svg></td></tr>")
+    return ("<table><tr><th>op</th><th>group</th><th>spans</th><th>p10 ms</th><th>median ms</th><th>p90 ms</th>"
+            f"<th>p99 ms</th><th>max ms</th><th class=text>distribution, {10 ** low:g} to {10 ** high:g} ms (log)</th>"
+            "</tr>" + "".join(rows) + "</table>")
 
 
 def _at(values: list[float], q: float) -> float:
@@ -152,9 +186,12 @@ def _at(values: list[float], q: float) -> float:
 
 
 def _anomalies(found: list[Slice]) -> str:
-    marked = [s for s in found if s.markers]
+    """NaN/Inf, hangs, failures, and collectives a rank waited in long (over ``COMMLENS_SLOW_FACTOR``
+    times their usual: the others arrived late)."""
+    marked = [s._replace(markers=s.markers + (("waited long",) if s.args.get("slow") else ())) for s in found
+              if s.markers or s.args.get("slow")]
     if not marked:
-        return "<p class=meta>none: no NaN/Inf, hang or failed collective in the spans</p>"
+        return "<p class=meta>none: no NaN/Inf, hang, failed collective or long wait in the spans</p>"
     t0 = found[0].start_ns
     rows = "".join(f"<tr><td>{(s.start_ns - t0) / 1e9:.3f}</td><td>{s.rank}</td><td class=text>{_e(s.op)}</td>"
                    f"<td>{_e(s.pg)}</td><td>{s.seq}</td><td>{(s.end_ns - s.start_ns) / 1e6:.2f}</td>"

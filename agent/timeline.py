@@ -54,8 +54,8 @@ class Slice(NamedTuple):
     markers: tuple[str, ...]
 
 
-_ARGS = {names.BYTES: "bytes", names.STATUS: "status", names.DTYPE: "dtype",
-         names.MODULE: "module", names.PHASE: "phase", names.DDP_BUCKET: "ddp.bucket"}
+_ARGS = {names.BYTES: "bytes", names.STATUS: "status", names.DTYPE: "dtype", names.MODULE: "module",
+         names.PHASE: "phase", names.DDP_BUCKET: "ddp.bucket", names.SLOW: "slow"}
 _MARKERS = ((names.NAN, "NaN"), (names.INF, "Inf"), (names.HANG, "hang"))
 
 

@@ -1,6 +1,6 @@
 """Compiled and C++-issued collectives on 2 gloo ranks. On torch >= 2.14 PyTorch's own process-group
 hooks reach them, so every collective of a group is recorded exactly once, with c10d's sequence
-numbers; before 2.14 they stay unreachable, as the README says."""
+numbers; before 2.14 they stay unreachable, as docs/hooks.md says."""
 
 import os
 import subprocess
@@ -75,7 +75,7 @@ def test_a_compiled_tensor_parallel_forward_records_each_collective_once_with_c1
     results = run_ranks(compiled_tensor_parallel, 2, dumps=str(tmp_path / "dumps" / "rank_"))
     first, second = results
     assert first["outputs"] == second["outputs"]
-    if not NATIVE:  # README: collectives in graphs compiled by torch.compile are not reachable before 2.14
+    if not NATIVE:  # docs/hooks.md: collectives in graphs compiled by torch.compile are not reachable before 2.14
         assert first["seen"] == [] and second["seen"] == []
         return
     seqs = [seq for _, _, seq, _ in first["seen"]]

@@ -142,6 +142,12 @@ def test_damaged_files_are_named_and_skipped_and_a_folder_without_telemetry_is_r
     assert len(unread) == 6 and "rank_9 is not a flight-recorder dump" in unread[-2] + unread[-1], lines  # in the verdict too
     assert "not read: " in (out / "report.html").read_text()
     assert lines["timeline"].startswith("timeline: ") and lines["report"].startswith("report: "), lines
+    partial = shutil.copytree(nan_job, tmp_path / "partial")
+    for path in partial.glob("*-2.jsonl"):
+        path.unlink()  # a rank whose files never came: its node's disk, a copy cut short
+    done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "diagnose", str(partial)],
+                          capture_output=True, text=True, timeout=120)
+    assert f"not read: rank 2 of the job's {WORLD}: nothing of it in {partial} (no span, no dump)" in done.stdout, done
     (tmp_path / "empty").mkdir()
     for command in ("diagnose", "timeline", "report"):
         done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", command, str(tmp_path / "empty")],
@@ -173,3 +179,5 @@ def test_the_report_opens_from_disk_in_a_browser_without_error_and_shows_the_ver
     assert f'id="verdict">{html.escape(verdict, quote=False)}</div>' in page, page[:3000]
     assert all(f">rank {rank}</text>" in page and f"<tr><td>{rank}</td>" in page for rank in range(WORLD)), page
     assert '<td class="text">NaN' in page, page
+    assert "of which waiting for others" in page and 'aria-label="latency distribution of all_reduce in group 0"' \
+        in page, page
