@@ -2,13 +2,16 @@
 configuration reference with its default, every metric and span attribute commlens writes is in its
 reference, and every relative link in the README and docs/ resolves."""
 
+import ast
 import pathlib
 import re
+from typing import Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 VARIABLE = re.compile(r'"((?:COMMLENS|OTEL|TORCHCOMM|TORCHELASTIC)_[A-Z0-9_]+)"')
 ROW = re.compile(r"^\| (.+?) \| (.*?) \|", re.M)
+ROW3 = re.compile(r"^\| (.+?) \| (.*?) \| (.*?) \|", re.M)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -19,6 +22,42 @@ def test_every_variable_the_code_reads_is_in_the_configuration_reference_with_it
                 for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", names)}
     assert read - set(defaults) == set(), "not in docs/configuration.md"
     assert [name for name in read if not defaults[name]] == [], "without a default in docs/configuration.md"
+
+
+def _reads(tree: ast.AST, module) -> Iterator[tuple[str, object, tuple | None]]:
+    """(variable, default, accepted choices or None) of each ``env.<kind>("NAME", default[, CHOICES])``
+    and ``env.get("NAME") or default`` in a module's source."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or) and isinstance(node.values[-1], ast.Constant):
+            first = node.values[0]
+            if isinstance(first, ast.Call) and getattr(first.func, "attr", "") == "get" and first.args:
+                yield ast.literal_eval(first.args[0]), node.values[-1].value, None
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "env" and len(node.args) > 1 and isinstance(node.args[0], ast.Constant)):
+            choices = getattr(module, node.args[2].id) if len(node.args) > 2 and isinstance(node.args[2], ast.Name) else None
+            default = node.args[1]
+            yield node.args[0].value, ast.literal_eval(default) if isinstance(default, (ast.Constant, ast.Tuple)) else None, choices
+
+
+def test_each_default_and_choice_the_configuration_reads_is_the_one_its_reference_gives():
+    """Each variable's default (where the reference does not say what "unset" does instead) and each
+    accepted choice, as ``agent/config.py`` reads them, are in its row of docs/configuration.md."""
+    import importlib
+
+    rows = {name: (default, accepted) for names, default, accepted in ROW3.findall((ROOT / "docs/configuration.md").read_text())
+            for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", names)}
+    config = ROOT / "agent" / "config.py"
+    wrong = []
+    for name, default, choices in _reads(ast.parse(config.read_text()), importlib.import_module("commlens.agent.config")):
+        documented, accepted = rows[name]
+        shown = {bool: lambda v: f"`{str(v).lower()}`", str: lambda v: f"`{v}`", tuple: lambda v: " ".join(f"`{x}`" for x in v)}
+        if default not in (None, "") and not documented.startswith("unset"):
+            text = shown.get(type(default), str)(default)
+            if not all(re.search(rf"(?<![\w.]){re.escape(part)}(?![\w.])", documented) for part in text.split()):
+                wrong.append(f"{name}: the code's default {text}, the reference's {documented!r}")
+        wrong += [f"{name}: {choice!r} is accepted, not in the reference's {accepted!r}"
+                  for choice in choices or () if f"`{choice}`" not in accepted]
+    assert wrong == []
 
 
 def test_every_metric_and_span_attribute_commlens_writes_has_a_row_in_its_reference():

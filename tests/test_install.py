@@ -20,6 +20,40 @@ def _source(tmp_path: pathlib.Path) -> pathlib.Path:
         ".git", ".venv*", "build", "*.so", "*.egg-info", "__pycache__", ".pytest_cache", "commlens-out")))
 
 
+def test_every_package_commlens_imports_is_one_it_requires_at_install():
+    """A module that commlens' code imports (lazily too) from outside the standard library comes from a
+    distribution that its runtime requirements bring (they or theirs): ``pip install commlens`` alone
+    runs it. The test extras, which the suite's environment has too, do not count."""
+    import ast
+    import importlib.metadata as metadata
+    import importlib.util
+    import re
+
+    def name(requirement: str) -> str:
+        return re.split(r"[ ;<>=!~\[(]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+    brought, todo = set(), [name(r) for r in metadata.requires("commlens") if "extra ==" not in r]
+    while todo:
+        dist = todo.pop()
+        if dist not in brought:
+            brought.add(dist)
+            todo += [name(r) for r in metadata.requires(dist) or () if "extra ==" not in r]
+    files = {str(f.locate()) for dist in brought for f in metadata.distribution(dist).files or ()}
+    imported = set()
+    for folder in ("agent", "hooks", "exporters"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    imported |= {alias.name for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    imported.add(node.module)
+    third = {module for module in imported if module.split(".")[0] not in sys.stdlib_module_names
+             and module.split(".")[0] not in ("commlens", "sitecustomize")}  # the job's own, chained if it has one
+    assert {"torch", "grpc", "prometheus_client", "opentelemetry.sdk.resources"} <= third, third
+    unbrought = sorted(module for module in third if importlib.util.find_spec(module).origin not in files)
+    assert unbrought == [], f"imported, but no requirement of commlens brings them: {unbrought}"
+
+
 def test_an_install_without_a_c_compiler_names_what_to_install_in_one_line(tmp_path):
     """pip builds a wheel with the compiler pointed at nothing (about 10 s): the build stops on one
     line that says what is missing and what to install, not on setuptools' traceback."""
