@@ -43,6 +43,9 @@ from .stats import ALL, Stats, bus_factor, size_class
 
 READ_AT_ONCE = 256
 """Records a drain reads and handles at once (~0.1 ms, folded; bench/drain.py) before the next run."""
+AFTER_NAN = 8
+"""Records read one at a time after a read that ended between a NAN record and its collective's START
+(an overflow storm's collectives each have one): the START and END come next, then folded reads again."""
 _BUILT_BETWEEN_HAND_OVERS = 32
 """Collectives a drain builds (~3 µs each: every span kept) between two hand-overs of the GIL."""
 HAND_OVER_S = 20e-6
@@ -200,13 +203,13 @@ class Sidecar:
         handled, more = 0, True
         while more:  # a run of READ_AT_ONCE records at a time, each holding the GIL ~0.1 ms
             cursor = self.reader.cursor
-            records, folded = self._read() if blocking else (None, None)
+            records, folded, limit = self._read() if blocking else (None, None, 0)
             if not self.stats.lock.acquire(blocking):
                 return handled  # nothing read this time: nothing lost
             try:
                 if records is None:
-                    records, folded = self._read()
-                more = self.reader.cursor - cursor >= READ_AT_ONCE
+                    records, folded, limit = self._read()
+                more = self.reader.cursor - cursor >= limit
                 self.ring.cursor = self.reader.cursor  # before handling them: a restarted sidecar counts none twice
                 self._handle(records, folded, snapshots)
                 if not more:
@@ -251,13 +254,14 @@ class Sidecar:
         for group in folded:
             self._folded(group)
 
-    def _read(self) -> tuple[list[Record], list[Folded]]:
-        """The next records (at most ``READ_AT_ONCE``), with the collectives that started and ended ok
-        among them folded (on a GPU too); none while a NAN record read before waits for its
-        collective's START (its START and END could both be in this read, and fold without it)."""
+    def _read(self) -> tuple[list[Record], list[Folded], int]:
+        """The next records, with the collectives that started and ended ok among them folded (on a GPU
+        too), and how many were asked for: ``READ_AT_ONCE``; only ``AFTER_NAN``, none folded, while a
+        NAN record read before waits for its collective's START (its START and END could both be in
+        this read, and fold without it; they come next)."""
         if self._nan and not self._nan.keys() <= self.inflight.keys():
-            return self.reader.read(READ_AT_ONCE), []
-        return self.reader.read_folded(READ_AT_ONCE)
+            return self.reader.read(AFTER_NAN), [], AFTER_NAN
+        return *self.reader.read_folded(READ_AT_ONCE), READ_AT_ONCE
 
     def _resume(self) -> None:
         """The collectives in flight at the cursor, from the records before it still in the ring;
