@@ -1,29 +1,7 @@
-"""Collectives on CUDA tensors: completion and timing from the GPU, and the NaN/Inf check on the device.
-
-A synchronous NCCL collective returns to Python once it is queued, so timing it on the CPU measures
-the launch. For a collective whose tensors are on a CUDA device the hook instead records two CUDA
-events, taken from a bounded pool, with no host synchronisation:
-
-* ``start`` on the current stream before the collective is issued. The backend makes the
-  collective's stream wait for the current stream, so ``start`` completes when the GPU may start it:
-  from issue to ``start`` is **queueing** (the GPU was still busy with earlier work).
-* ``end`` after it: on the current stream for a synchronous op (which the backend makes wait for the
-  collective), and for an async op on a side stream made to wait for the collective's own completion
-  events through its CUDA-aware future. From ``start`` to ``end`` is **execution**.
-
-The sidecar's thread calls ``GpuTracker.poll()``: ``event.query()`` never blocks; a finished
-collective gets a GPU_START and an END record stamped on the CPU's monotonic clock, computed from the
-events' elapsed times against a reference event recorded on an idle stream of the same device (so
-converting GPU to CPU time needs no synchronisation either).
-
-The NaN/Inf check of a CUDA tensor (report mode) is one float32 ``sum`` on the current stream
-(a float64 sum beyond float32's range reads as Inf), copied without blocking into a slot of pinned
-host memory; ``poll()`` reads the slot once the copy's event
-has completed and writes a NAN record. Raise mode has to synchronise, since it must refuse the
-collective before it is issued.
-
-Everything is bounded: ``POOL`` event pairs and ``POOL`` pinned slots; when either runs out, the op
-falls back to the CPU's timing (or goes unchecked) and the ring counts it (``gpu_pool_exhausted``).
+"""Collectives on CUDA tensors: completion and timing from two CUDA events around each (queueing,
+then execution), and the NaN/Inf check's sum on the device, never synchronising the host: the
+sidecar's thread ``poll()``s the events. Bounded by ``POOL``; past it the op is timed on the CPU
+(or goes unchecked) and counted (``gpu_pool_exhausted``). See docs/gpu.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
-"""PyTorch's own process-group hooks (torch >= 2.14): the collectives commlens' wrappers cannot reach.
-
-From 2.14 every ``ProcessGroup`` fires pre- and post-hooks from the dispatcher, on the issuing
-thread, for every collective of every backend: eager, functional, compiled by ``torch.compile``, and
-those issued from C++ (DDP's construction-time broadcasts, built-in C++ communication hooks).
-``attach()`` registers commlens' pre-, post- and abort hooks (id ``HOOK_ID``) on every group, those
-created later included. A collective that one of commlens' wrappers is recording already
-(``issuing.issuing``: the public ``torch.distributed`` API, eager functional collectives, DDP
-buckets) is left to it — they are cheaper per collective and know the exact op — so nothing is
-recorded twice; the rest is recorded here with the same pre-hooks, START record and c10d sequence
-number. The post-hook fires when the collective is queued: END comes from its work (future, or the
-completion poller). Op names are read by name (``HookOpName.name``), so 2.15's new ones
-(``ALLGATHER_BASE``, ``*_COALESCED``, ...) fold into their families.
-
-The hooks are registered from C++ (``_pg_hooks.cpp``, built against the installed torch on first use
-and kept in ``$XDG_CACHE_HOME/commlens``): a collective that a wrapper records then costs no call into
-Python. Where it cannot be built (no C++ compiler or ninja) they are registered from Python, which
-costs about 2 µs more per collective, and a warning says so.
+"""PyTorch's own process-group hooks (torch >= 2.14): the collectives commlens' wrappers cannot reach
+(compiled, C++-issued). ``attach()`` registers commlens' hooks (``HOOK_ID``) on every group, later ones
+too, from C++ where ``_pg_hooks.cpp`` builds (else from Python); a collective a wrapper records
+already is left to it. See docs/hooks.md.
 
 Example::
 
