@@ -1,14 +1,6 @@
-"""Every rank dumps when any rank sees a hang or an abort: a counter in the job's c10d store.
-
-A rank that snapshots for a hang or an abort adds one to ``commlens/<job>/dumps`` in the store that
-the default process group was initialised with; a daemon thread in every rank reads that counter
-(``add(key, 0)``: one round trip) every ``period_s`` and, when it grew, has its rank write its own
-flight-recorder dump. Nothing waits on the main thread of any rank: a rank that is late, or blocked in
-a collective, dumps all the same, so ``torchfrtrace`` gets every rank's dump. The thread talks to the
-store over a connection of its own (a TCPStore client of the same server), never the one the training
-thread uses. An operator asks the same way from outside the job (``commlens dump``): every rank
-dumps, and training goes on. With a pod sidecar the rank's dump is a request in its ring, written
-by the pod sidecar from shared memory.
+"""Every rank dumps when any rank sees a hang or an abort: it adds one to ``commlens/<job>/dumps`` in
+the job's c10d store, and a daemon thread in every rank polls that counter over a store connection
+of its own and has its rank write its dump; ``commlens dump`` asks from outside. See docs/running.md.
 
 Example::
 

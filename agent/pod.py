@@ -1,18 +1,7 @@
-"""``commlens sidecar``: one process per pod that reads the rings of every local rank.
-
-The ranks run only the hot path (``COMMLENS_RING_DIR`` set: agent/runtime.py) and write their rings
-into a folder shared with this process — in Kubernetes a memory-backed ``emptyDir`` mounted in the
-training container and in the commlens sidecar container. This process attaches to each ring as it
-appears (``local-rank-N.ring``), attaches again when a rank restarts (a new file renamed into place),
-and runs for all of them what the in-process thread runs for one: the drain, the stats, the hang
-watchdog, spans, flight-recorder dumps (from shared memory: also of a rank that was killed, or is
-frozen), and one Prometheus endpoint for the pod, each series labelled by its rank.
-
-A rank's process holds its ring's flock while it lives (``Ring.writer_alive``): when it ends without
-closing the ring (SIGKILL, the OOM killer, a crash) its dump is written with reason ``exit`` and its
-collectives still in flight stay in flight, so the hang watchdog reports the one it died in. This
-process going away never disturbs training, and a restarted one resumes at the cursor stored in each
-ring: it counts nothing twice.
+"""``commlens sidecar``: one process per pod that reads the rings of every local rank in a shared
+folder, follows each rank across restarts and deaths, and runs for all of them what the in-process
+thread runs for one, with one Prometheus endpoint for the pod. See docs/running.md ("One sidecar per
+pod").
 
 Example::
 

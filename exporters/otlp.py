@@ -1,17 +1,8 @@
-"""OTLP traces: one span per collective per rank, built from the sidecar's ``Collective`` records.
-
-Shaped as OpenTelemetry's SDK is: a ``BatchSpanProcessor`` (queue, thread, batching, sampling)
-above a span exporter whose ``export`` sends one batch and returns a ``SpanExportResult``. Spans are
-built on the processor's own thread, never on the training thread, in the form their exporter
-sends: OTLP protobuf messages (``opentelemetry-proto``) over gRPC (grpcio) or HTTP/protobuf, or —
-the embedded default when no collector is configured — OTLP JSON appended to a file, one export
-request per line, built as protobuf's JSON mapping would write the same spans. The trace id derives
-from (job, process group, sequence number), so the same collective on every rank shares one trace;
-sampling is keyed on the same inputs, and anomalies (NaN, hang, error, slow) are always kept. Every
-outcome is counted in ``counts``: ``exported``, ``failed`` (the collector did not take the batch, or
-it was still queued when the time given to ``shutdown`` ran out), ``dropped`` (the queue was full),
-``sampled_out``. An exporter's ``export(request, within_s)`` returns within its own timeout and
-``within_s``, whichever is less.
+"""OTLP traces: one span per collective per rank, built from the sidecar's ``Collective`` records on
+the processor's own thread, never the training thread. Shaped as OpenTelemetry's SDK is: a
+``BatchSpanProcessor`` (queue, thread, batching, sampling, every outcome counted in ``counts``) above
+a span exporter (gRPC, HTTP/protobuf, or OTLP JSON lines in a file) whose ``export`` sends one batch.
+See docs/traces.md.
 
 Example::
 
