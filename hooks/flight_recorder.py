@@ -108,8 +108,7 @@ class FlightRecorderHook:
         return json.dumps(self.dump())
 
     def dump_file(self, rank: int) -> str:
-        """Write the dump as a pickle named ``<prefix><rank>`` and return its path; the prefix comes
-        from ``TORCHCOMM_FR_DUMP_TEMP_FILE``. The file appears whole or not at all."""
+        """``write_dump`` of this recorder's dump; returns its path."""
         return write_dump(self.dump(), rank)
 
 
