@@ -17,7 +17,6 @@ own analyzer reads a directory of them::
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import tempfile
@@ -102,10 +101,6 @@ class FlightRecorderHook:
     def dump(self) -> dict:
         """The dump as a dict, in PyTorch's flight-recorder schema."""
         return _dump(*self.entries(), _comm_lib_version())
-
-    def dump_json(self) -> str:
-        """The dump as JSON text (the process_group pairs become lists)."""
-        return json.dumps(self.dump())
 
     def dump_file(self, rank: int) -> str:
         """``write_dump`` of this recorder's dump; returns its path."""

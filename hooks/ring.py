@@ -66,7 +66,6 @@ _MAGIC = b"CMLNSRNG"
 _VERSION = 5
 RECORD = struct.Struct("<QBBBBIQQQQIiIIQ")
 _SEQ = struct.Struct("<Q")
-_TAIL = RECORD.size - _SEQ.size
 _STRING_ALIGN = 8
 DEFAULT_SLOTS = 1 << 16
 DEFAULT_STRING_BYTES = 1 << 20
@@ -74,8 +73,7 @@ DEFAULT_STRING_BYTES = 1 << 20
 
 class Record(NamedTuple):
     """One decoded ring record, field for field as stored: ``head`` and ``tail`` both hold its
-    position in the ring's total write order + 1 (how a reader knows it is whole); ``index`` is that
-    position."""
+    position in the ring's total write order + 1 (how a reader knows it is whole)."""
 
     head: int
     kind: int
@@ -92,10 +90,6 @@ class Record(NamedTuple):
     aux: int
     module: int
     tail: int
-
-    @property
-    def index(self) -> int:
-        return self.head - 1
 
 
 def ring_file(folder: str, local_rank: int) -> str:
@@ -209,10 +203,6 @@ class Ring:
     def errors(self) -> dict[str, int]:
         """Telemetry the writer lost so far, by ``ERRORS`` kind."""
         return dict(zip(ERRORS, struct.unpack_from(f"<{len(ERRORS)}Q", self._view, _ERRORS_OFFSET)))
-
-    @property
-    def strings_dropped(self) -> int:
-        return self.errors()["string_dropped"]
 
     @property
     def cursor(self) -> int:
