@@ -20,8 +20,8 @@ POOL = 4096
 
 
 class GpuTracker:
-    def __init__(self, count_error: Callable[[str], None], pool: int = POOL):
-        self.count_error, self.pool = count_error, pool
+    def __init__(self, pool: int = POOL):
+        self.pool = pool
         self._free: collections.deque = collections.deque()
         self._created = 0
         self._timed: collections.deque = collections.deque()
@@ -87,7 +87,7 @@ class GpuTracker:
             self._slots = list(torch.empty(self.pool, dtype=torch.float32, pin_memory=True).unbind())
             self._free_slots.extend(range(self.pool))
         if not self._free_slots:
-            self.count_error("gpu_pool_exhausted")
+            process_ring.count_error("gpu_pool_exhausted")
             return False
         slot = self._free_slots.pop()
         values = torch.view_as_real(tensor) if tensor.is_complex() else tensor  # no temporary of its size
@@ -135,7 +135,7 @@ class GpuTracker:
                 return pair
             self._free.appendleft(pair)
         if self._created >= self.pool:
-            self.count_error("gpu_pool_exhausted")
+            process_ring.count_error("gpu_pool_exhausted")
             return None
         self._created += 1
         with torch.cuda.device(index):
@@ -173,5 +173,5 @@ def tracker() -> GpuTracker:
     """This process's tracker, counting into this process's ring."""
     global _tracker
     if _tracker is None:
-        _tracker = GpuTracker(process_ring.count_error)
+        _tracker = GpuTracker()
     return _tracker

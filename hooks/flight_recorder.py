@@ -225,9 +225,8 @@ def _pg_status(entries: list[dict]) -> dict:
         s = status.setdefault(e["process_group"][0], {"last_enqueued_collective": -1,
                                                        "last_started_collective": -1,
                                                        "last_completed_collective": -1})
-        seq = e["collective_seq_id"]
-        s["last_enqueued_collective"] = max(s["last_enqueued_collective"], seq)
-        s["last_started_collective"] = max(s["last_started_collective"], seq)
+        seq = e["collective_seq_id"]  # every entry started: enqueued and started are the same
+        s["last_enqueued_collective"] = s["last_started_collective"] = max(s["last_enqueued_collective"], seq)
         if e["state"] == "completed":
             s["last_completed_collective"] = max(s["last_completed_collective"], seq)
     return status

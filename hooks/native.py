@@ -138,20 +138,16 @@ def _forward_post(key: int, args: Any) -> None:
         hooks.post(args)
 
 
-_forwarder: Any = None
-
-
 @functools.cache
 def forwarder() -> Any:
     """The C++ forwarder (``_pg_hooks.cpp``) for this torch, loaded or built on first call; None where
     it cannot be built, with a warning."""
-    global _forwarder
-    if AVAILABLE:
-        _forwarder = extension.load_or_warn(
-            "_pg_hooks.cpp", "C++ forwarder",
-            "registers PyTorch's process-group hooks from Python, about 2 µs more per collective",
-            lambda module: module.init(_issuing.now, _forward_pre, _forward_post))
-    return _forwarder
+    if not AVAILABLE:
+        return None
+    return extension.load_or_warn(
+        "_pg_hooks.cpp", "C++ forwarder",
+        "registers PyTorch's process-group hooks from Python, about 2 µs more per collective",
+        lambda module: module.init(_issuing.now, _forward_pre, _forward_post))
 
 
 _attached: dict[Any, _GroupHooks] = {}
@@ -206,9 +202,9 @@ def _attach(pg: Any) -> None:
         return
     hooks = _GroupHooks(pg)
     try:
-        if _forwarder is not None:
+        if forwarder() is not None:  # loaded by attach() already
             _by_key[hooks.key] = hooks
-            _forwarder.attach(pg, HOOK_ID, hooks.key)
+            forwarder().attach(pg, HOOK_ID, hooks.key)
         else:
             pg.register_pre_hook(HOOK_ID, hooks.pre)
             pg.register_post_hook(HOOK_ID, hooks.post)
