@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
@@ -301,14 +301,11 @@ class BatchSpanProcessor:
 
     def _send(self, batch: list) -> None:
         try:
+            collectives = (c for chunk in self._chunks(batch) for c in chunk)  # built between hand-overs
             if self._json:
-                request = self.json_request([self.builder.json(c) for chunk in self._chunks(batch) for c in chunk])
+                request = self.json_request([self.builder.json(c) for c in collectives])
             else:
-                request = self.request()
-                spans = request.resource_spans[0].scope_spans[0].spans
-                for chunk in self._chunks(batch):
-                    for c in chunk:
-                        self.builder.add_proto(spans, c)
+                request = self.request(collectives)
             sent = self.exporter.export(request, max(0.01, self._deadline - time.monotonic()))
         except Exception:  # a span that cannot be encoded: the batch is lost, and counted
             sent = SpanExportResult.FAILURE
@@ -327,7 +324,7 @@ class BatchSpanProcessor:
                 time.sleep(self._hand_over_s)
             yield batch[at:at + _CHUNK]
 
-    def request(self, collectives: Sequence = ()) -> ExportTraceServiceRequest:
+    def request(self, collectives: Iterable[Collective] = ()) -> ExportTraceServiceRequest:
         """The export request of the spans of ``collectives`` as protobuf, for the gRPC and HTTP exporters."""
         request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(
             resource=self.resource, scope_spans=[ScopeSpans(scope=SCOPE)])])
