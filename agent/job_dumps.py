@@ -1,14 +1,6 @@
-"""Every rank dumps when any rank sees a hang or an abort: a counter in the job's c10d store.
-
-A rank that snapshots for a hang or an abort adds one to ``commlens/<job>/dumps`` in the store that
-the default process group was initialised with; a daemon thread in every rank reads that counter
-(``add(key, 0)``: one round trip) every ``period_s`` and, when it grew, has its rank write its own
-flight-recorder dump. Nothing waits on the main thread of any rank: a rank that is late, or blocked in
-a collective, dumps all the same, so ``torchfrtrace`` gets every rank's dump. The thread talks to the
-store over a connection of its own (a TCPStore client of the same server), never the one the training
-thread uses. An operator asks the same way from outside the job (``commlens dump``): every rank
-dumps, and training goes on. With a pod sidecar the rank's dump is a request in its ring, written
-by the pod sidecar from shared memory.
+"""Every rank dumps when any rank sees a hang or an abort: it adds one to ``commlens/<job>/dumps`` in
+the job's c10d store, and a daemon thread in every rank polls that counter over a store connection
+of its own and has its rank write its dump; ``commlens dump`` asks from outside. See docs/running.md.
 
 Example::
 
@@ -87,7 +79,6 @@ def request_dumps(store: str, job: str, timeout_s: float = 10.0) -> None:
     (``host:port``: its ranks' ``MASTER_ADDR:MASTER_PORT``); each writes it within a second or so.
     Raises ``ValueError`` for an address that is not ``host:port``, ``ConnectionError`` when nothing
     listens there."""
-    import datetime
     import socket
 
     host, _, port = store.rpartition(":")
@@ -99,17 +90,11 @@ def request_dumps(store: str, job: str, timeout_s: float = 10.0) -> None:
     except OSError as error:
         raise ConnectionError(f"no store answered at {store} ({error.strerror or error}); give the job's "
                               "MASTER_ADDR:MASTER_PORT") from None
-    import torch.distributed as dist
-
-    client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=timeout_s))
-    client.add(f"commlens/{job}/dumps", 1)
+    _client(host, int(port), timeout_s).add(f"commlens/{job}/dumps", 1)
 
 
 def _default_store(timeout_s: float) -> Any:
     """A client of the default process group's store of our own; None before ``init_process_group``."""
-    import datetime
-
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -118,6 +103,14 @@ def _default_store(timeout_s: float) -> Any:
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     if isinstance(store, dist.TCPStore):  # the training thread's connection is not shared
-        store = dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
+        store = _client(store.host, store.port, timeout_s)
     return store
+
+
+def _client(host: str, port: int, timeout_s: float) -> Any:
+    """A connection of our own to the TCPStore server at ``host:port``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))

@@ -1,5 +1,5 @@
-"""Where telemetry goes, built from a ``Config``: the span processor and its exporter, and the OTLP
-metrics pusher.
+"""Where telemetry goes, built from a ``Config``: the span processor and its exporter, the OTLP
+metrics pusher, and the metrics endpoint.
 
 Shared by the in-process agent (agent/runtime.py) and the pod sidecar (agent/pod.py), which builds
 one per local rank; imports no torch.
@@ -20,6 +20,7 @@ from commlens.exporters import names
 from commlens.exporters.otlp import (BatchSpanProcessor, GrpcSpanExporter, HttpSpanExporter, JsonLinesSpanExporter,
                                      SpanExporter)
 from commlens.exporters.otlp_metrics import MetricsPusher
+from commlens.exporters.prometheus import serve
 
 from .config import Config, ConfigError
 
@@ -80,3 +81,22 @@ def metrics_pusher(config: Config, families: Callable[[], Iterable[Any]]) -> Met
     pusher = MetricsPusher(families, exporter, shared, config.metrics_delta, config.otlp_timeout_s)
     pusher.start(config.metrics_interval_s)
     return pusher
+
+
+def serve_metrics(config: Config, collector: Any, port_hint: str) -> Any:
+    """``collector`` served on the configured address and port, or None (no port); a port that cannot be
+    served is a ``ConfigError`` that asks for ``port_hint``."""
+    if config.metrics_port is None:
+        return None
+    try:
+        return serve(collector, config.metrics_addr, config.metrics_port)
+    except OSError as error:
+        raise ConfigError(f"COMMLENS_METRICS_PORT: cannot serve metrics on {config.metrics_addr}:"
+                          f"{config.metrics_port} ({error.strerror}); choose {port_hint}, or 0 to serve none") from None
+
+
+def stop_serving(server: Any) -> None:
+    """Stop what ``serve_metrics`` started, if anything."""
+    if server is not None:
+        server.shutdown()
+        server.server_close()

@@ -16,12 +16,14 @@ Example::
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Callable, Mapping
 
 from commlens.exporters.otlp import BatchSpanProcessor
 from commlens.exporters.prometheus import MetricsCollector
 from commlens.exporters.telemetry import GroupInFlight, StatsSnapshot
+from commlens.hooks.flight_recorder import write_dump
 from commlens.hooks.ring import ERRORS, Ring
 
 from .config import Config
@@ -45,6 +47,10 @@ class RankPipeline:
         self._dropped_before = 0
         self._errors_before = dict.fromkeys(ERRORS, 0)
         self.metrics = MetricsCollector(self, DURATION_BUCKETS, exposed_buckets(config.metrics_detail))
+        self.signalled_ns: int | None = None
+        """When the rank was signalled to stop, in its dumps from then on (``flight_recorder.DUMP_SIGNALLED``)."""
+        self.reasons: tuple[str, ...] = ()
+        """Why the rank's dumps were written so far (``flight_recorder.DUMP_REASONS``)."""
 
     def follow(self, ring: Ring) -> Sidecar:
         """Drain ``ring`` from now on, from its stored cursor (the rank's first ring, or a restarted
@@ -60,6 +66,29 @@ class RankPipeline:
                                on_snapshot=self.on_snapshot, stats=self.stats, resume=True, detail=c.metrics_detail,
                                beside_training=self.beside_training)
         return self.sidecar
+
+    def write_dump(self, reason: str, dump: Callable[[], dict], drain: bool = False, blocking: bool = True) -> str | None:
+        """Write the rank's flight-recorder dump ``dump()`` for ``reason``, then (``drain``) drain the
+        ring, and count it; the dump's path, or None when it failed. ``blocking=False`` (a signal's:
+        the interrupted thread may hold any lock): the drain is skipped when another thread is
+        draining, and the count is kept without the stats lock when another thread holds it."""
+        if reason == "signal" and self.signalled_ns is None:
+            self.signalled_ns = time.time_ns()
+        self.reasons += (reason,)
+        try:
+            path = write_dump(dump(), self.config.rank, self.signalled_ns, self.reasons)
+        except (OSError, ValueError) as error:
+            print(f"commlens: no {reason} snapshot: {error}" if self.beside_training else
+                  f"commlens sidecar: no {reason} snapshot of rank {self.config.rank}: {error}", file=sys.stderr)
+            path = None
+        if drain:
+            self.sidecar.drain(blocking)
+        stats = self.stats
+        locked = stats.lock.acquire(blocking)
+        stats.snapshots[reason] += 1  # unlocked only on a signal while another thread holds the lock:
+        if locked:  # under the GIL that cannot tear a scrape's copy, and one thread counts "signal"
+            stats.lock.release()
+        return path
 
     def stop(self, timeout_s: float) -> None:
         """Stop the sidecar's thread, drain what is left, and send the spans queued: all within ``timeout_s``."""
@@ -88,3 +117,15 @@ class RankPipeline:
 
     def info(self) -> Mapping[str, Any]:
         return self._info()
+
+
+def writer_info(config: Config, **more: Any) -> dict:
+    """Who the rank is (rank, local rank, world size, job) and ``more``: ``commlens_info``'s labels, and
+    what a ring's ``describe`` records."""
+    return {"rank": config.rank, "local_rank": config.local_rank, "world_size": config.world_size, "job": config.job,
+            **more}
+
+
+def dump_entries(ring: Ring) -> int:
+    """How many collectives a rank's flight-recorder dumps hold: as many as ``ring`` keeps, up to 2048."""
+    return min(2048, ring.slots // 2)

@@ -1,18 +1,7 @@
-"""``commlens sidecar``: one process per pod that reads the rings of every local rank.
-
-The ranks run only the hot path (``COMMLENS_RING_DIR`` set: agent/runtime.py) and write their rings
-into a folder shared with this process — in Kubernetes a memory-backed ``emptyDir`` mounted in the
-training container and in the commlens sidecar container. This process attaches to each ring as it
-appears (``local-rank-N.ring``), attaches again when a rank restarts (a new file renamed into place),
-and runs for all of them what the in-process thread runs for one: the drain, the stats, the hang
-watchdog, spans, flight-recorder dumps (from shared memory: also of a rank that was killed, or is
-frozen), and one Prometheus endpoint for the pod, each series labelled by its rank.
-
-A rank's process holds its ring's flock while it lives (``Ring.writer_alive``): when it ends without
-closing the ring (SIGKILL, the OOM killer, a crash) its dump is written with reason ``exit`` and its
-collectives still in flight stay in flight, so the hang watchdog reports the one it died in. This
-process going away never disturbs training, and a restarted one resumes at the cursor stored in each
-ring: it counts nothing twice.
+"""``commlens sidecar``: one process per pod that reads the rings of every local rank in a shared
+folder, follows each rank across restarts and deaths, and runs for all of them what the in-process
+thread runs for one, with one Prometheus endpoint for the pod. See docs/running.md ("One sidecar per
+pod").
 
 Example::
 
@@ -32,13 +21,13 @@ import threading
 import time
 from typing import Callable
 
-from commlens.exporters.prometheus import MetricsCollector, PodCollector, serve
-from commlens.hooks.flight_recorder import dump_ring, write_dump
+from commlens.exporters.prometheus import MetricsCollector, PodCollector
+from commlens.hooks.flight_recorder import dump_ring
 from commlens.hooks.ring import RING_FILES, Ring
 
-from .config import Config, ConfigError
-from .outputs import metrics_pusher
-from .pipeline import RankPipeline
+from .config import Config
+from .outputs import metrics_pusher, serve_metrics, stop_serving
+from .pipeline import RankPipeline, dump_entries, writer_info
 from .sidecar import Sidecar
 
 POD_DRAIN_S = 0.05
@@ -52,14 +41,9 @@ class RankFeed:
 
     def __init__(self, config: Config, info: dict, on_hang: Callable[[RankFeed], None]):
         self.config, self.info = config, info
-        self.rank = config.rank
         self.pipeline = RankPipeline(config, self._info, lambda: on_hang(self), on_snapshot=self.dump)
         self.inode = 0
         self.alive = False
-        self.signalled_ns: int | None = None
-        self.reasons: tuple[str, ...] = ()
-        """Why this rank's dumps were written so far (``flight_recorder.DUMP_REASONS``)."""
-        """When the rank's SIGTERM snapshot record was read, in its dumps from then on."""
 
     @property
     def sidecar(self) -> Sidecar | None:
@@ -89,24 +73,11 @@ class RankFeed:
     def dump(self, reason: str) -> str | None:
         """Write this rank's flight-recorder dump from its ring and count it; the path, or None."""
         ring = self.sidecar.ring
-        if reason == "signal" and self.signalled_ns is None:
-            self.signalled_ns = time.time_ns()
-        self.reasons += (reason,)
-        try:
-            path = write_dump(dump_ring(ring, min(2048, ring.slots // 2)), self.rank, self.signalled_ns, self.reasons)
-        except (OSError, ValueError) as error:
-            print(f"commlens sidecar: no {reason} snapshot of rank {self.rank}: {error}", file=sys.stderr)
-            path = None
-        stats = self.pipeline.stats
-        with stats.lock:
-            stats.snapshots[reason] += 1
-        return path
+        return self.pipeline.write_dump(reason, lambda: dump_ring(ring, dump_entries(ring)))
 
     def _info(self) -> dict:
-        c = self.config
         backend = self.sidecar.backend if self.sidecar is not None else ""
-        return {"rank": c.rank, "local_rank": c.local_rank, "world_size": c.world_size, "job": c.job,
-                "backend": backend or "unknown", "version": self.info.get("version", "unknown")}
+        return writer_info(self.config, backend=backend or "unknown", version=self.info.get("version", "unknown"))
 
 
 class PodSidecar:
@@ -125,15 +96,8 @@ class PodSidecar:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.server = None
         self.collector = PodCollector(self._metrics, self._up)
-        if config.metrics_port is not None:
-            try:
-                self.server = serve(self.collector, config.metrics_addr, config.metrics_port)
-            except OSError as error:
-                raise ConfigError(f"COMMLENS_METRICS_PORT: cannot serve metrics on {config.metrics_addr}:"
-                                  f"{config.metrics_port} ({error.strerror}); choose a free port, or 0 to "
-                                  "serve none") from None
+        self.server = serve_metrics(config, self.collector, "a free port")
         self.metrics_pusher = metrics_pusher(config, self.collector.families)
 
     def start(self) -> None:
@@ -153,9 +117,7 @@ class PodSidecar:
         if self.metrics_pusher is not None:
             self.metrics_pusher.shutdown(max(0.1, deadline - time.monotonic()))
         self.collector.wait_for_scrape(max(0.0, deadline - time.monotonic()))
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
+        stop_serving(self.server)
 
     def _run(self) -> None:
         config = self.config

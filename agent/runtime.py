@@ -22,16 +22,14 @@ import threading
 import time
 from typing import Any
 
-from commlens.exporters.prometheus import serve
 from commlens.hooks import (FlightRecorderHook, cuda, NanCheckHook, attribution, instrument, process_ring, record,
                             register_abort_hook, uninstrument, watch_loss_scaling)
-from commlens.hooks.flight_recorder import write_dump
 from commlens.hooks.ring import ring_file
 
 from .config import Config, ConfigError
 from .job_dumps import JobDumps
-from .outputs import metrics_pusher
-from .pipeline import RankPipeline
+from .outputs import metrics_pusher, serve_metrics, stop_serving
+from .pipeline import RankPipeline, dump_entries, writer_info
 from .signals import SignalWatcher
 
 VERSION = "0.1.0"
@@ -55,15 +53,12 @@ class Agent:
         self.metrics_pusher = None
         self._gpu_poller: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._signalled_ns: int | None = None
-        """When SIGTERM came, in this process's dumps from then on (``flight_recorder.DUMP_SIGNALLED``)."""
-        self._reasons: tuple[str, ...] = ()
-        """Why this process's dumps were written so far (``flight_recorder.DUMP_REASONS``)."""
         if config.ring_dir is not None:
+            import torch
+
             ring.open()
-            ring.describe({"rank": config.rank, "local_rank": config.local_rank, "world_size": config.world_size,
-                           "job": config.job, "version": VERSION, "torch": _torch_version()})
-            if _has_cuda():  # GPU completions are read here, where the events live
+            ring.describe(writer_info(config, version=VERSION, torch=torch.__version__))
+            if torch.cuda.is_available():  # GPU completions are read here, where the events live
                 self._gpu_poller = threading.Thread(target=self._poll_gpu, name="commlens-gpu", daemon=True)
                 self._gpu_poller.start()
         else:
@@ -89,16 +84,13 @@ class Agent:
         self.sidecar = pipeline.follow(ring)  # an agent started again goes on from where the last one stopped
         self.sidecar.pollers.append(cuda.poll)
         self.spans, self.collector = pipeline.spans, pipeline.metrics
-        if config.metrics_port is not None:
-            try:
-                self.server = serve(self.collector, config.metrics_addr, config.metrics_port)
-            except OSError as error:
-                self.spans.shutdown(0.1)
-                raise ConfigError(f"COMMLENS_METRICS_PORT: cannot serve metrics on {config.metrics_addr}:"
-                                  f"{config.metrics_port} ({error.strerror}); choose a free base port "
-                                  "(each rank uses base + LOCAL_RANK), or 0 to serve none") from None
+        try:
+            self.server = serve_metrics(config, self.collector, "a free base port (each rank uses base + LOCAL_RANK)")
+        except ConfigError:
+            self.spans.shutdown(0.1)
+            raise
         self.metrics_pusher = metrics_pusher(config, self.collector.families)
-        self.flight_recorder = FlightRecorderHook(max_entries=min(2048, ring.slots // 2)).register_with_comm()
+        self.flight_recorder = FlightRecorderHook(max_entries=dump_entries(ring)).register_with_comm()
 
     def _poll_gpu(self) -> None:
         while not self._stopping.wait(GPU_POLL_S):
@@ -107,9 +99,8 @@ class Agent:
     def _info(self) -> dict:
         import torch.distributed as dist
 
-        c = self.config
-        return {"rank": c.rank, "local_rank": c.local_rank, "world_size": c.world_size, "job": c.job,
-                "backend": str(dist.get_backend()) if dist.is_initialized() else "unknown", "version": VERSION}
+        return writer_info(self.config, backend=str(dist.get_backend()) if dist.is_initialized() else "unknown",
+                           version=VERSION)
 
     def snapshot(self, reason: str, blocking: bool = True) -> str | None:
         """Write a flight-recorder dump and flush pending spans, within the snapshot timeout; returns
@@ -123,14 +114,11 @@ class Agent:
 
         ``blocking=False`` is a signal's (agent/signals.py): the thread it interrupted may hold any
         lock, so it waits on none. The dump needs none and is written even beside another snapshot
-        (whole, by rename); the drain before the flush is skipped when another thread is draining, and
-        the count is kept without the stats lock when another thread holds it."""
+        (whole, by rename); the drain and the count: ``RankPipeline.write_dump``."""
         if self.pipeline is None:  # a pod sidecar reads this rank's ring
             record.snapshot(process_ring.ring().write, reason)
             return None
         deadline = time.monotonic() + self.config.snapshot_timeout_s
-        if reason == "signal" and self._signalled_ns is None:
-            self._signalled_ns = time.time_ns()
         if reason in ("hang", "abort"):
             self.job_dumps.request()
         owner = self._snapshot_lock.acquire(blocking=False)
@@ -140,19 +128,7 @@ class Agent:
                 self._wait_for_scrape(deadline)
             return None
         try:
-            self._reasons += (reason,)
-            try:
-                path = write_dump(self.flight_recorder.dump(), self.config.rank, self._signalled_ns, self._reasons)
-            except (OSError, ValueError) as error:
-                print(f"commlens: no {reason} snapshot: {error}", file=sys.stderr)
-                path = None
-            if owner:
-                self.sidecar.drain(blocking)
-            stats = self.sidecar.stats
-            locked = stats.lock.acquire(blocking)
-            stats.snapshots[reason] += 1  # unlocked only on a signal while another thread holds the lock:
-            if locked:  # under the GIL that cannot tear a scrape's copy, and one thread counts "signal"
-                stats.lock.release()
+            path = self.pipeline.write_dump(reason, self.flight_recorder.dump, drain=owner, blocking=blocking)
             self.spans.flush(max(0.0, deadline - time.monotonic()))
             if reason in ("exception", "signal"):
                 self._wait_for_scrape(deadline)
@@ -194,25 +170,11 @@ class Agent:
         if self.metrics_pusher is not None:
             self.metrics_pusher.shutdown(max(0.1, left()))
         self.flight_recorder.unregister()
-        if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
+        stop_serving(self.server)
 
     def _on_exception(self, kind: type, value: BaseException, traceback: Any) -> None:
         self.snapshot("exception")
         self._previous_excepthook(kind, value, traceback)
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
 _agent: Agent | None = None

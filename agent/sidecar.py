@@ -1,21 +1,7 @@
-"""The sidecar: drains the ring, joins START and END, keeps the in-flight table, watches for hangs.
-
-It reads only the ring (its records and string table), so the same loop runs on a thread beside
-training or in another process attached to a shared-memory ring (``Ring.attach``, agent/pod.py).
-What it finds goes to ``Stats`` (metrics) and to ``on_collective`` (spans): every anomaly (failed,
-hung, slow, NaN/Inf), and the ordinary collectives that ``sample`` keeps, asked for a drain's
-collectives of one shape at once before any is built, as most are sampled out at high rates. A hang
-also calls
-``on_hang`` once per drain that finds one (the agent writes a flight-recorder snapshot there), and
-a writer's SNAPSHOT record calls ``on_snapshot`` with its reason.
-
-Collectives that start and end (ok) within one drain, as nearly all do, arrive folded
-by shape (``RingReader.read_folded``: in C, no Python object per record), never enter the in-flight
-table, and are counted a shape at a time; only those kept (sampled, slow) are built one by one.
-
-Each drain stores the reader's cursor in the ring's header before it handles what it read, so a
-sidecar started on a ring that another sidecar read (``resume=True``) goes on from there: it counts
-nothing twice, and rebuilds the collectives still in flight from the records before the cursor.
+"""The sidecar: drains the ring, joins START and END, keeps the in-flight table, watches for hangs,
+and feeds ``Stats`` (metrics) and ``on_collective`` (spans: every anomaly, and what ``sample`` keeps).
+It reads only the ring, so it runs beside training or in another process (agent/pod.py). See
+docs/running.md, and docs/performance.md for the fold (``RingReader.read_folded``).
 
 Example::
 

@@ -1,19 +1,7 @@
-"""``SignalWatcher``: SIGTERM's snapshot, written even while the main thread is blocked in a collective.
-
-A Python signal handler runs only once the main thread is back in Python, so a rank waiting inside
-a gloo or NCCL collective (in C++, the GIL released) would write nothing before it is killed. The
-watcher therefore also points ``signal.set_wakeup_fd`` at one end of a socket pair: CPython's
-C-level handler writes the signal's number there at once, whatever the main thread is doing, and a
-daemon thread (``commlens-signals``) blocked reading the other end takes the snapshot, then — when
-SIGTERM's disposition before commlens was the default — ends the process as that default does.
-A SIGTERM (or a burst of them read together) is snapshotted once, by that thread alone. A forked
-child (a DataLoader worker) shares the socket but not the thread: it gets SIGTERM back as it was.
-
-No lock: the interrupted main thread may hold any lock (the sidecar's drain, the stats) and the
-Python-level handler runs on top of it, so that handler takes none — it waits, bounded by the
-snapshot timeout, on an Event the thread sets when the snapshot is written, then chains to the
-previous handler — and the thread's snapshot waits on no lock either (``Agent.snapshot(...,
-blocking=False)``).
+"""``SignalWatcher``: SIGTERM's snapshot, written even while the main thread is blocked in a collective,
+by a ``commlens-signals`` thread that ``signal.set_wakeup_fd`` wakes. Neither that thread nor the
+Python-level handler takes a lock: the interrupted main thread may hold any. See docs/running.md
+("Snapshots on the way down").
 
 Example::
 

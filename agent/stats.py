@@ -76,6 +76,8 @@ class Histogram:
 
 
 class Stats:
+    """Every counter of a ``StatsSnapshot`` (exporters/telemetry.py says what each holds), kept live."""
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.durations: dict[tuple[str, str, str], Histogram] = collections.defaultdict(Histogram)
@@ -85,17 +87,12 @@ class Stats:
         self.last_seq: dict[tuple[str, str], int] = {}
         self.hangs: collections.Counter[tuple[str, str]] = collections.Counter()
         self.nans: collections.Counter[tuple[str, str, str]] = collections.Counter()
-        """(op, pg, kind) -> collectives with a non-finite tensor; kind is "nan" or "inf"."""
         self.first_nonfinite: dict[tuple[str, str], tuple[int, str]] = {}
-        """(pg, kind) -> (seq, op): the first collective whose *input* held NaN or Inf on this rank."""
         self.failed: dict[str, tuple[int, str]] = {}
-        """pg -> (seq, op): the first collective that failed (error or timeout) on this rank."""
         self.gpu_queue: collections.Counter[tuple[str, str]] = collections.Counter()
         self.gpu_exec: collections.Counter[tuple[str, str]] = collections.Counter()
-        """(op, pg) -> seconds collectives on CUDA tensors waited for the GPU / ran on it."""
         self.snapshots: collections.Counter[str] = collections.Counter()
         self.loss_scale_steps: collections.Counter[str] = collections.Counter()
-        """outcome ("applied", "skipped") -> steps a loss scaler ended so."""
         self._step_first_nonfinite: dict[tuple[str, str], tuple[int, str]] = {}
         """``first_nonfinite`` of the loss scaler's step in progress, until it says whether it skips it."""
 

@@ -13,55 +13,30 @@ Example::
 
 from __future__ import annotations
 
-# -- Prometheus metric families (every series also carries ``rank``) ---------------------------------
+# -- Prometheus metric families (every series also carries ``rank``; docs/metrics.md has each) --------
 
 COLLECTIVE_DURATION = "commlens_collective_duration_seconds"
-"""histogram (op, pg, size_class): time from issue to completion."""
 COLLECTIVES = "commlens_collectives"
-"""counter (op, pg, status): completed collectives."""
 COLLECTIVE_BYTES = "commlens_collective_bytes"
-"""counter (op, pg): payload bytes."""
 COLLECTIVE_BUS_BYTES = "commlens_collective_bus_bytes"
-"""counter (op, pg): bytes × the nccl-tests bus factor."""
 GPU_QUEUE = "commlens_collective_gpu_queue_seconds"
-"""counter (op, pg): collectives on CUDA tensors, from issue to their start on the GPU."""
 GPU_EXEC = "commlens_collective_gpu_exec_seconds"
-"""counter (op, pg): collectives on CUDA tensors, from their start on the GPU to their end."""
 LAST_SEQ = "commlens_collective_last_seq"
-"""gauge (pg, state): the last sequence number enqueued / completed."""
 INFLIGHT = "commlens_collective_inflight"
-"""gauge (pg): collectives issued and not completed."""
 INFLIGHT_OLDEST = "commlens_collective_inflight_oldest_seconds"
-"""gauge (pg): the age of the oldest collective in flight, 0 when none."""
 HUNG_SEQ = "commlens_collective_hung_seq"
-"""gauge (pg, op): the oldest collective in flight past the hang threshold; absent when none."""
 P2P_HUNG = "commlens_p2p_hung_seconds"
-"""gauge (pg, op, peer): the age of the oldest point-to-point op in flight past the hang threshold,
-and the global rank it waits on; absent when none."""
 FAILED_SEQ = "commlens_collective_failed_seq"
-"""gauge (pg, op): the first collective that failed; absent when none."""
 HANGS = "commlens_hangs"
-"""counter (op, pg): collectives that crossed the hang threshold."""
 NAN_EVENTS = "commlens_nan_events"
-"""counter (op, pg, kind): collectives whose input or output held NaN or Inf."""
 NONFINITE_FIRST_SEQ = "commlens_nonfinite_first_seq"
-"""gauge (pg, op, kind): the first collective whose input held NaN or Inf on this rank (outside the
-steps a loss scaler skipped)."""
 LOSS_SCALE_STEPS = "commlens_loss_scale_steps"
-"""counter (outcome): steps a loss scaler (``torch.amp.GradScaler``) applied, or skipped for
-non-finite gradients."""
 ABORT_SNAPSHOTS = "commlens_abort_snapshots"
-"""counter (reason): flight-recorder snapshots written."""
 RING_RECORDS_DROPPED = "commlens_ring_records_dropped"
-"""counter: ring records overwritten before the sidecar read them."""
 SPANS_EXPORTED = "commlens_spans_exported"
-"""counter (result): spans handed to OTLP, by result."""
 TELEMETRY_ERRORS = "commlens_telemetry_errors"
-"""counter (kind): telemetry lost inside commlens."""
 INFO = "commlens_info"
-"""gauge = 1 (rank, local_rank, world_size, job, backend, version): who this is."""
 RANK_UP = "commlens_rank_up"
-"""gauge (rank), pod sidecar only: 1 while the rank's process lives."""
 
 HISTOGRAMS = (COLLECTIVE_DURATION,)
 COUNTERS = (COLLECTIVES, COLLECTIVE_BYTES, COLLECTIVE_BUS_BYTES, GPU_QUEUE, GPU_EXEC, HANGS, NAN_EVENTS,

@@ -1,17 +1,8 @@
-"""OTLP traces: one span per collective per rank, built from the sidecar's ``Collective`` records.
-
-Shaped as OpenTelemetry's SDK is: a ``BatchSpanProcessor`` (queue, thread, batching, sampling)
-above a span exporter whose ``export`` sends one batch and returns a ``SpanExportResult``. Spans are
-built on the processor's own thread, never on the training thread, in the form their exporter
-sends: OTLP protobuf messages (``opentelemetry-proto``) over gRPC (grpcio) or HTTP/protobuf, or —
-the embedded default when no collector is configured — OTLP JSON appended to a file, one export
-request per line, built as protobuf's JSON mapping would write the same spans. The trace id derives
-from (job, process group, sequence number), so the same collective on every rank shares one trace;
-sampling is keyed on the same inputs, and anomalies (NaN, hang, error, slow) are always kept. Every
-outcome is counted in ``counts``: ``exported``, ``failed`` (the collector did not take the batch, or
-it was still queued when the time given to ``shutdown`` ran out), ``dropped`` (the queue was full),
-``sampled_out``. An exporter's ``export(request, within_s)`` returns within its own timeout and
-``within_s``, whichever is less.
+"""OTLP traces: one span per collective per rank, built from the sidecar's ``Collective`` records on
+the processor's own thread, never the training thread. Shaped as OpenTelemetry's SDK is: a
+``BatchSpanProcessor`` (queue, thread, batching, sampling, every outcome counted in ``counts``) above
+a span exporter (gRPC, HTTP/protobuf, or OTLP JSON lines in a file) whose ``export`` sends one batch.
+See docs/traces.md.
 
 Example::
 
@@ -33,7 +24,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope
@@ -310,14 +301,11 @@ class BatchSpanProcessor:
 
     def _send(self, batch: list) -> None:
         try:
+            collectives = (c for chunk in self._chunks(batch) for c in chunk)  # built between hand-overs
             if self._json:
-                request = self.json_request([self.builder.json(c) for chunk in self._chunks(batch) for c in chunk])
+                request = self.json_request([self.builder.json(c) for c in collectives])
             else:
-                request = self.request()
-                spans = request.resource_spans[0].scope_spans[0].spans
-                for chunk in self._chunks(batch):
-                    for c in chunk:
-                        self.builder.add_proto(spans, c)
+                request = self.request(collectives)
             sent = self.exporter.export(request, max(0.01, self._deadline - time.monotonic()))
         except Exception:  # a span that cannot be encoded: the batch is lost, and counted
             sent = SpanExportResult.FAILURE
@@ -336,7 +324,7 @@ class BatchSpanProcessor:
                 time.sleep(self._hand_over_s)
             yield batch[at:at + _CHUNK]
 
-    def request(self, collectives: Sequence = ()) -> ExportTraceServiceRequest:
+    def request(self, collectives: Iterable[Collective] = ()) -> ExportTraceServiceRequest:
         """The export request of the spans of ``collectives`` as protobuf, for the gRPC and HTTP exporters."""
         request = ExportTraceServiceRequest(resource_spans=[ResourceSpans(
             resource=self.resource, scope_spans=[ScopeSpans(scope=SCOPE)])])

@@ -13,7 +13,7 @@ are counted in ``counts`` (``exported`` / ``failed``), never raised.
 
 Example::
 
-    pusher = MetricsPusher(collector.families, otlp_metric_exporter(config), {"service.name": "commlens"})
+    pusher = MetricsPusher(collector.families, OTLPMetricExporter(endpoint), {"service.name": "commlens"})
     pusher.start(interval_s=60)
     ...
     pusher.shutdown(timeout_s=5)      # one last export

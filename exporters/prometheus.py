@@ -119,39 +119,20 @@ class MetricsCollector(_Scrapes):
         yield _counter(names.COLLECTIVE_BUS_BYTES,
                        "Payload bytes times the nccl-tests bus factor; busbw = rate(bus_bytes) / rate(duration_sum)",
                        ("op", "pg"), bus, rank)
-        family = GaugeMetricFamily(names.LAST_SEQ, "Last collective sequence number by state",
-                                   labels=("pg", "state", "rank"))
-        for (pg, state), seq in sorted(last_seq.items()):
-            family.add_metric((pg, state, rank), seq)
-        yield family
-        depth = GaugeMetricFamily(names.INFLIGHT, "Collectives issued and not completed",
-                                  labels=("pg", "rank"))
-        age = GaugeMetricFamily(names.INFLIGHT_OLDEST,
-                                "Age of the oldest in-flight collective, 0 when none", labels=("pg", "rank"))
-        hung = GaugeMetricFamily(names.HUNG_SEQ,
-                                 "Sequence number of the oldest collective in flight past the hang threshold, by op; "
-                                 "absent when none", labels=("pg", "op", "rank"))
-        p2p = GaugeMetricFamily(names.P2P_HUNG,
-                                "Age of the oldest point-to-point op in flight past the hang threshold, by op and the "
-                                "global rank it waits on (peer); absent when none", labels=("pg", "op", "peer", "rank"))
-        for pg, group in sorted(inflight.items()):
-            depth.add_metric((pg, rank), group.count)
-            age.add_metric((pg, rank), group.oldest_s)
-            if group.hung_seq is not None:
-                hung.add_metric((pg, group.hung_op, rank), group.hung_seq)
-            if group.p2p_hung is not None:
-                op, peer, waited = group.p2p_hung
-                p2p.add_metric((pg, op, str(peer), rank), waited)
-        yield depth
-        yield age
-        yield hung
-        yield p2p
-        family = GaugeMetricFamily(names.FAILED_SEQ,
-                                   "Sequence number of the first collective that failed (error or timeout), by op; "
-                                   "absent when none", labels=("pg", "op", "rank"))
-        for pg, (seq, op) in sorted(failed.items()):
-            family.add_metric((pg, op, rank), seq)
-        yield family
+        yield _gauge(names.LAST_SEQ, "Last collective sequence number by state", ("pg", "state"), last_seq, rank)
+        yield _gauge(names.INFLIGHT, "Collectives issued and not completed", ("pg",),
+                     {(pg,): group.count for pg, group in inflight.items()}, rank)
+        yield _gauge(names.INFLIGHT_OLDEST, "Age of the oldest in-flight collective, 0 when none", ("pg",),
+                     {(pg,): group.oldest_s for pg, group in inflight.items()}, rank)
+        yield _gauge(names.HUNG_SEQ, "Sequence number of the oldest collective in flight past the hang threshold, "
+                     "by op; absent when none", ("pg", "op"),
+                     {(pg, g.hung_op): g.hung_seq for pg, g in inflight.items() if g.hung_seq is not None}, rank)
+        yield _gauge(names.P2P_HUNG, "Age of the oldest point-to-point op in flight past the hang threshold, by op "
+                     "and the global rank it waits on (peer); absent when none", ("pg", "op", "peer"),
+                     {(pg, g.p2p_hung[0], str(g.p2p_hung[1])): g.p2p_hung[2]
+                      for pg, g in inflight.items() if g.p2p_hung is not None}, rank)
+        yield _gauge(names.FAILED_SEQ, "Sequence number of the first collective that failed (error or timeout), "
+                     "by op; absent when none", ("pg", "op"), {(pg, op): seq for pg, (seq, op) in failed.items()}, rank)
         seen = dict.fromkeys(nbytes, 0)
         yield _counter(names.HANGS, "In-flight collectives that crossed the hang threshold", ("op", "pg"),
                        {**seen, **hangs}, rank)
@@ -215,11 +196,17 @@ def _bound(value: float) -> str:
     return repr(float(value))
 
 
-def _counter(name: str, documentation: str, labels: tuple[str, ...], values: Mapping[tuple, float], rank: str):
-    family = CounterMetricFamily(name, documentation, labels=(*labels, "rank"))
+def _counter(name: str, documentation: str, labels: tuple[str, ...], values: Mapping[tuple, float], rank: str,
+             kind: type = CounterMetricFamily):
+    """A family of ``kind`` with a sample per value, labelled by its key's ``labels`` and ``rank``."""
+    family = kind(name, documentation, labels=(*labels, "rank"))
     for key, value in sorted(values.items()):
         family.add_metric((*key, rank), value)
     return family
+
+
+def _gauge(name: str, documentation: str, labels: tuple[str, ...], values: Mapping[tuple, float], rank: str):
+    return _counter(name, documentation, labels, values, rank, GaugeMetricFamily)
 
 
 def serve(collector: MetricsCollector | PodCollector, addr: str, port: int):

@@ -86,9 +86,10 @@ class StatsSnapshot(NamedTuple):
     first_nonfinite: dict[tuple[str, str], tuple[int, str]]
     """(pg, kind) -> (seq, op): the first collective whose input held NaN or Inf."""
     failed: dict[str, tuple[int, str]]
-    """pg -> (seq, op): the first collective that failed."""
+    """pg -> (seq, op): the first collective that failed (error or timeout)."""
     gpu_queue: dict[tuple[str, str], float]
     gpu_exec: dict[tuple[str, str], float]
+    """(op, pg) -> seconds collectives on CUDA tensors waited for the GPU (``gpu_queue``) / ran on it."""
     loss_scale_steps: dict[str, int]
     """outcome ("applied" or "skipped") -> steps a loss scaler ended so."""
 

@@ -1,29 +1,7 @@
-"""Collectives on CUDA tensors: completion and timing from the GPU, and the NaN/Inf check on the device.
-
-A synchronous NCCL collective returns to Python once it is queued, so timing it on the CPU measures
-the launch. For a collective whose tensors are on a CUDA device the hook instead records two CUDA
-events, taken from a bounded pool, with no host synchronisation:
-
-* ``start`` on the current stream before the collective is issued. The backend makes the
-  collective's stream wait for the current stream, so ``start`` completes when the GPU may start it:
-  from issue to ``start`` is **queueing** (the GPU was still busy with earlier work).
-* ``end`` after it: on the current stream for a synchronous op (which the backend makes wait for the
-  collective), and for an async op on a side stream made to wait for the collective's own completion
-  events through its CUDA-aware future. From ``start`` to ``end`` is **execution**.
-
-The sidecar's thread calls ``GpuTracker.poll()``: ``event.query()`` never blocks; a finished
-collective gets a GPU_START and an END record stamped on the CPU's monotonic clock, computed from the
-events' elapsed times against a reference event recorded on an idle stream of the same device (so
-converting GPU to CPU time needs no synchronisation either).
-
-The NaN/Inf check of a CUDA tensor (report mode) is one float32 ``sum`` on the current stream
-(a float64 sum beyond float32's range reads as Inf), copied without blocking into a slot of pinned
-host memory; ``poll()`` reads the slot once the copy's event
-has completed and writes a NAN record. Raise mode has to synchronise, since it must refuse the
-collective before it is issued.
-
-Everything is bounded: ``POOL`` event pairs and ``POOL`` pinned slots; when either runs out, the op
-falls back to the CPU's timing (or goes unchecked) and the ring counts it (``gpu_pool_exhausted``).
+"""Collectives on CUDA tensors: completion and timing from two CUDA events around each (queueing,
+then execution), and the NaN/Inf check's sum on the device, never synchronising the host: the
+sidecar's thread ``poll()``s the events. Bounded by ``POOL``; past it the op is timed on the CPU
+(or goes unchecked) and counted (``gpu_pool_exhausted``). See docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -42,8 +20,8 @@ POOL = 4096
 
 
 class GpuTracker:
-    def __init__(self, count_error: Callable[[str], None], pool: int = POOL):
-        self.count_error, self.pool = count_error, pool
+    def __init__(self, pool: int = POOL):
+        self.pool = pool
         self._free: collections.deque = collections.deque()
         self._created = 0
         self._timed: collections.deque = collections.deque()
@@ -109,7 +87,7 @@ class GpuTracker:
             self._slots = list(torch.empty(self.pool, dtype=torch.float32, pin_memory=True).unbind())
             self._free_slots.extend(range(self.pool))
         if not self._free_slots:
-            self.count_error("gpu_pool_exhausted")
+            process_ring.count_error("gpu_pool_exhausted")
             return False
         slot = self._free_slots.pop()
         values = torch.view_as_real(tensor) if tensor.is_complex() else tensor  # no temporary of its size
@@ -157,7 +135,7 @@ class GpuTracker:
                 return pair
             self._free.appendleft(pair)
         if self._created >= self.pool:
-            self.count_error("gpu_pool_exhausted")
+            process_ring.count_error("gpu_pool_exhausted")
             return None
         self._created += 1
         with torch.cuda.device(index):
@@ -195,5 +173,5 @@ def tracker() -> GpuTracker:
     """This process's tracker, counting into this process's ring."""
     global _tracker
     if _tracker is None:
-        _tracker = GpuTracker(process_ring.count_error)
+        _tracker = GpuTracker()
     return _tracker

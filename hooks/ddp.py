@@ -1,26 +1,12 @@
-"""DDP gradient buckets as collectives: a communication hook that wraps any other.
-
-``wrap(hook)`` returns a DDP communication hook that records each gradient bucket as one
-``all_reduce``: the same pre- and post-hooks fire for it (so ``NanCheckHook`` checks the bucket before
-it is reduced), it takes c10d's sequence number of the collective the hook issues, and it completes
-when the hook's future does. A bucket whose hook issues no collective (``noop_hook``) completes with
-status "not_issued" and is not exported: the next collective holds its sequence number. The collectives the wrapped hook issues itself are not recorded a
-second time; their payload is the bucket's size after compression (``DdpBucket.wire_bytes``).
+"""DDP gradient buckets as collectives: ``wrap(hook)`` returns a communication hook that records
+each bucket as one ``all_reduce`` (pre- and post-hooks, c10d's sequence number of the collective the
+hook issues), leaving the hook's own collectives unrecorded (``DdpBucket.wire_bytes``). With
+``instrument()`` on, a hookless model's buckets are recorded too. See docs/running.md.
 
 Example::
 
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     model.register_comm_hook(None, commlens.hooks.ddp.wrap(default_hooks.fp16_compress_hook))
-
-With ``instrument()`` on, a hook a user registers is wrapped the same way, and a DDP model that
-registers none has its buckets recorded from its first forward: on CPU by a C++ hook of the shape of
-DDP's built-in one (``_ddp_hook.cpp``: START from Python, END from C without the GIL, about 100 µs a
-bucket less than a Python hook), elsewhere, or where that cannot be built, by ``recorded_allreduce``:
-PyTorch's ``allreduce_hook`` (its callback followed to the end: ``futures.then``), which writes END in
-that callback. Transparently: DDP validates the user's hook itself and raises its own errors; the model
-keeps the user's hook object (``_comm_hooks``, logging data), so it pickles and copies as without
-commlens; a hookless model's wrapped default goes to its reducer only, which is never pickled; a
-built-in C++ hook (``_register_builtin_comm_hook``) is left alone, its buckets unrecorded.
 """
 
 from __future__ import annotations

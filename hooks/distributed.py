@@ -1,16 +1,7 @@
-"""Instrumentation of the public ``torch.distributed`` collectives and point-to-point ops.
-
-PyTorch 2.13 has no hook API for them, so ``instrument()`` wraps each one in place (``patch.Patch``:
-the public function objects are kept). So code that bound ``from torch.distributed import all_reduce``
-before ``instrument()`` is covered, and ``batch_isend_irecv`` (which calls ``isend``/``irecv`` and
-checks their identity) records each of its ops. ``all_gather_single`` and ``reduce_scatter_single``
-are recorded as ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (their deprecated aliases
-call them); FSDP2 issues its collectives through them. ``instrument()`` also covers DDP's
-communication hooks (``ddp``), the functional collectives of DTensor (``functional``) and, on torch
->= 2.14, whatever else a process group issues — compiled collectives, C++-issued ones — through
-PyTorch's own process-group hooks (``native``). The wrappers stay for the public API: they know the
-exact op, complete synchronous ops without a future, and cost less per collective (docs/performance.md).
-``uninstrument()`` restores everything. Both are safe to repeat.
+"""Instrumentation of the public ``torch.distributed`` collectives and point-to-point ops, wrapped
+in place (``patch.Patch``); ``instrument()`` also covers DDP's hooks (``ddp``), the functional
+collectives (``functional``) and PyTorch's process-group hooks (``native``). ``uninstrument()``
+restores everything; both are safe to repeat. See docs/hooks.md.
 
 Example::
 

@@ -17,7 +17,6 @@ own analyzer reads a directory of them::
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import tempfile
@@ -103,13 +102,8 @@ class FlightRecorderHook:
         """The dump as a dict, in PyTorch's flight-recorder schema."""
         return _dump(*self.entries(), _comm_lib_version())
 
-    def dump_json(self) -> str:
-        """The dump as JSON text (the process_group pairs become lists)."""
-        return json.dumps(self.dump())
-
     def dump_file(self, rank: int) -> str:
-        """Write the dump as a pickle named ``<prefix><rank>`` and return its path; the prefix comes
-        from ``TORCHCOMM_FR_DUMP_TEMP_FILE``. The file appears whole or not at all."""
+        """``write_dump`` of this recorder's dump; returns its path."""
         return write_dump(self.dump(), rank)
 
 
@@ -231,9 +225,8 @@ def _pg_status(entries: list[dict]) -> dict:
         s = status.setdefault(e["process_group"][0], {"last_enqueued_collective": -1,
                                                        "last_started_collective": -1,
                                                        "last_completed_collective": -1})
-        seq = e["collective_seq_id"]
-        s["last_enqueued_collective"] = max(s["last_enqueued_collective"], seq)
-        s["last_started_collective"] = max(s["last_started_collective"], seq)
+        seq = e["collective_seq_id"]  # every entry started: enqueued and started are the same
+        s["last_enqueued_collective"] = s["last_started_collective"] = max(s["last_enqueued_collective"], seq)
         if e["state"] == "completed":
             s["last_completed_collective"] = max(s["last_completed_collective"], seq)
     return status

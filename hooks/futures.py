@@ -1,18 +1,6 @@
-"""Completion callbacks on a collective's future, which the process waits for when it exits.
-
-A future's Python callback runs on the backend's own C++ thread (gloo's workers): that thread takes
-the GIL to call it, and once more to drop its reference when the callback is done. If the
-interpreter has begun to finalize meanwhile, CPython ends the thread with ``pthread_exit``, whose
-unwinding through C++'s ``noexcept`` frames calls ``std::terminate`` — "terminate called without
-an active exception", and the rank dies with SIGABRT after training finished. It happens when a
-job exits right after a collective completes: a waiter (DDP's reducer, ``work.wait()``) wakes as
-soon as the future is marked complete, before its callbacks have run. So ``when_done`` holds each
-callback by weak reference until the backend's thread has released it — the last time that thread
-touches Python for it — and at exit the process waits (at most ``EXIT_WAIT_S``) for every callback
-whose future has completed; ``then`` does the same for a chained callback, whose release is the last
-Python of the whole chain. A future still running at exit is not waited for. Callbacks commlens does
-not register (a user's DDP hook chaining its own ``then``) are not seen: after its own, the process
-lets go of the GIL for ``EXIT_GRACE_S`` more, so that one still unwinding can finish.
+"""Completion callbacks on a collective's future that the process waits for when it exits
+(``EXIT_WAIT_S``, then ``EXIT_GRACE_S`` for callbacks it does not see): a backend thread still
+running one while the interpreter finalizes aborts the rank. See docs/hooks.md.
 
 Example::
 

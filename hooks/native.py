@@ -1,21 +1,7 @@
-"""PyTorch's own process-group hooks (torch >= 2.14): the collectives commlens' wrappers cannot reach.
-
-From 2.14 every ``ProcessGroup`` fires pre- and post-hooks from the dispatcher, on the issuing
-thread, for every collective of every backend: eager, functional, compiled by ``torch.compile``, and
-those issued from C++ (DDP's construction-time broadcasts, built-in C++ communication hooks).
-``attach()`` registers commlens' pre-, post- and abort hooks (id ``HOOK_ID``) on every group, those
-created later included. A collective that one of commlens' wrappers is recording already
-(``issuing.issuing``: the public ``torch.distributed`` API, eager functional collectives, DDP
-buckets) is left to it — they are cheaper per collective and know the exact op — so nothing is
-recorded twice; the rest is recorded here with the same pre-hooks, START record and c10d sequence
-number. The post-hook fires when the collective is queued: END comes from its work (future, or the
-completion poller). Op names are read by name (``HookOpName.name``), so 2.15's new ones
-(``ALLGATHER_BASE``, ``*_COALESCED``, ...) fold into their families.
-
-The hooks are registered from C++ (``_pg_hooks.cpp``, built against the installed torch on first use
-and kept in ``$XDG_CACHE_HOME/commlens``): a collective that a wrapper records then costs no call into
-Python. Where it cannot be built (no C++ compiler or ninja) they are registered from Python, which
-costs about 2 µs more per collective, and a warning says so.
+"""PyTorch's own process-group hooks (torch >= 2.14): the collectives commlens' wrappers cannot reach
+(compiled, C++-issued). ``attach()`` registers commlens' hooks (``HOOK_ID``) on every group, later ones
+too, from C++ where ``_pg_hooks.cpp`` builds (else from Python); a collective a wrapper records
+already is left to it. See docs/hooks.md.
 
 Example::
 
@@ -152,20 +138,16 @@ def _forward_post(key: int, args: Any) -> None:
         hooks.post(args)
 
 
-_forwarder: Any = None
-
-
 @functools.cache
 def forwarder() -> Any:
     """The C++ forwarder (``_pg_hooks.cpp``) for this torch, loaded or built on first call; None where
     it cannot be built, with a warning."""
-    global _forwarder
-    if AVAILABLE:
-        _forwarder = extension.load_or_warn(
-            "_pg_hooks.cpp", "C++ forwarder",
-            "registers PyTorch's process-group hooks from Python, about 2 µs more per collective",
-            lambda module: module.init(_issuing.now, _forward_pre, _forward_post))
-    return _forwarder
+    if not AVAILABLE:
+        return None
+    return extension.load_or_warn(
+        "_pg_hooks.cpp", "C++ forwarder",
+        "registers PyTorch's process-group hooks from Python, about 2 µs more per collective",
+        lambda module: module.init(_issuing.now, _forward_pre, _forward_post))
 
 
 _attached: dict[Any, _GroupHooks] = {}
@@ -220,9 +202,9 @@ def _attach(pg: Any) -> None:
         return
     hooks = _GroupHooks(pg)
     try:
-        if _forwarder is not None:
+        if forwarder() is not None:  # loaded by attach() already
             _by_key[hooks.key] = hooks
-            _forwarder.attach(pg, HOOK_ID, hooks.key)
+            forwarder().attach(pg, HOOK_ID, hooks.key)
         else:
             pg.register_pre_hook(HOOK_ID, hooks.pre)
             pg.register_post_hook(HOOK_ID, hooks.post)

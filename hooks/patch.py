@@ -1,15 +1,7 @@
-"""In-place replacement of a library function, undone exactly: ``Patch(public, make)``.
-
-The public function object is kept, so names bound to it before the patch are covered too, and the
-function still pickles, copies and resolves (``__module__``, ``__qualname__``) as before:
-
-* a function wrapped by c10d's exception-logging decorator: the function in the decorator's closure
-  is swapped for ``make(original)``;
-* any other Python function: its code is forwarded to ``make(original)``, a copy of the original.
-  A function with free variables (a closure, such as a user's own wrapper) gets a forwarding code
-  object with the same free variables, since Python ties a function's code to its closure.
-
-``Patches`` applies several as one: all of them, or none and a ``PatchError`` naming the function.
+"""In-place replacement of a library function, undone exactly: ``Patch(public, make)``. The public
+function object is kept (inside c10d's logging decorator, or its code forwarded), so names bound
+before the patch are covered too; ``Patches`` applies several as one, or none and a ``PatchError``.
+See docs/hooks.md.
 
 Example::
 
@@ -36,7 +28,8 @@ _trampolines: dict[tuple[str, ...], types.CodeType] = {(): _trampoline.__code__}
 
 
 def _trampoline_code(freevars: tuple[str, ...]) -> types.CodeType:
-    """``_trampoline``'s code with exactly ``freevars`` as its free variables, in that order."""
+    """``_trampoline``'s code with exactly ``freevars`` as its free variables, in that order (Python
+    ties a function's code to its closure: a closure's forwarding code needs the same free variables)."""
     code = _trampolines.get(freevars)
     if code is None:
         names = ", ".join(freevars)

@@ -62,7 +62,11 @@ class CompletionPoller:
 
     def waited(self, work: Any, error: BaseException | None) -> None:
         """``work.wait()`` returned (or raised ``error``): its op has completed."""
-        call = self._take(id(work))
+        self._complete(id(work), work, error)
+
+    def _complete(self, key: int, work: Any, error: BaseException | None) -> None:
+        """Complete the op of ``work`` (watched as ``key``) unless that was done already."""
+        call = self._take(key)
         if call is not None:
             call.work = work
             call.complete(status_of(error), error)
@@ -102,11 +106,7 @@ class CompletionPoller:
             except Exception as raised:  # its error, or a work that cannot say: it failed
                 error = raised
             completed = True
-            call = self._take(key)  # None when the wrapper of Work.wait completed it just now
-            if call is not None:
-                call.work = work
-                call.complete(status_of(error), error)
-                call.work = None
+            self._complete(key, work, error)  # nothing when the wrapper of Work.wait completed it just now
         return completed
 
 

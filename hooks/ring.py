@@ -1,33 +1,7 @@
-"""A bounded multi-producer ring of fixed-size collective records that another process can read.
-
-This module is the record's one home — layout, kinds, flags, statuses, phases, the string table —
-for writers and readers alike, and imports no torch, so that a reader in another process (the pod
-sidecar) need not either.
-
-Layout of the backing memory (an anonymous mapping, or a file such as ``/dev/shm/commlens-0`` that
-a sidecar process maps too)::
-
-    header (128 B) | slots × RECORD (72 B each) | string arena (string_bytes)
-
-The header also holds what a reader in another process needs besides the records: the writer's
-pid and whether it closed the ring cleanly, the id of a JSON string describing the writer
-(``describe``), the reader's cursor (so that a restarted reader resumes where the last one left off,
-counting nothing twice) and counters of telemetry the writer lost (``ERRORS``). A file-backed ring's
-writer holds an exclusive ``flock`` on it while it lives, so a reader can tell a killed writer from a
-frozen one (``writer_alive``), across PID namespaces too.
-
-Producers (``_producer.c``) claim an index with an atomic add on a counter in the header, then
-write the slot's head sequence, its payload and its tail sequence, with release ordering: they
-never wait and never lock, and producers in several processes may share one ring. A reader
-(``_producer.read_whole``, in C for its acquire ordering) loads the tail, copies the slot, then loads
-the head: the slot is whole when both equal ``index + 1``, on x86-64 and aarch64 alike; a larger
-sequence means the slot was overwritten and the records in between are counted as dropped, exactly.
-
-Strings (group descriptions, tensor signatures) are interned once into the string arena and
-referred to by id, so records stay fixed-size. A string of any length takes ``8 + its bytes`` (to a
-multiple of 8) claimed with an atomic add on a counter in the header, so producers of any process
-get disjoint space and ids; its length is published with release ordering after its bytes, so a
-reader in another process resolves every published id, also after the writer has died.
+"""A bounded multi-producer ring of fixed-size collective records that another process can read:
+the record's one home (layout, kinds, flags, statuses, phases, the string arena, the header), for
+writers and readers alike. Imports no torch. Memory: ``header (128 B) | slots × RECORD (72 B) |
+string arena``. See docs/hooks.md ("Reading a ring from another process").
 
 Example::
 
@@ -92,7 +66,6 @@ _MAGIC = b"CMLNSRNG"
 _VERSION = 5
 RECORD = struct.Struct("<QBBBBIQQQQIiIIQ")
 _SEQ = struct.Struct("<Q")
-_TAIL = RECORD.size - _SEQ.size
 _STRING_ALIGN = 8
 DEFAULT_SLOTS = 1 << 16
 DEFAULT_STRING_BYTES = 1 << 20
@@ -100,8 +73,7 @@ DEFAULT_STRING_BYTES = 1 << 20
 
 class Record(NamedTuple):
     """One decoded ring record, field for field as stored: ``head`` and ``tail`` both hold its
-    position in the ring's total write order + 1 (how a reader knows it is whole); ``index`` is that
-    position."""
+    position in the ring's total write order + 1 (how a reader knows it is whole)."""
 
     head: int
     kind: int
@@ -118,10 +90,6 @@ class Record(NamedTuple):
     aux: int
     module: int
     tail: int
-
-    @property
-    def index(self) -> int:
-        return self.head - 1
 
 
 def ring_file(folder: str, local_rank: int) -> str:
@@ -235,10 +203,6 @@ class Ring:
     def errors(self) -> dict[str, int]:
         """Telemetry the writer lost so far, by ``ERRORS`` kind."""
         return dict(zip(ERRORS, struct.unpack_from(f"<{len(ERRORS)}Q", self._view, _ERRORS_OFFSET)))
-
-    @property
-    def strings_dropped(self) -> int:
-        return self.errors()["string_dropped"]
 
     @property
     def cursor(self) -> int:

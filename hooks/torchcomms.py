@@ -1,14 +1,6 @@
-"""Feeding torchcomms communicators into commlens through their own hook API.
-
-torchcomms communicators call ``register_pre_hook`` / ``register_post_hook`` /
-``register_abort_hook`` callbacks in one of two forms, both accepted here (duck-typed, so torchcomms
-need not be installed):
-
-* v0.2: ``pre(args)``, ``post(args)`` — one object with ``name``, ``op_id`` and the op's fields;
-* v0.3: ``pre(name, op_id, args)``, ``post(name, op_id, args)``;
-
-and ``abort()`` with no argument. Each communicator op becomes a collective like any other: START
-and END in the ring, commlens' own hooks, a sequence number per communicator.
+"""Feeding torchcomms communicators into commlens through their own hook API (duck-typed: the v0.2
+``pre(args)`` and v0.3 ``pre(name, op_id, args)`` forms, ``abort()``). Each op becomes a collective
+like any other, numbered per communicator. See docs/hooks.md.
 
 Example::
 

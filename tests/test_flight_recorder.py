@@ -1,5 +1,6 @@
 """Flight-recorder dumps, read by PyTorch's own analyzer (torchfrtrace)."""
 
+import json
 import pickle
 import subprocess
 
@@ -69,7 +70,7 @@ def record_and_dump(rank, world_size, prefix):
         ch.FlightRecorderHook(max_entries=0)
     with pytest.raises(ValueError, match="COMMLENS_RING_SLOTS"):
         ch.FlightRecorderHook(max_entries=1 << 20)
-    return {"empty": empty_dump, "empty_json": empty.dump_json(), "path": path, "refused": str(refused.value),
+    return {"empty": empty_dump, "empty_json": json.dumps(empty.dump()), "path": path, "refused": str(refused.value),
             "dump": pickle.loads(open(path, "rb").read())}
 
 

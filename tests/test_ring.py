@@ -287,7 +287,7 @@ def test_strings_of_any_length_are_interned_once_and_a_full_arena_is_counted():
     a, b = ring.intern("all_reduce"), ring.intern("[[4]]")
     assert ring.intern("all_reduce") == a and a != b
     assert ring.string(a) == "all_reduce" and ring.string(b) == "[[4]]"
-    assert ring.intern("x" * 40) == 0 and ring.strings_dropped == 1  # 8 + 40 bytes do not fit any more
+    assert ring.intern("x" * 40) == 0 and ring.errors()["string_dropped"] == 1  # 8 + 40 bytes do not fit any more
     big = Ring(slots=4)
     ranks = json.dumps({"name": "0", "ranks": list(range(1024))})  # a 1,024-rank group's description
     assert json.loads(big.string(big.intern(ranks)))["ranks"] == list(range(1024))
@@ -402,7 +402,7 @@ def test_a_reader_in_another_process_never_accepts_a_torn_record_and_counts_ever
     finally:
         writer.communicate("")
     assert records, "the reader saw nothing"
-    assert all(r.index == r.op_id and r.seq == 3 * r.op_id and r.nbytes == 7 * r.op_id and
+    assert all(r.head - 1 == r.op_id and r.seq == 3 * r.op_id and r.nbytes == 7 * r.op_id and
                r.aux == (5 * r.op_id) & 0xFFFFFFFF and r.op == r.op_id & 0xFF and r.pg == r.op_id & 0xFFFF
                for r in records)  # no record mixes two writes
     ids = [r.op_id for r in records]
