@@ -100,10 +100,10 @@ def conclude(folder: str) -> tuple[list[str], list[str]]:
     written = [os.path.join(folder, "verdict.txt")]
     with open(written[0], "w") as f:
         f.write("".join(line + "\n" for line in lines))
+    written.append(os.path.join(folder, "report.html"))
+    with open(written[-1], "w", encoding="utf-8") as f:
+        f.write(report.page(folder, found, facts, unread))
     if found:
-        written.append(os.path.join(folder, "report.html"))
-        with open(written[-1], "w", encoding="utf-8") as f:
-            f.write(report.page(folder, found, facts, unread))
         written.append(timeline.write(folder, on_problem=lambda _: None))  # its problems are named above
     return lines, written
 

@@ -52,36 +52,36 @@ _COLORS = {"NaN": "#8e44ad", "Inf": "#8e44ad", "hang": "#d62728", "collective er
 
 
 def render(folder: str) -> str:
-    """The report of the job in ``folder`` as HTML text; ValueError if the folder holds no spans."""
+    """The report of the job in ``folder`` as HTML text; ValueError if the folder holds no telemetry."""
     unread: list[str] = []
     return page(folder, *read_facts(folder, kept_and_said(unread)), unread)
 
 
 def page(folder: str, found: list[Slice], facts: list[RankFacts], unread: list[str]) -> str:
     """``render``'s page, of what ``timeline.read_facts`` read from ``folder`` (``unread``: what it
-    could not read, each named)."""
-    if not found:
-        raise ValueError(f"no telemetry in {folder}: no trace file (*.jsonl) with commlens spans")
+    could not read, each named). Without spans (a collector took them), the verdict of the dumps alone."""
+    if not facts:
+        raise ValueError(f"no telemetry in {folder}: no trace file (*.jsonl) with commlens spans and no "
+                         "flight-recorder dump")
     found = aligned(found, clock_offsets(found))
     verdict, unseen = findings(facts), caveats(facts, unread)
     lines = [f.line() for f in verdict] or [NOTHING_WRONG + (IN_WHAT_WAS_SEEN if unseen else "")]
-    ranks, groups = sorted({s.rank for s in found}), len({s.pg for s in found})
-    seconds = (max(s.end_ns for s in found) - found[0].start_ns) / 1e9
+    ranks, groups = sorted({s.rank for s in found} or {f.rank for f in facts}), len({s.pg for s in found})
+    seconds = (max(s.end_ns for s in found) - found[0].start_ns) / 1e9 if found else 0.0
+    spans = [f"{groups} group{'s' * (groups > 1)} · {len(found):,} spans kept over {seconds:.1f} s" if found else
+             "no spans in the folder (a collector took them): the verdict is from the flight-recorder dumps"]
     parts = [f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>commlens report: "
              f"{_e(os.path.basename(os.path.abspath(folder)))}</title><style>{_STYLE}</style></head><body>",
              "<h1>commlens report</h1>",
-             f"<p class=meta>{_e(os.path.abspath(folder))} · {len(ranks)} rank{'s' * (len(ranks) > 1)} · "
-             f"{groups} group{'s' * (groups > 1)} · {len(found):,} spans kept over {seconds:.1f} s</p>",
+             f"<p class=meta>{_e(os.path.abspath(folder))} · {len(ranks)} rank{'s' * (len(ranks) > 1)} · {spans[0]}</p>",
              "<h2>Verdict</h2>",
              *(f"<div class='verdict {'bad' if verdict else 'ok'}' id=verdict>{_e(line)}</div>" for line in lines),
              *(f"<div class='verdict note'>{_e(line)}</div>" for line in notes(facts)),
-             *(f"<div class='verdict caveat'>{_e(line)}</div>" for line in unseen),
-             "<h2>Timeline</h2>", _timeline(found, ranks, verdict),
-             "<h2>Ranks</h2>", _ranks(found, ranks),
-             "<h2>Latency by op and group</h2>", _latency(found),
-             "<h2>Anomalies</h2>", _anomalies(found),
-             "</body></html>"]
-    return "\n".join(parts)
+             *(f"<div class='verdict caveat'>{_e(line)}</div>" for line in unseen)]
+    if found:
+        parts += ["<h2>Timeline</h2>", _timeline(found, ranks, verdict), "<h2>Ranks</h2>", _ranks(found, ranks),
+                  "<h2>Latency by op and group</h2>", _latency(found), "<h2>Anomalies</h2>", _anomalies(found)]
+    return "\n".join(parts + ["</body></html>"])
 
 
 def _e(text: object) -> str:

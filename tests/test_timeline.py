@@ -156,6 +156,22 @@ def test_damaged_files_are_named_and_skipped_and_a_folder_without_telemetry_is_r
         assert "nothing wrong" not in done.stdout and not list((tmp_path / "empty").iterdir())
 
 
+def test_a_folder_of_dumps_alone_gets_the_report_of_their_verdict(tmp_path):
+    """Where a collector took the spans, the job's folder holds its dumps only: the report gives their
+    verdict and says why there is no timeline. Three ranks' dumps of one all_reduce, rank 1's input
+    the wrong size."""
+    for rank in range(3):
+        entry = {"process_group": ["0", "default_pg"], "collective_seq_id": 7, "profiling_name": "gloo:all_reduce",
+                 "input_dtypes": ["Float"], "input_sizes": [[8 if rank == 1 else 4]], "state": "started"}
+        (tmp_path / f"rank_{rank}").write_bytes(pickle.dumps({"version": "2.10", "entries": [entry]}))
+    done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "report", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done
+    page = (tmp_path / "report.html").read_text()
+    assert "no spans in the folder (a collector took them)" in page and "<h2>Timeline</h2>" not in page, page
+    assert "id=verdict>size mismatch: rank 1 in all_reduce (group 0, seq 7)" in page, page
+
+
 @ON_THE_NAN_JOBS_WORKER
 def test_the_report_opens_from_disk_in_a_browser_without_error_and_shows_the_verdict(tmp_path, nan_job):
     """``commlens report`` writes one page into the job's folder; headless Chromium opens it from disk
