@@ -178,6 +178,8 @@ def _late(f: RankFacts, pg: str, seq: int, live: bool, first_wait_ns: int | None
     """Why rank ``f`` is one the others waited for in ``seq``; None if it is not. After the fact, a
     rank is late when it issued ``seq`` once the first waiting rank had waited the hang threshold."""
     group = f.groups.get(pg)
+    if live and f.stopped:  # torn down with the job (torchrun stops every rank once one failed): not late
+        return None
     if f.gone and (group is None or group.issued < seq):
         return f"stopped reporting, last at seq {group.issued if group else 0}"
     if group is None:

@@ -91,7 +91,7 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str], window_s: fl
         ranks.setdefault(rank, RankFacts(rank))
     for rank, facts in ranks.items():
         facts.gone = rank not in reporting[1] or rank in down
-        facts.lost = _lost(endings[rank])
+        facts.lost, facts.stopped = _lost(endings[rank]), "signal" in endings[rank]
         _none_completed(facts)
     return [ranks[rank] for rank in sorted(ranks)]
 
@@ -211,7 +211,7 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
     for name, ranks in jobs.items():
         for rank, facts in ranks.items():
             facts.gone = (name, rank) not in live or (name, rank) in down
-            facts.lost = _lost(endings[(name, rank)])
+            facts.lost, facts.stopped = _lost(endings[(name, rank)]), "signal" in endings[(name, rank)]
             _none_completed(facts)
     return {name: [ranks[r] for r in sorted(ranks)] for name, ranks in jobs.items()}
 
