@@ -178,7 +178,7 @@ def _late(f: RankFacts, pg: str, seq: int, live: bool, first_wait_ns: int | None
     """Why rank ``f`` is one the others waited for in ``seq``; None if it is not. After the fact, a
     rank is late when it issued ``seq`` once the first waiting rank had waited the hang threshold."""
     group = f.groups.get(pg)
-    if live and f.stopped:  # torn down with the job (torchrun stops every rank once one failed): not late
+    if live and f.stopped and f.gone:  # ended by the job's teardown (torchrun stops every rank once one failed)
         return None
     if f.gone and (group is None or group.issued < seq):
         return f"stopped reporting, last at seq {group.issued if group else 0}"

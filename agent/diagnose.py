@@ -48,7 +48,7 @@ import sys
 
 from .detectors import findings
 from .facts import RankFacts
-from .readers import from_endpoints, from_files, from_prometheus, kept_and_said
+from .readers import NO_TELEMETRY, from_endpoints, from_files, from_prometheus, kept_and_said
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not any(jobs.values()):
         where = args.folder or " ".join(args.metrics or ()) or f"{args.prometheus}" + (f" (job {args.job})" if args.job else "")
-        what = ("no trace file (*.jsonl) with commlens spans and no flight-recorder dump (<prefix><rank>)"
-                if args.folder else "no commlens metrics")
+        what = NO_TELEMETRY if args.folder else "no commlens metrics"
         print(f"commlens diagnose: no telemetry in {where}: {what}", file=sys.stderr)
         return 2
     wrong = incomplete = False

@@ -59,7 +59,8 @@ class RankFacts:
     lost: bool = False
     """Its process ended without a signal or an exception (killed, crashed), as a pod sidecar saw."""
     stopped: bool = False
-    """Its process was told to stop (SIGTERM), as its snapshots say (live): with a job torn down."""
+    """Its process was told to stop (SIGTERM), as its snapshots say (live); with ``gone``: it ended so, as
+    a job torn down ends its ranks."""
     signalled_ns: int | None = None
     """When its process was signalled to stop (SIGTERM), wall-clock ns, from its dump (offline)."""
     waits: list[tuple[int, int | None]] = dataclasses.field(default_factory=list)

@@ -36,7 +36,7 @@ import time
 from commlens.hooks import extension
 from .config import Config, ConfigError
 from .ports import refuse_taken
-from .readers import NOT_STARTED
+from .readers import NO_TELEMETRY, NOT_STARTED
 
 OUT_ROOT = "commlens-out"
 """Where each job's folder goes, under the current folder, unless ``--out`` says."""
@@ -89,22 +89,22 @@ def conclude(folder: str) -> tuple[list[str], list[str]]:
     verdict's lines and the paths written (none where the folder holds no telemetry). What cannot be
     read is named on stderr and in the verdict."""
     from . import diagnose, report, timeline
+    from .detectors import findings
     from .readers import kept_and_said
 
     unread: list[str] = []
     found, facts = timeline.read_facts(folder, kept_and_said(unread))
     if not facts:
-        return [f"no telemetry in {folder}: no trace file (*.jsonl) with commlens spans and no flight-recorder "
-                "dump"], []
+        return [f"no telemetry in {folder}: {NO_TELEMETRY}"], []
     lines = diagnose.report(facts, unread)
     written = [os.path.join(folder, "verdict.txt")]
-    with open(written[0], "w") as f:
+    with open(written[0], "w", encoding="utf-8", errors="backslashreplace") as f:
         f.write("".join(line + "\n" for line in lines))
     written.append(os.path.join(folder, "report.html"))
-    with open(written[-1], "w", encoding="utf-8") as f:
+    with open(written[-1], "w", encoding="utf-8", errors="backslashreplace") as f:
         f.write(report.page(folder, found, facts, unread))
     if found:
-        written.append(timeline.write(folder, on_problem=lambda _: None))  # its problems are named above
+        written.append(timeline.write(folder, read=(found, findings(facts))))
     return lines, written
 
 
@@ -126,7 +126,8 @@ def run(command: list[str], settings: dict[str, str], sidecar: bool | None = Non
         else:
             refuse_taken(config.metrics_addr, config.metrics_port or 0, local_ranks(command), "local rank",
                          "choose another base port (each local rank serves on base + LOCAL_RANK), or 0 to serve none")
-        refuse_unwritable(config)
+        if env.get("COMMLENS_TRACE_FILE"):  # the user's own (the job's folder, made below, is writable)
+            refuse_unwritable(config)
         folder = job_folder(env, out)
         if folder is not None:
             env["COMMLENS_NOT_STARTED"] = os.path.abspath(os.path.join(folder, NOT_STARTED))
@@ -158,7 +159,10 @@ def run(command: list[str], settings: dict[str, str], sidecar: bool | None = Non
                     pod.kill()
                     pod.wait()
             if folder is not None:
-                lines, written = conclude(folder)
+                try:
+                    lines, written = conclude(folder)
+                except Exception as error:  # noqa: BLE001 — the command's own status is what run returns
+                    lines, written = [f"none written: {error!r}"], []
                 for line in lines:
                     print(f"commlens run: verdict: {line}", file=sys.stderr)
                 print(f"commlens run: the job's files are in {folder}" + (f" (wrote {', '.join(map(os.path.basename, written))})"
@@ -173,7 +177,11 @@ def refuse_unwritable(config: Config) -> None:
     any starts: a rank that cannot start commlens trains unobserved."""
     if config.otlp_endpoint is not None:
         return
-    where = os.path.dirname(os.path.abspath(config.trace_file.format(rank=0)))
+    try:
+        where = os.path.dirname(os.path.abspath(config.trace_file.format(rank=0)))
+    except (KeyError, IndexError, ValueError) as error:
+        raise ConfigError(f"COMMLENS_TRACE_FILE={config.trace_file!r} is not accepted ({error!r}): give a path in "
+                          "which {rank} is the only field") from None
     if not (os.path.isdir(where) and os.access(where, os.W_OK)):
         raise ConfigError(f"COMMLENS_TRACE_FILE={config.trace_file!r}: cannot write in {where!r} (no such folder, "
                           "or not this user's to write); give a writable path ({rank} is replaced)")
@@ -197,7 +205,7 @@ def local_ranks(command: list[str]) -> int:
 
             try:
                 return determine_local_world_size(value)
-            except ValueError:  # torchrun refuses it itself, with its own message
+            except Exception:  # noqa: BLE001 — torchrun refuses it itself, with its own message
                 return 1
     return 1
 

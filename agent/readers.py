@@ -27,6 +27,8 @@ from commlens.hooks.flight_recorder import DUMP_REASONS, DUMP_SIGNALLED
 from .facts import RankFacts
 
 DURATION_SUM, DURATION_COUNT = f"{names.COLLECTIVE_DURATION}_sum", f"{names.COLLECTIVE_DURATION}_count"
+NO_TELEMETRY = "no trace file (*.jsonl) with commlens spans and no flight-recorder dump"
+"""What a job's folder without telemetry lacks, as the commands that read one say it."""
 NOT_STARTED = "not-started-{rank}.json"
 """A rank's note in its job's folder that commlens did not start in it (``{"rank": 3, "error": "..."}``):
 ``commlens run``'s ``sitecustomize`` (agent/autostart) writes it, under the name it sets, and trains on."""
@@ -91,7 +93,7 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str], window_s: fl
         ranks.setdefault(rank, RankFacts(rank))
     for rank, facts in ranks.items():
         facts.gone = rank not in reporting[1] or rank in down
-        facts.lost, facts.stopped = _lost(endings[rank]), "signal" in endings[rank]
+        _ended(facts, endings[rank])
         _none_completed(facts)
     return [ranks[rank] for rank in sorted(ranks)]
 
@@ -127,6 +129,11 @@ def _none_completed(facts: RankFacts) -> None:
 def _lost(reasons: set[str]) -> bool:
     """Snapshot reasons of a rank that ended without a signal or an exception."""
     return "exit" in reasons and not reasons & {"signal", "exception"}
+
+
+def _ended(facts: RankFacts, reasons: set[str]) -> None:
+    """What a rank's snapshot reasons say of how it ended, live."""
+    facts.lost, facts.stopped = _lost(reasons), "signal" in reasons
 
 
 def from_endpoints(urls: list[str], window_s: float = 5.0, timeout_s: float = 5.0,
@@ -211,7 +218,7 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
     for name, ranks in jobs.items():
         for rank, facts in ranks.items():
             facts.gone = (name, rank) not in live or (name, rank) in down
-            facts.lost, facts.stopped = _lost(endings[(name, rank)]), "signal" in endings[(name, rank)]
+            _ended(facts, endings[(name, rank)])
             _none_completed(facts)
     return {name: [ranks[r] for r in sorted(ranks)] for name, ranks in jobs.items()}
 
@@ -250,13 +257,14 @@ def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = Non
     for span, attributes in spans_in(folder, on_problem):
         try:
             _span_fact(ranks, span, attributes, completed)
-            if each_span is not None:
-                each_span(span, attributes)
             if names.RANK in attributes:
                 seen.add(int(attributes[names.RANK]))
                 world = max(world, int(attributes.get(names.WORLD_SIZE, 0)))
         except (KeyError, TypeError, ValueError) as error:
             on_problem(f"a span {span.get('name')!r} of {folder}: no valid {error} attribute")
+            continue
+        if each_span is not None:
+            each_span(span, attributes)
     for f in ranks.values():  # a hang that the spans show resolved is no longer in flight
         for pg, group in f.groups.items():
             if group.hung is not None and (f.rank, pg, group.hung[1]) in completed:
@@ -279,8 +287,10 @@ def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = Non
             on_problem(str(error))
             continue
         _dump_fact(ranks.setdefault(int(path[-digits:]), RankFacts(int(path[-digits:]))), dump, collectives)
-    for rank in sorted(set(range(world)) - seen - set(ranks)):
-        on_problem(f"rank {rank} of the job's {world}: nothing of it in {folder} (no span, no dump)")
+    missing = sorted(set(range(world)) - seen - set(ranks))
+    if missing:  # another node's, where each node keeps its own folder; or lost
+        on_problem(f"rank{'s' * (len(missing) > 1)} {_ranges(missing)} of the job's {world}: nothing of "
+                   f"{'them' if len(missing) > 1 else 'it'} in {folder} (no span, no dump)")
     return [ranks[rank] for rank in sorted(ranks)]
 
 
@@ -366,6 +376,17 @@ def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[
     for kind, attribute in (("nan", names.NAN), ("inf", names.INF)):
         if a.get(attribute) and (group.nonfinite is None or seq < group.nonfinite[0]):
             group.nonfinite = (seq, op, kind)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """Sorted ranks as runs: ``_ranges([0, 1, 2, 5])`` is ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _collectives(path: str, entries: list) -> list[tuple[str, int, str, str]]:

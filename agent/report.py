@@ -25,7 +25,7 @@ import sys
 from .detectors import findings
 from .diagnose import IN_WHAT_WAS_SEEN, NOTHING_WRONG, caveats, notes
 from .facts import RankFacts
-from .readers import kept_and_said
+from .readers import NO_TELEMETRY, kept_and_said
 from .timeline import Slice, aligned, clock_offsets, read_facts
 
 WIDTH = 1100
@@ -61,15 +61,15 @@ def page(folder: str, found: list[Slice], facts: list[RankFacts], unread: list[s
     """``render``'s page, of what ``timeline.read_facts`` read from ``folder`` (``unread``: what it
     could not read, each named). Without spans (a collector took them), the verdict of the dumps alone."""
     if not facts:
-        raise ValueError(f"no telemetry in {folder}: no trace file (*.jsonl) with commlens spans and no "
-                         "flight-recorder dump")
+        raise ValueError(f"no telemetry in {folder}: {NO_TELEMETRY}")
     found = aligned(found, clock_offsets(found))
     verdict, unseen = findings(facts), caveats(facts, unread)
     lines = [f.line() for f in verdict] or [NOTHING_WRONG + (IN_WHAT_WAS_SEEN if unseen else "")]
     ranks, groups = sorted({s.rank for s in found} or {f.rank for f in facts}), len({s.pg for s in found})
     seconds = (max(s.end_ns for s in found) - found[0].start_ns) / 1e9 if found else 0.0
     spans = [f"{groups} group{'s' * (groups > 1)} · {len(found):,} spans kept over {seconds:.1f} s" if found else
-             "no spans in the folder (a collector took them): the verdict is from the flight-recorder dumps"]
+             "no spans in the folder (a collector took them, or the trace files went elsewhere): the verdict is of the "
+             "dumps and notes alone"]
     parts = [f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>commlens report: "
              f"{_e(os.path.basename(os.path.abspath(folder)))}</title><style>{_STYLE}</style></head><body>",
              "<h1>commlens report</h1>",
@@ -205,7 +205,7 @@ def write(folder: str, path: str | None = None) -> str:
     """Write the report of the job in ``folder`` to ``path`` (default ``folder/report.html``)."""
     path = path or os.path.join(folder, "report.html")
     text = render(folder)
-    with open(path, "w", encoding="utf-8") as f:
+    with open(path, "w", encoding="utf-8", errors="backslashreplace") as f:
         f.write(text)
     return path
 

@@ -112,6 +112,8 @@ class Sidecar:
         """op_id -> the time its collective started on the GPU."""
         self._nan: dict[int, int] = {}
         """op_id -> NAN_HAS_NAN | NAN_HAS_INF seen for it."""
+        self._nan_since: int | None = None
+        """The reader's cursor when a NAN record began to wait for its collective's START."""
         self._hung: set[int] = set()
         self._scaled_step: list[Collective] | None = None
         """While a loss scaler's step is in progress: its collectives with non-finite tensors, held
@@ -245,8 +247,14 @@ class Sidecar:
         too), and how many were asked for: ``READ_AT_ONCE``; only ``AFTER_NAN``, none folded, while a
         NAN record read before waits for its collective's START (its START and END could both be in
         this read, and fold without it; they come next)."""
-        if self._nan and not self._nan.keys() <= self.inflight.keys():
-            return self.reader.read(AFTER_NAN), [], AFTER_NAN
+        waiting = self._nan.keys() - self.inflight.keys() if self._nan else ()
+        if waiting:
+            self._nan_since = self.reader.cursor if self._nan_since is None else self._nan_since
+            if self.reader.cursor - self._nan_since <= READ_AT_ONCE:
+                return self.reader.read(AFTER_NAN), [], AFTER_NAN
+            for op_id in waiting:  # its START was written over before it was read (counted as dropped)
+                del self._nan[op_id]
+        self._nan_since = None
         return *self.reader.read_folded(READ_AT_ONCE), READ_AT_ONCE
 
     def _resume(self) -> None:

@@ -54,8 +54,8 @@ class Slice(NamedTuple):
     markers: tuple[str, ...]
 
 
-_ARGS = {names.BYTES: "bytes", names.STATUS: "status", names.DTYPE: "dtype", names.MODULE: "module",
-         names.PHASE: "phase", names.DDP_BUCKET: "ddp.bucket", names.SLOW: "slow"}
+_ARGS = {names.BYTES: "bytes", names.STATUS: "status", names.DTYPE: "dtype",
+         names.MODULE: "module", names.PHASE: "phase", names.DDP_BUCKET: "ddp.bucket"}
 _MARKERS = ((names.NAN, "NaN"), (names.INF, "Inf"), (names.HANG, "hang"))
 
 
@@ -68,14 +68,15 @@ def _slice(span: dict, a: dict) -> Slice | None:
     return Slice(int(a[names.RANK]), str(a[names.PG_NAME]), int(a[names.SEQ]), a[names.OP],
                  int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"]), bool(a.get(names.P2P)),
                  bool(a.get(names.IN_FLIGHT)), bool(a.get(names.DDP_IS_LAST)),
-                 {name: a[key] for key, name in _ARGS.items() if key in a}, markers)
+                 {name: a[key] for key, name in _ARGS.items() if key in a} | ({"slow": True} if a.get(names.SLOW) else {}),
+                 markers)
 
 
-def read(folder: str, on_problem: Callable[[str], None] = say_skipped) -> tuple[list[Slice], list]:
+def read(folder: str) -> tuple[list[Slice], list]:
     """The collectives in ``folder``'s trace files, one per rank and collective (a hung one's completed
     span replaces the in-flight one of its hang snapshot), and ``commlens diagnose``'s findings on
     the folder: both from one pass over the files."""
-    found, facts = read_facts(folder, on_problem)
+    found, facts = read_facts(folder)
     return found, findings(facts)
 
 
@@ -137,10 +138,10 @@ def _window(found: list[Slice], last_s: float | None, steps: tuple[int, int] | N
 
 
 def events(folder: str, last_s: float | None = None, steps: tuple[int, int] | None = None,
-           on_problem: Callable[[str], None] = say_skipped) -> tuple[Iterator[dict], dict]:
+           read_as: tuple[list[Slice], list] | None = None) -> tuple[Iterator[dict], dict]:
     """The trace events of the job in ``folder`` (see the module's docstring), as they are made,
-    and the document's ``otherData``."""
-    found, verdicts = read(folder, on_problem)
+    and the document's ``otherData``; ``read_as``: ``read(folder)``'s result, where the caller has it."""
+    found, verdicts = read_as or read(folder)
     if not found:
         raise ValueError(f"no telemetry in {folder}: no trace file (*.jsonl) with commlens spans")
     offsets = clock_offsets(found)
@@ -245,10 +246,11 @@ def _step_range(text: str) -> tuple[int, int]:
 
 
 def write(folder: str, path: str | None = None, last_s: float | None = None,
-          steps: tuple[int, int] | None = None, on_problem: Callable[[str], None] = say_skipped) -> str:
-    """Write the timeline of the job in ``folder`` to ``path`` (default ``folder/timeline.json``)."""
+          steps: tuple[int, int] | None = None, read: tuple[list[Slice], list] | None = None) -> str:
+    """Write the timeline of the job in ``folder`` to ``path`` (default ``folder/timeline.json``);
+    ``read``: as ``events``' ``read_as``."""
     path = path or os.path.join(folder, "timeline.json")
-    made, other = events(folder, last_s, steps, on_problem)
+    made, other = events(folder, last_s, steps, read)
     with open(path, "w") as f:  # event by event: a long job's timeline is never held whole
         f.write('{"displayTimeUnit":"ms","otherData":' + json.dumps(other) + ',"traceEvents":[')
         for i, event in enumerate(made):

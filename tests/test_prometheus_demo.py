@@ -112,16 +112,19 @@ def test_the_demo_refuses_a_fault_on_a_rank_it_does_not_have_and_a_bad_setting_l
 
 
 def test_the_demo_never_writes_over_another_jobs_folder_and_diagnose_without_telemetry_says_so(capsys, tmp_path):
+    import socket
+
     from commlens.agent.cli import main
-    from ports import free_port
 
     (tmp_path / "traces-0.jsonl").write_text("another job's spans\n")
     assert main(["demo", "--world-size", "2", "--out", str(tmp_path)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and f"the job's folder {tmp_path} holds files already" in err, err
     assert (tmp_path / "traces-0.jsonl").read_text() == "another job's spans\n"
-    nobody = f"http://127.0.0.1:{free_port()}/metrics"  # live, an endpoint that does not answer
-    assert main(["diagnose", "--metrics", nobody, "--window", "0.1"]) == 2
+    with socket.socket() as bound:  # bound, not listening: live, an endpoint that refuses every connection
+        bound.bind(("127.0.0.1", 0))
+        nobody = f"http://127.0.0.1:{bound.getsockname()[1]}/metrics"
+        assert main(["diagnose", "--metrics", nobody, "--window", "0.1"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and f"commlens: skipped the metrics endpoint {nobody}: " in err, err
     assert f"commlens diagnose: no telemetry in {nobody}: no commlens metrics" in err, err

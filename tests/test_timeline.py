@@ -168,7 +168,7 @@ def test_a_folder_of_dumps_alone_gets_the_report_of_their_verdict(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done
     page = (tmp_path / "report.html").read_text()
-    assert "no spans in the folder (a collector took them)" in page and "<h2>Timeline</h2>" not in page, page
+    assert "no spans in the folder (a collector took them, or the trace files went elsewhere)" in page and "<h2>Timeline</h2>" not in page, page
     assert "id=verdict>size mismatch: rank 1 in all_reduce (group 0, seq 7)" in page, page
 
 

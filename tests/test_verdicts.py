@@ -166,19 +166,24 @@ def test_a_killed_rank_is_named_once_in_the_collective_it_had_in_flight(partner_
     assert len(lines) == 1 and lines[0].startswith(verdict), lines
 
 
-def test_a_rank_torn_down_with_the_job_is_not_named_late_with_the_rank_that_set_it_off():
+@pytest.mark.parametrize("still_running, verdict", [
+    (False, "late or missing: rank 1 in all_reduce (group 0, seq 25)"),
+    (True, "late or missing: ranks 1, 3 in all_reduce (group 0, seq 25)"),
+], ids=["ended", "still-running"])
+def test_a_rank_torn_down_with_the_job_is_not_named_late_with_the_rank_that_set_it_off(still_running, verdict):
     """Without a pod sidecar: rank 1 is killed, ranks 0 and 2 fail in group 0's seq 25 for it, and
-    torchrun stops rank 3 (its ``signal`` snapshot scraped on its way down) before it issued seq 25. Both
-    stop reporting; only rank 1 is late (a benchmark run of the kill fault once alerted rank 3 too)."""
+    torchrun stops rank 3 (its ``signal`` snapshot scraped on its way down) before it issued seq 25. Once
+    rank 3 has ended, only rank 1 is late (a benchmark run of the kill fault once alerted rank 3 too);
+    while it still runs after the signal (a handler that checkpoints), it is behind as any rank is."""
     def text(rank: int) -> str:
         lines = [f'{names.LAST_SEQ}{{pg="0",state="enqueued",rank="{rank}"}} {25 if rank in (0, 2) else 24}',
                  f'{names.total(names.ABORT_SNAPSHOTS)}{{reason="signal",rank="{rank}"}} {int(rank == 3)}']
         if rank in (0, 2):
             lines.append(f'{names.FAILED_SEQ}{{pg="0",op="all_reduce",rank="{rank}"}} 25')
         return "\n".join(lines) + "\n"
-    first, second = [text(rank) for rank in range(4)], [text(0), text(2)]
+    first, second = [text(rank) for rank in range(4)], [text(0), text(2)] + [text(3)] * still_running
     lines = [f.line() for f in findings(from_metrics_texts(first, second, 5.0))]
-    assert len(lines) == 1 and lines[0].startswith("late or missing: rank 1 in all_reduce (group 0, seq 25)"), lines
+    assert len(lines) == 1 and lines[0].startswith(verdict), lines
 
 
 def _late_rank_one(webhook, training, prometheus, alert: str, evidence: str, why: str) -> tuple[set, str]:
