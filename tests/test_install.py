@@ -27,17 +27,20 @@ def test_every_package_commlens_imports_is_one_it_requires_at_install():
     import ast
     import importlib.metadata as metadata
     import importlib.util
-    import re
 
-    def name(requirement: str) -> str:
-        return re.split(r"[ ;<>=!~\[(]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+    from packaging.requirements import Requirement
 
-    brought, todo = set(), [name(r) for r in metadata.requires("commlens") if "extra ==" not in r]
+    def needed(dist: str) -> list[str]:
+        """What ``dist`` requires here: no extra, and only where its marker holds (this Python, this OS)."""
+        return [r.name for r in map(Requirement, metadata.requires(dist) or ())
+                if r.marker is None or r.marker.evaluate({"extra": ""})]
+
+    brought, todo = set(), needed("commlens")
     while todo:
         dist = todo.pop()
         if dist not in brought:
             brought.add(dist)
-            todo += [name(r) for r in metadata.requires(dist) or () if "extra ==" not in r]
+            todo += needed(dist)
     files = {str(f.locate()) for dist in brought for f in metadata.distribution(dist).files or ()}
     imported = set()
     for folder in ("agent", "hooks", "exporters"):

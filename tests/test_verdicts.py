@@ -75,6 +75,9 @@ def test_the_alert_and_diagnose_name_the_faulty_rank_and_only_it(tmp_path, fault
                          explain=lambda: _evidence(prometheus, training))
         named = {a["labels"]["rank"] for a in webhook.alerts
                  if a["labels"]["alertname"] in CULPRIT_ALERTS and a["status"] == "firing"}
+        if fault == "slow":  # its cost below is the steady state's: live diagnose's 15 s holds only training
+            wait_for(lambda: prometheus.query("commlens_collective_duration_seconds_count offset 16s"),
+                     "16 s of training in Prometheus", explain=lambda: _evidence(prometheus, training))
         live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
         if fault != "leave":  # the ranks' own endpoints, while they still serve
             endpoints = _diagnose("--metrics", *(f"http://{target}/metrics" for target in training.targets),
