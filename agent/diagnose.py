@@ -47,7 +47,7 @@ import os
 import sys
 
 from .detectors import findings
-from .facts import RankFacts
+from .facts import Finding, RankFacts
 from .readers import NO_TELEMETRY, from_endpoints, from_files, from_prometheus, kept_and_said
 
 
@@ -106,8 +106,12 @@ def report(facts: list[RankFacts], unread: list[str] = ()) -> list[str]:
     """The verdict as lines: one per finding, or ``NOTHING_WRONG`` (", in what commlens saw" where there
     are caveats); then what was seen that is no fault; then what the verdict could not see (``caveats``)."""
     unseen = caveats(facts, unread)
-    return ([finding.line() for finding in findings(facts)] or [NOTHING_WRONG + (IN_WHAT_WAS_SEEN if unseen else "")]
-            ) + notes(facts) + unseen
+    return verdict(findings(facts), unseen) + notes(facts) + unseen
+
+
+def verdict(found: list[Finding], unseen: list[str]) -> list[str]:
+    """One line per finding, or ``NOTHING_WRONG`` (", in what commlens saw" where there are caveats)."""
+    return [finding.line() for finding in found] or [NOTHING_WRONG + (IN_WHAT_WAS_SEEN if unseen else "")]
 
 
 def caveats(facts: list[RankFacts], unread: list[str]) -> list[str]:

@@ -23,7 +23,8 @@ import os
 import sys
 
 from .detectors import findings
-from .diagnose import IN_WHAT_WAS_SEEN, NOTHING_WRONG, caveats, notes
+from .diagnose import caveats, notes
+from .diagnose import verdict as verdict_lines
 from .facts import RankFacts
 from .readers import NO_TELEMETRY, kept_and_said
 from .timeline import Slice, aligned, clock_offsets, read_facts
@@ -64,7 +65,7 @@ def page(folder: str, found: list[Slice], facts: list[RankFacts], unread: list[s
         raise ValueError(f"no telemetry in {folder}: {NO_TELEMETRY}")
     found = aligned(found, clock_offsets(found))
     verdict, unseen = findings(facts), caveats(facts, unread)
-    lines = [f.line() for f in verdict] or [NOTHING_WRONG + (IN_WHAT_WAS_SEEN if unseen else "")]
+    lines = verdict_lines(verdict, unseen)
     ranks, groups = sorted({s.rank for s in found} or {f.rank for f in facts}), len({s.pg for s in found})
     seconds = (max(s.end_ns for s in found) - found[0].start_ns) / 1e9 if found else 0.0
     spans = [f"{groups} group{'s' * (groups > 1)} · {len(found):,} spans kept over {seconds:.1f} s" if found else
