@@ -146,10 +146,30 @@ def _hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[
                               *(f"rank {rank} is behind too, but {where}" for rank, where in sorted(elsewhere.items()))])
         found.append(Finding("late_rank", tuple(sorted(culprits)), pg, majority, seq, evidence))
     if not found and live:
+        unmatched = _unmatched(pg, members, seq, ops, waiting, how, majority)
+        if unmatched:
+            return [unmatched]
         found.append(Finding("hang", tuple(waiting), pg, majority, seq,
                              f"ranks {waiting} wait in seq {seq} and no rank is behind: look at the network "
                              "or the backend"))
     return found
+
+
+def _unmatched(pg: str, members: list[RankFacts], seq: int, ops: dict[int, str], waiting: list[int], how: str,
+               op: str) -> Finding | None:
+    """Live: ranks that wait in (or failed in) a collective every other member of the group completed.
+    Their side of it did not match the others' — gloo waits for the bytes a larger input expects — or
+    their own link failed: a size mismatch as the metrics show it (the dumps show the inputs)."""
+    others = [f for f in members if f.rank not in ops]
+    if not others or any(pg not in f.groups or (f.groups[pg].finished or 0) < seq for f in others):
+        return None
+    return Finding("size_mismatch", tuple(waiting), pg, op, seq,
+                   f"ranks {[f.rank for f in others]} completed it and {_who(waiting)} {how} it: its side did not "
+                   "match theirs (an input of another size or dtype; the dumps show each rank's), or its link failed")
+
+
+def _who(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 def _waits_of_the_stop(pg: str, members: list[RankFacts]) -> set[int]:

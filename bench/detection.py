@@ -5,7 +5,7 @@ Each run starts an ordinary training script with the fault written into it under
 torchrun``, and Debian's Prometheus (1 s scrape and evaluation) with the shipped rules: 3 gloo ranks of
 one DDP group (``tests/faulty_train.py``), or 4 ranks in tensor-parallel pairs, a pipeline of two stages
 (``isend``/``irecv``), DDP and a global group at once (``tests/parallel_train.py``: the faults named
-``tp-late``, ``late-send`` and ``kill``; ``late-send`` and ``kill`` with the pod sidecar). From the wall
+``tp-late``, ``late-send``, ``kill`` and ``size``; the last three with the pod sidecar). From the wall
 time the script wrote when the fault happened, it measures:
 
 * **named**: the first evaluation whose data names the culprit (its alert pending or firing);
@@ -15,10 +15,10 @@ time the script wrote when the fault happened, it measures:
   culprit and nobody else); **recall**: the runs whose ``diagnose`` named the culprit.
 
 Medians (and min – max) of ``--runs`` runs per fault; precision over all runs. Goals: NaN origin ≤ 5 s;
-late or missing rank ≤ hang threshold (3 s here) + 5 s; straggler ≤ 10 s; a kill ≤ 5 s; precision and
+late or missing rank, and a size mismatch, ≤ hang threshold (3 s here) + 5 s; straggler ≤ 10 s; a kill ≤ 5 s; precision and
 recall 1.00.
 
-    python bench/detection.py [--runs 3] [--faults nan,inf,late,leave,slow,desync,tp-late,late-send,kill]
+    python bench/detection.py [--runs 3] [--faults nan,inf,late,leave,slow,desync,tp-late,late-send,kill,size]
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ FAULTS = {
     "tp-late": Fault("CommlensRankLate", **PARALLEL, job={"fault": "late", "step": 30, "extra": ["--late-s", "15"]}),
     "late-send": Fault("CommlensPeerLate", **PARALLEL, job={"step": 30, "extra": ["--late-s", "15"], "pod": True}),
     "kill": Fault("CommlensRankKilled", **PARALLEL, job={"step": 30, "pod": True}),
+    "size": Fault("CommlensCollectiveMismatch", **PARALLEL, job={"step": 30, "pod": True, "extra": ["--timeout-s", "10"]}),
 }
 CULPRIT_ALERTS = {fault.alert for fault in FAULTS.values()} | {"CommlensDeadlock"}
 

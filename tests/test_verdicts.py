@@ -25,7 +25,7 @@ from monitoring import PARALLEL_SCRIPT, Alertmanager, Prometheus, TrainingJob, W
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
 WORLD, CULPRIT = 3, 1
 CULPRIT_ALERTS = ("CommlensNaNOrigin", "CommlensRankLate", "CommlensCollectiveDesync", "CommlensStraggler",
-                  "CommlensDeadlock", "CommlensPeerLate")
+                  "CommlensDeadlock", "CommlensPeerLate", "CommlensCollectiveMismatch")
 
 
 @contextlib.contextmanager
@@ -280,21 +280,27 @@ def test_a_rank_killed_inside_its_pairs_all_reduce_is_named_alive_and_after_the_
         assert "killed or crashed: rank 1 in all_reduce (group 1, seq " in report and culprits(report) == {1}, report
 
 
-def test_a_rank_whose_input_size_differs_is_named_from_the_dumps_and_no_alert_names_another(tmp_path):
+def test_a_rank_whose_input_size_differs_is_named_live_and_from_the_dumps_and_no_other_rank_is(tmp_path):
     """Rank 1 gives the job's loss all_reduce two elements where the others give one
-    (``tests/parallel_train.py``, a shape bug in one rank's code): gloo fails or aborts the ranks in it
-    and torchrun tears the job down. With the pod sidecar, whose dumps hold every rank's inputs, even a
-    killed one's: ``commlens diagnose`` on the job's files names rank 1 and its input, and no other rank
-    (their failures follow from it), as ``torchfrtrace`` does; no alert names another rank. The backend's timeout at 10 s: a rank
+    (``tests/parallel_train.py``, a shape bug in one rank's code): gloo completes the others and leaves
+    rank 1 waiting, its pair partner waiting on it, until gloo's timeout fails them and torchrun tears
+    the job down. Live, the alert and ``commlens diagnose --prometheus`` name rank 1, left in a collective
+    its group completed, and no deadlock. With the pod sidecar, whose dumps hold every rank's inputs, even
+    a killed one's: ``commlens diagnose`` on the job's files names rank 1 and its input, and no other rank
+    (their failures follow from it), as ``torchfrtrace`` does. The backend's timeout at 10 s: a rank
     sending to one that gloo failed waits it out before the job ends."""
     with _stack(tmp_path, "size", world=4, step=30, steps=200, script=PARALLEL_SCRIPT, pod=True,
                 extra=["--timeout-s", "10"]) as (
             webhook, training, prometheus):
+        wait_for(lambda: webhook.firing("CommlensCollectiveMismatch"), "CommlensCollectiveMismatch at the webhook",
+                 explain=lambda: _evidence(prometheus, training))
+        live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
         assert training.wait(120) != 0  # the backend ended it
         wait_for(lambda: all((training.out / f"rank_{rank}").exists() for rank in range(4)), "every rank's dump")
         named = {a["labels"]["rank"] for a in webhook.alerts if a["labels"]["alertname"] in CULPRIT_ALERTS
                  or a["labels"]["alertname"] == "CommlensRankKilled"}
-    assert named <= {"1"}, webhook.alerts
+    assert named == {"1"}, webhook.alerts
+    assert culprits(live) == {1} and "size mismatch: rank 1 in all_reduce (group 0, seq " in live, live
     offline = _diagnose(str(training.out))
     assert culprits(offline) == {1}, offline
     assert re.search(r"^size mismatch: rank 1 in all_reduce \(group 0, seq \d+\) — its input was Float\[2\] where "
@@ -317,6 +323,23 @@ def test_inputs_that_differ_are_a_size_mismatch_where_the_op_needs_them_alike(op
     for f in facts:
         f.group("0").inputs[5] = (op, theirs if f.rank == 2 else ours)
     assert {rank for f in findings(facts) if f.kind == "size_mismatch" for rank in f.ranks} == named
+
+
+def test_a_rank_left_waiting_in_a_collective_its_group_completed_is_a_size_mismatch_not_a_deadlock():
+    """Live facts of the size fault above: rank 1 waits in seq 4 of group 0 that ranks 0, 2, 3 completed,
+    and rank 0 waits on rank 1 in their pair. Rank 1 is named, as a size mismatch; while rank 3, gone,
+    had completed only seq 3, a late rank may yet explain the wait and nothing of the kind is said."""
+    facts = [RankFacts(rank) for rank in range(4)]
+    for f in facts:
+        f.group("0").issued, f.group("0").finished = 4, 4
+    facts[1].group("0").finished, facts[1].group("0").hung = 3, ("all_reduce", 4)
+    facts[0].group("1").issued, facts[0].group("1").finished, facts[0].group("1").hung = 32, 31, ("all_reduce", 32)
+    facts[1].group("1").issued = facts[1].group("1").finished = 31
+    found = findings(facts)
+    assert [(f.kind, f.ranks, f.pg, f.seq) for f in found] == [("size_mismatch", (1,), "0", 4)], found
+    assert "ranks [0, 2, 3] completed it and rank 1 waited past the hang threshold in it" in found[0].evidence
+    facts[3].gone, facts[3].group("0").finished = True, 3
+    assert not any(f.kind == "size_mismatch" for f in findings(facts))
 
 
 def test_ranks_that_issue_two_groups_collectives_in_different_orders_are_a_deadlock_and_none_is_named_late(tmp_path):
