@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any, Callable, Iterable
 
 from commlens.exporters import names
@@ -48,10 +49,11 @@ def span_exporter(config: Config) -> SpanExporter:
 
 
 def resource(config: Config) -> dict:
-    """``service.name``, ``OTEL_RESOURCE_ATTRIBUTES`` and Kubernetes attributes, by OpenTelemetry's rules."""
+    """``service.name``, ``host.name``, ``OTEL_RESOURCE_ATTRIBUTES`` and Kubernetes attributes, by
+    OpenTelemetry's rules."""
     from opentelemetry.sdk.resources import Resource
 
-    own = {names.JOB: config.job, names.RANK: config.rank}
+    own = {names.JOB: config.job, names.RANK: config.rank, "host.name": socket.gethostname()}
     for variable, key in (("K8S_POD_NAME", "k8s.pod.name"), ("K8S_NAMESPACE_NAME", "k8s.namespace.name"),
                           ("K8S_NODE_NAME", "k8s.node.name")):
         if os.environ.get(variable):

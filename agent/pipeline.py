@@ -16,6 +16,8 @@ Example::
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import time
 from typing import Any, Callable, Mapping
@@ -120,10 +122,17 @@ class RankPipeline:
 
 
 def writer_info(config: Config, **more: Any) -> dict:
-    """Who the rank is (rank, local rank, world size, job) and ``more``: ``commlens_info``'s labels, and
-    what a ring's ``describe`` records."""
+    """Who the rank is (rank, local rank, world size, job, node) and ``more``: ``commlens_info``'s labels,
+    and what a ring's ``describe`` records."""
     return {"rank": config.rank, "local_rank": config.local_rank, "world_size": config.world_size, "job": config.job,
-            **more}
+            "node": node_name(config), **more}
+
+
+def node_name(config: Config) -> str:
+    """The node the rank runs on: Kubernetes' (``K8S_NODE_NAME``, or ``k8s.node.name`` in
+    ``OTEL_RESOURCE_ATTRIBUTES``: the downward API's ``spec.nodeName``), else the host name."""
+    return (os.environ.get("K8S_NODE_NAME") or dict(config.resource_attributes).get("k8s.node.name")
+            or socket.gethostname())
 
 
 def dump_entries(ring: Ring) -> int:

@@ -1,8 +1,9 @@
 """An ordinary parallel training script with a fault written into it, for the end-to-end verdict
-tests: 4 ranks in tensor-parallel pairs (0, 1) and (2, 3); a pipeline of two stages, the pairs, where
-each rank of the first sends its activations to its peer in the second (``isend``/``irecv`` in groups
-(0, 2) and (1, 3)); data-parallel over the pairs (DDP in other groups of the same ranks); and the loss
-averaged over the whole job now and then.
+tests: ranks in tensor-parallel pairs (0, 1), (2, 3), ...; a pipeline whose stages are the pairs, where
+each rank sends its activations to its peer in the next stage (``isend``/``irecv`` in the groups of the
+even and of the odd ranks: (0, 2) and (1, 3) in a job of 4); data-parallel over the pairs (DDP in other
+groups of the same ranks); and the loss averaged over the whole job now and then. On several nodes of
+2 ranks each, a pair is a node's.
 
 It knows nothing of commlens: the tests run it under ``commlens run -- torchrun``.
 
@@ -56,12 +57,13 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
-    assert world == 4, "2 tensor-parallel pairs x 2 data-parallel replicas"
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in one order
-    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    stages = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    assert world >= 4 and world % 2 == 0, "tensor-parallel pairs, at least 2 stages"
+    # every rank creates every group, in one order
+    pairs = [dist.new_group([pair, pair + 1]) for pair in range(0, world, 2)]
+    replicas = [dist.new_group(list(range(first, world, 2))) for first in (0, 1)]
+    stages = [dist.new_group(list(range(first, world, 2))) for first in (0, 1)]
     tensor_parallel, data_parallel, pipeline = pairs[rank // 2], replicas[rank % 2], stages[rank % 2]
-    first_stage = rank < 2
+    first_stage, last_stage = rank < 2, rank >= world - 2
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64), process_group=data_parallel)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -83,16 +85,16 @@ def main() -> None:
             dist.all_reduce(shard, group=tensor_parallel, async_op=True)
             os.kill(os.getpid(), signal.SIGKILL)
         dist.all_reduce(shard, group=tensor_parallel)  # the pair's partial results summed
-        if first_stage:  # the activations to the next stage, as a pipeline's schedule sends them
+        if not first_stage:
+            received = torch.empty_like(shard)
+            dist.irecv(received, rank - 2, group=pipeline).wait()
+            shard = received  # this stage goes on from the previous stage's activations
+        if not last_stage:  # the activations to the next stage, as a pipeline's schedule sends them
             if rank == args.rank and step == args.step and args.fault == "late-send":
                 time.sleep(args.late_s)
             if rank == args.rank and step == args.step and args.fault == "recv-first":
                 dist.irecv(torch.empty_like(shard), rank + 2, group=pipeline).wait()
             dist.isend(shard, rank + 2, group=pipeline).wait()
-        else:
-            received = torch.empty_like(shard)
-            dist.irecv(received, rank - 2, group=pipeline).wait()
-            shard = received  # this stage goes on from the previous stage's activations
         loss = (out - shard / 2).pow(2).mean()
         optimizer.zero_grad()
         scaler.scale(loss).backward()  # DDP: the gradients all_reduced over the data-parallel group
