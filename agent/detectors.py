@@ -1,5 +1,5 @@
 """The detectors: ``findings()`` turns ranks' facts into verdicts, the same way whatever the source
-(diagnose.py says what each detector finds and why).
+(docs/verdicts.md says what each detector finds and why).
 
 Example::
 

@@ -8,10 +8,7 @@ Example::
     ...                         # train: every collective is recorded and exported
     commlens.agent.stop()       # drains the ring, flushes spans, stops serving metrics
 
-Snapshots on the way down: a flight-recorder dump is written (and what is pending flushed, within
-``COMMLENS_SNAPSHOT_TIMEOUT_S``) on a collective's abort, on a hang, on SIGTERM and on an unhandled
-exception; then the process goes on to end as it would have. SIGTERM's is written even while the
-main thread is blocked inside a collective (agent/signals.py).
+Snapshots on the way down (abort, hang, SIGTERM, an unhandled exception): docs/running.md.
 """
 
 from __future__ import annotations
