@@ -217,9 +217,7 @@ class Sidecar:
 
     def _hand_over(self) -> None:
         """Let a thread waiting for the GIL (training) have it, unless more than half the ring is
-        unread: then the drain catches up first. Under a busy CPU each hand-over can cost the drain a
-        whole switch interval (5 ms) while training fills the ring; losing records costs more than a
-        few milliseconds of training, and a drain that keeps up never gets here."""
+        unread: then the drain catches up first (docs/performance.md, "The GIL")."""
         if self._hand_over_s and self.ring.claimed() - self.reader.cursor < self.ring.slots // 2:
             time.sleep(self._hand_over_s)
 
