@@ -39,11 +39,9 @@ def environment(base: dict[str, str], settings: dict[str, str]) -> dict[str, str
 
 
 def job_folder(env: dict[str, str], out: str | None) -> str | None:
-    """Give the job an id in ``env`` (``COMMLENS_JOB_ID``, else a new one) and one folder for its files:
-    ``out``, else ``./commlens-out/<job id>``. Its trace files (unless an OTLP endpoint takes the spans)
-    and flight-recorder dumps go there, unless ``env`` puts them elsewhere. Returns the folder, made
-    here, or None when nothing goes there; raises ``ConfigError`` for one that holds files already
-    (another job's: never overwritten)."""
+    """Give the job an id in ``env`` (``COMMLENS_JOB_ID``, else a new one) and one folder for the trace
+    files and dumps ``env`` does not put elsewhere: ``out``, else ``./commlens-out/<job id>``. Returns
+    the folder, made here (``make_job_folder``), or None when nothing goes there."""
     job = env.setdefault("COMMLENS_JOB_ID", time.strftime("%Y%m%d-%H%M%S-") + str(os.getpid()))
     folder = os.path.relpath(out or os.path.join(OUT_ROOT, job))
     defaults = {"TORCHCOMM_FR_DUMP_TEMP_FILE": os.path.join(folder, "rank_")}
