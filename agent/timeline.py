@@ -129,7 +129,7 @@ def _window(found: list[Slice], last_s: float | None, steps: tuple[int, int] | N
 
 def events(folder: str, last_s: float | None = None, steps: tuple[int, int] | None = None,
            read_as: tuple[list[Slice], list] | None = None) -> tuple[Iterator[dict], dict]:
-    """The trace events of the job in ``folder`` (see the module's docstring), as they are made,
+    """The trace events of the job in ``folder`` (docs/timeline.md), as they are made,
     and the document's ``otherData``; ``read_as``: ``read(folder)``'s result, where the caller has it."""
     found, verdicts = read_as or read(folder)
     if not found:
