@@ -25,7 +25,8 @@ STRAGGLER_EVIDENCE = 30
 STRAGGLER_LIVE_EVIDENCE = 10
 """Live, from at least this many collectives of each rank in the window (docs/verdicts.md says why)."""
 STALL_MIN_S = 1.0
-"""After the fact, a one-off stall is named where the ranks held up by it waited this long (under the hang threshold)."""
+"""After the fact, a one-off stall is named where the ranks held up by it waited this long (under the
+hang threshold)."""
 STRAGGLER_LEAD = 1.5
 """... or, after the fact, arrives later on average than this many times the next latest rank."""
 

@@ -1,7 +1,8 @@
 """One rank's telemetry from its ring to the exporters: drain → stats → spans and metrics, wired once.
 
 The in-process agent runs one for its rank; the pod sidecar one per local rank, which ``follow``s
-the rank from ring to ring as it restarts. It is the ``RankTelemetry`` its metrics collector reads. No torch.
+the rank from ring to ring as it restarts. It is the ``RankTelemetry`` its metrics collector reads.
+Imports no torch.
 
 Example::
 
