@@ -1,19 +1,7 @@
 """The demo job: a small DDP model trained by N gloo processes on CPU under commlens.
 
-Every rank runs ``commlens.agent.start()``: collectives are recorded, metrics served on
-``COMMLENS_METRICS_PORT + rank`` (default: free ports, on 127.0.0.1), spans written to
-``traces-rank<R>.jsonl`` in its output folder unless an OTLP endpoint is configured, and flight-recorder dumps as
-``rank_<R>`` beside them. At the end the launcher prints a summary (per op: count, p50/p99 latency, busbw;
-per rank: NaN events, hangs, time spent in collectives), the verdict of ``commlens diagnose`` on
-those files, and PyTorch's analyzer's verdict on the dumps. Faults can be injected to see what commlens catches:
-
-    nan:rank=R:step=S      rank R's batch holds NaN at step S (its gradient bucket is flagged)
-    slow:rank=R:ms=M       rank R computes M ms longer every step (a straggler)
-    hang:rank=R:step=S     rank R stalls at step S for the hang threshold + 2 s (the others hang);
-                           hang:rank=R:step=S:s=N stalls it N seconds
-    desync:rank=R:step=S   rank R issues a broadcast where the others all_reduce
-    size:rank=R:step=S     rank R receives the step's learning-rate broadcast into a larger tensor
-    skip:rank=R:step=S     rank R stops at step S: it never joins that step's collectives
+What each rank runs, what the launcher prints, the files it writes and the faults it can inject
+(``--inject nan:rank=2:step=3``, ...): docs/demo.md.
 """
 
 from __future__ import annotations

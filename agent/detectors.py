@@ -1,5 +1,5 @@
 """The detectors: ``findings()`` turns ranks' facts into verdicts, the same way whatever the source
-(diagnose.py says what each detector finds and why).
+(docs/verdicts.md says what each detector finds and why).
 
 Example::
 
@@ -23,24 +23,18 @@ STRAGGLER_RATIO = 0.5
 STRAGGLER_EVIDENCE = 30
 """After the fact, a straggler is only named from at least this many collectives seen by every rank."""
 STRAGGLER_LIVE_EVIDENCE = 10
-"""Live, from at least this many collectives of each rank in the window: a group that issues one now and
-then (a job's loss averaged every few steps) tells nothing from the two or three a window holds."""
+"""Live, from at least this many collectives of each rank in the window (docs/verdicts.md says why)."""
 STALL_MIN_S = 1.0
-"""After the fact, a one-off stall is named where the ranks held up by it waited at least this long (and
-under the hang threshold: longer is a hang, named as such): a GC pause, a checkpoint written on one node."""
+"""After the fact, a one-off stall is named where the ranks held up by it waited this long (under the
+hang threshold)."""
 STRAGGLER_LEAD = 1.5
-"""... or, after the fact, arrives later on average than this many times the next latest rank (a rank
-that waits on the straggler inherits part of its lateness: a broadcast's root, say)."""
+"""... or, after the fact, arrives later on average than this many times the next latest rank."""
 
 
 def findings(facts: Iterable[RankFacts]) -> list[Finding]:
-    """Every verdict the facts support, most severe first; [] for a healthy job.
-
-    A job runs several groups at once, and a rank held up in one group is late in the others: the
-    waits form a graph (the ranks waiting in a collective wait on those of its group that have not
-    issued it). A rank late in a group while it waits itself in another is a link of a chain, not
-    its end: it is named as evidence, and the culprits are the ranks at the chains' ends, late and
-    waiting nowhere. When every late rank waits elsewhere, the waits go round: a deadlock."""
+    """Every verdict the facts support, most severe first; [] for a healthy job. The waits form a
+    graph: culprits are the ends of its chains, links are evidence, a round is a deadlock
+    (docs/verdicts.md)."""
     facts = list(facts)
     found: list[Finding] = []
     links: list[Finding] = []
@@ -173,12 +167,9 @@ def _who(ranks: list[int]) -> str:
 
 
 def _waits_of_the_stop(pg: str, members: list[RankFacts]) -> set[int]:
-    """The seqs whose waits were the job being stopped, not a fault (after the fact): every rank that
-    had not issued the collective was signalled to stop (SIGTERM) before the first rank waiting in
-    it had waited the hang threshold. Stopped together, a rank held in its signal handler (writing
-    its snapshot) keeps the ranks blocked in a collective with it waiting until the job ends. A
-    collective that failed before anyone waited the threshold in it is the stop's when every rank
-    behind was signalled: it failed because their processes ended as told."""
+    """The seqs whose waits were the job being stopped, not a fault (after the fact): every rank behind
+    was signalled (SIGTERM) before the first rank waiting had waited the hang threshold, or, for a
+    collective that failed, at all (docs/running.md, "Snapshots on the way down")."""
     if not any(f.signalled_ns for f in members):
         return set()
     thresholds = [f.groups[pg].threshold_s for f in members if pg in f.groups and f.groups[pg].threshold_s]

@@ -1,39 +1,7 @@
-"""The verdict: which rank, which collective, why — from telemetry alone.
+"""The verdict: which rank, which collective, why — from telemetry alone (``commlens diagnose``).
 
-Facts about each rank come from one of three sources, always in the same shape (``RankFacts``):
-
-* live, from the ranks' metrics endpoints (``from_endpoints``: two scrapes ``window_s`` apart);
-* live, from a Prometheus server that scrapes them (``from_prometheus``);
-* after the fact, from a job's trace files and flight-recorder dumps (``from_files``).
-
-``findings()`` turns them into verdicts, the same way whatever the source; ``commlens diagnose``, the
-demo's closing verdict and the alert rules (``deploy/prometheus-rules.yaml``, which compute the same
-in PromQL) share this reasoning:
-
-* **NaN/Inf origin** — the rank whose *input* held NaN or Inf at the lowest sequence number of its
-  group: the values entered there; every rank they reached afterwards saw them later.
-* **Lost rank** — a rank's process ended without a signal or an exception (SIGKILL, the OOM killer,
-  a crash: the pod sidecar's ``exit`` snapshot with neither a ``signal`` nor an ``exception`` one)
-  while its group hangs in or fails in a collective: that rank is the culprit, not the network.
-* **Late or missing rank** — ranks wait past the hang threshold in collective ``seq``; the rank(s)
-  that have not issued ``seq`` (or stopped reporting) are the culprits; the waiting ranks are evidence.
-  Across groups the waits form chains: a rank behind in one group while it waits itself in another
-  (a tensor-parallel partner of the late rank, held up in their pair) is a link, named as evidence
-  ("held up through them: ..."), and the culprits are the ranks at the chains' ends.
-* **Deadlock** — every rank behind waits itself in another group: the waits go round.
-* **Desync** — at the same ``seq`` the ranks issued different ops: the minority issued the wrong one.
-* **Size mismatch** — at the same ``seq`` the ranks gave one op inputs of different dtypes or sizes
-  (after the fact, from the dumps): the minority gave the wrong ones; the backend's failures follow.
-* **Straggler** — in a synchronous collective a rank waits for the last to arrive, so the time rank
-  ``r`` spends in its collectives is ``(last arrival - r's arrival) + transfer``. The rank that waits
-  least arrives last; how much less it waits than the group's longest waiter is how much later it
-  arrives (no clock alignment needed) — unless it waited in its other groups meanwhile: a straggler
-  spends less than half the time in collectives, all its groups together, of the member that spends
-  most. Offline, arrivals are read directly from span start times.
-* **Hang** with no rank behind and no desync: every rank waits in the same collective.
-
-The facts are ``facts.py``'s, the readers ``readers.py``, the detectors ``detectors.py``; this
-module is ``commlens diagnose``.
+Facts come live from the ranks' metrics endpoints or Prometheus, or after the fact from a job's
+folder; ``detectors.findings`` judges them. The findings: docs/verdicts.md.
 
 Example::
 

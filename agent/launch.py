@@ -1,20 +1,7 @@
 """``commlens run [options] -- COMMAND…``: run a command with commlens in every distributed rank it starts.
 
-It puts a ``sitecustomize`` module (``agent/autostart/``) first on ``PYTHONPATH``; Python imports it
-at start-up in every process of the command's tree. In a process that is a distributed rank (``RANK``
-is set, as torchrun and the other launchers set it) it starts ``commlens.agent`` and stops it, flushing,
-at exit; every other process (torchrun's own agent, data-loader workers started with ``RANK`` unset,
-tools) is left alone. A ``sitecustomize`` the job had is still imported after ours.
-
-By default the ranks run only the hot path and one ``commlens sidecar`` process (started first,
-stopped after the command, as Kubernetes runs a native sidecar container) exports for them all from
-their rings in a new temporary ``COMMLENS_RING_DIR``: it outlives the ranks, so what a rank killed
-while torchrun tears the job down had done is still exported. Where a ring folder is given
-(``--ring-dir``), a sidecar runs beside (a pod's sidecar container) and ``run`` starts none;
-``--sidecar`` starts one all the same. ``--in-process`` exports from a thread in every rank instead.
-
-Everything of one job (trace files, dumps) goes to one folder, ``./commlens-out/<job id>/`` unless
-``--out`` says, and is never written over by another job.
+How it starts commlens in the ranks (a ``sitecustomize`` first on ``PYTHONPATH``), the sidecar it
+starts and the job's folder: docs/running.md.
 
 Example::
 
@@ -52,11 +39,9 @@ def environment(base: dict[str, str], settings: dict[str, str]) -> dict[str, str
 
 
 def job_folder(env: dict[str, str], out: str | None) -> str | None:
-    """Give the job an id in ``env`` (``COMMLENS_JOB_ID``, else a new one) and one folder for its files:
-    ``out``, else ``./commlens-out/<job id>``. Its trace files (unless an OTLP endpoint takes the spans)
-    and flight-recorder dumps go there, unless ``env`` puts them elsewhere. Returns the folder, made
-    here, or None when nothing goes there; raises ``ConfigError`` for one that holds files already
-    (another job's: never overwritten)."""
+    """Give the job an id in ``env`` (``COMMLENS_JOB_ID``, else a new one) and one folder for the trace
+    files and dumps ``env`` does not put elsewhere: ``out``, else ``./commlens-out/<job id>``. Returns
+    the folder, made here (``make_job_folder``), or None when nothing goes there."""
     job = env.setdefault("COMMLENS_JOB_ID", time.strftime("%Y%m%d-%H%M%S-") + str(os.getpid()))
     folder = os.path.relpath(out or os.path.join(OUT_ROOT, job))
     defaults = {"TORCHCOMM_FR_DUMP_TEMP_FILE": os.path.join(folder, "rank_")}

@@ -1,9 +1,8 @@
 """One rank's telemetry from its ring to the exporters: drain → stats → spans and metrics, wired once.
 
-The in-process agent (agent/runtime.py) runs one pipeline for its own rank; the pod sidecar
-(agent/pod.py) one per local rank, which follows the rank from ring to ring as its process restarts
-(``follow``): its counters, spans and metrics outlive any one ring. The pipeline is the
-``RankTelemetry`` its metrics collector reads at each scrape. Imports no torch.
+The in-process agent runs one for its rank; the pod sidecar one per local rank, which ``follow``s
+the rank from ring to ring as it restarts. It is the ``RankTelemetry`` its metrics collector reads.
+Imports no torch.
 
 Example::
 

@@ -1,12 +1,6 @@
 """``commlens report``: a job's folder as one self-contained HTML page, to open from disk.
 
-The page holds the verdict of ``commlens diagnose`` on the folder (the same lines, its notes and
-caveats), the cross-rank timeline of the spans kept (a lane per rank, anomalies and the ranks named drawn
-over them, clocks aligned as ``commlens timeline`` aligns them), each rank's time in the collectives kept
-and its waits for the others, the latency of each op in each group (percentiles, distribution), and the
-anomalies one by one. Ordinary collectives are sampled
-into the trace files and anomalies all kept, so the figures are of the spans kept: the metrics hold the
-exact counts. No script, no style sheet or font from elsewhere: it opens in any browser, offline.
+What the page holds: docs/timeline.md ("The report").
 
 Example::
 

@@ -8,10 +8,7 @@ Example::
     ...                         # train: every collective is recorded and exported
     commlens.agent.stop()       # drains the ring, flushes spans, stops serving metrics
 
-Snapshots on the way down: a flight-recorder dump is written (and what is pending flushed, within
-``COMMLENS_SNAPSHOT_TIMEOUT_S``) on a collective's abort, on a hang, on SIGTERM and on an unhandled
-exception; then the process goes on to end as it would have. SIGTERM's is written even while the
-main thread is blocked inside a collective (agent/signals.py).
+Snapshots on the way down (abort, hang, SIGTERM, an unhandled exception): docs/running.md.
 """
 
 from __future__ import annotations
@@ -104,17 +101,10 @@ class Agent:
 
     def snapshot(self, reason: str, blocking: bool = True) -> str | None:
         """Write a flight-recorder dump and flush pending spans, within the snapshot timeout; returns
-        the dump's path (None when another snapshot is being written, or the dump failed). A hang or
-        an abort asks every other rank of the job for its dump too; on the way down (an unhandled
-        exception, a signal) the metrics wait for Prometheus' next scrape, within the same timeout,
-        so that what this rank saw last (a failed collective) is not lost with the process.
-
-        With a pod sidecar, the request goes into the ring (a SNAPSHOT record) and the pod sidecar
-        writes the dump from shared memory; None is returned.
-
-        ``blocking=False`` is a signal's (agent/signals.py): the thread it interrupted may hold any
-        lock, so it waits on none. The dump needs none and is written even beside another snapshot
-        (whole, by rename); the drain and the count: ``RankPipeline.write_dump``."""
+        the dump's path (None when another snapshot is being written, the dump failed, or a pod sidecar
+        writes it from a SNAPSHOT record). What each reason adds: docs/running.md ("Snapshots on the
+        way down"). ``blocking=False`` is a signal's: the thread it interrupted may hold any lock, so
+        it waits on none (``RankPipeline.write_dump``)."""
         if self.pipeline is None:  # a pod sidecar reads this rank's ring
             record.snapshot(process_ring.ring().write, reason)
             return None
@@ -182,10 +172,8 @@ _lock = threading.Lock()
 
 
 def start(config: Config | None = None) -> Agent:
-    """Start hooks and sidecar (idempotent); ``config`` defaults to ``Config.from_env()`` with rank
-    and world size taken from the default process group when it is initialised (``mp.spawn`` jobs
-    that pass ``rank=`` to ``init_process_group``), and the local rank from ``LOCAL_RANK``, else the
-    rank (one node)."""
+    """Start hooks and sidecar (idempotent); ``config`` defaults to ``Config.from_env()`` with the
+    ranks of the initialised default process group (``ranks_from_group``)."""
     global _agent
     with _lock:
         if _agent is None:

@@ -136,9 +136,8 @@ class Sidecar:
     # -- the loop -----------------------------------------------------------------------------------
 
     def start(self, interval_s: float) -> None:
-        """Drain on a thread every ``interval_s`` (at most a quarter of the hang threshold, so that a
-        hang is seen soon after it crosses it), and as soon as producers in this process have filled a
-        quarter of the ring (``Ring.wake_reader``): a quiet job wakes it seldom, a busy one loses nothing."""
+        """Drain on a thread every ``interval_s`` (at most a quarter of the hang threshold), and as soon
+        as producers in this process have filled a quarter of the ring (``Ring.wake_reader``)."""
         interval_s = min(interval_s, self.hang_threshold_ns / 4e9)
         self._wakeup = self.ring.wake_reader()
         self._thread = threading.Thread(target=self._run, args=(interval_s,), name="commlens-sidecar", daemon=True)
@@ -217,9 +216,7 @@ class Sidecar:
 
     def _hand_over(self) -> None:
         """Let a thread waiting for the GIL (training) have it, unless more than half the ring is
-        unread: then the drain catches up first. Under a busy CPU each hand-over can cost the drain a
-        whole switch interval (5 ms) while training fills the ring; losing records costs more than a
-        few milliseconds of training, and a drain that keeps up never gets here."""
+        unread: then the drain catches up first (docs/performance.md, "The GIL")."""
         if self._hand_over_s and self.ring.claimed() - self.reader.cursor < self.ring.slots // 2:
             time.sleep(self._hand_over_s)
 

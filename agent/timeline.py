@@ -1,17 +1,7 @@
 """``commlens timeline``: a job's collectives as one cross-rank timeline, for Perfetto or chrome://tracing.
 
-From a job's trace files (the OTLP JSON lines that ``commlens run`` and the demo write) it builds a
-trace-event JSON file: a process per rank, a thread per process group, each collective a slice named
-by its op (args: bytes, seq, group, module, phase, status, DDP bucket); flow arrows joining the same
-``(group, seq)`` across ranks in the order the ranks arrived, so an arrow ends at the last rank to
-arrive; instant markers for NaN/Inf, hangs and failed collectives on the rank whose span says so,
-and for each verdict of ``commlens diagnose`` on the rank it names; where a DDP model's last
-gradient bucket marks the end of a step, the steps as slices of their own.
-
-Clocks: each rank stamps its spans with its own wall clock. A collective ends on all of its ranks at
-about the same instant (the last arrival releases them all), so each rank's offset is estimated as
-the median, over the collectives it shares with others, of its end minus the collective's median end
-across ranks, and subtracted; a rank that shares no collective is left as it is.
+What it shows and how each rank's clock is aligned (from the collectives the ranks share):
+docs/timeline.md.
 
 Example::
 
@@ -139,7 +129,7 @@ def _window(found: list[Slice], last_s: float | None, steps: tuple[int, int] | N
 
 def events(folder: str, last_s: float | None = None, steps: tuple[int, int] | None = None,
            read_as: tuple[list[Slice], list] | None = None) -> tuple[Iterator[dict], dict]:
-    """The trace events of the job in ``folder`` (see the module's docstring), as they are made,
+    """The trace events of the job in ``folder`` (docs/timeline.md), as they are made,
     and the document's ``otherData``; ``read_as``: ``read(folder)``'s result, where the caller has it."""
     found, verdicts = read_as or read(folder)
     if not found:

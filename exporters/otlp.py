@@ -76,10 +76,8 @@ _KINDS_KEPT = 1024
 class SpanBuilder:
     """Collective -> an OTLP ``Span`` (protobuf, added to a request's spans) or its OTLP JSON text.
 
-    A span's attributes are mostly its kind's: the rank's, and the collective's op, group, shape,
-    status, flags, module and DDP bucket. Those are encoded once per kind, in both forms; each span
-    adds its ids, times, op id, seq and bus bandwidth (and its GPU times or age): a third to a quarter
-    of the time of encoding it whole (``bench/export_throughput.py``)."""
+    The attributes of a span's kind are encoded once per kind (docs/performance.md); each span adds
+    its own (``_own``)."""
 
     def __init__(self, job: str, world_size: int):
         self.job = job
@@ -172,16 +170,9 @@ _HAND_OVER_S = 20e-6
 class BatchSpanProcessor:
     """A bounded queue of collectives and a thread that builds and sends them in batches.
 
-    ``beside_training`` (the in-process agent): nothing here holds the GIL for more than ~0.1 ms at
-    a stretch, so the training thread never waits longer for it: spans are built 8 at a time, with
-    a short sleep between (``_chunks``); a batch's encoding is then one short C call (protobuf's
-    serializer, ~1 µs a span; the JSON text's join), batches of 64.
-
-    Sampling keeps a collective when its sampling key (a hash of its group and seq, the same on
-    every rank) falls below a bound: a fixed ratio, or — with ``budget_per_s`` — a ratio recomputed
-    each second as the budget over the rate of collectives offered, so that ranks seeing the same
-    collectives keep the same ones, and at most ``budget_per_s`` spans a second are kept whatever the
-    job's rate. NaN, Inf, hung, failed and slow collectives are always kept, over the budget too."""
+    ``beside_training``: it hands the GIL over between chunks of spans (docs/performance.md, "The
+    GIL"). Sampling keys on a hash of group and seq, the same on every rank, below a fixed ratio or
+    ``budget_per_s`` (docs/traces.md); anomalies are always kept."""
 
     def __init__(self, exporter: SpanExporter, resource: Mapping[str, Any], job: str, world_size: int = 1,
                  sampler_ratio: float = 1.0, sample_none: bool = False, queue_size: int = 8192,
@@ -316,9 +307,7 @@ class BatchSpanProcessor:
             self._sending = 0
 
     def _chunks(self, batch: list) -> Iterator[list]:
-        """``batch`` in chunks of ``_CHUNK``, each after a hand-over of the GIL beside training: long
-        enough for a thread waiting on it to take it, so that this thread never holds it for more than
-        ~0.1 ms at a stretch (``time.sleep(0)`` would take it straight back before the waiting thread woke)."""
+        """``batch`` in chunks of ``_CHUNK``, each after a hand-over of the GIL beside training."""
         for at in range(0, len(batch), _CHUNK):
             if self._hand_over_s:
                 time.sleep(self._hand_over_s)

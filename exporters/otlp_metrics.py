@@ -1,15 +1,7 @@
 """OTLP metrics: the series of the Prometheus endpoint, pushed over OTLP (gRPC or HTTP/protobuf).
 
-``MetricsPusher`` reads a collector's families — ``MetricsCollector`` for one rank, the pod sidecar's
-``PodCollector`` for a pod: the very series the Prometheus endpoint serves — every ``interval_s`` on
-its own thread, turns them into OpenTelemetry metric data (counters into monotonic sums, gauges into
-gauges, histograms into explicit-bucket histograms, every label an attribute) and hands them to
-opentelemetry-exporter-otlp's ``OTLPMetricExporter``. Names are the families': the counter that
-Prometheus shows as ``commlens_collectives_total`` is the sum ``commlens_collectives``, which an
-OpenTelemetry Collector's Prometheus exporter shows with ``_total`` again. Temporality is cumulative,
-or with ``delta=True`` each sum and histogram point is the change since the previous export (a
-counter that went back — a restarted pod sidecar — starts a new series of changes). Export results
-are counted in ``counts`` (``exported`` / ``failed``), never raised.
+``MetricsPusher`` reads a collector's families every ``interval_s`` on its own thread and hands them
+to ``OTLPMetricExporter``; results are counted in ``counts``, never raised. Details: docs/metrics.md.
 
 Example::
 

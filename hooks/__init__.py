@@ -13,8 +13,7 @@ Example::
     dist.all_reduce(t)
     recorder.dump_file(dist.get_rank())            # torchfrtrace reads a folder of these
 
-Names are imported on first use, so that what reads a ring (``commlens.hooks.ring``, the pod
-sidecar) imports no torch.
+Names are imported on first use: what reads a ring imports no torch.
 """
 
 from .lazy import lazy_names

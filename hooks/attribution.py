@@ -1,10 +1,7 @@
 """Which module issued a collective, and in which phase: forward, backward, optimizer step, other.
 
-While enabled, global module forward hooks keep, per thread, the stack of modules being run (as
-string ids of their fully qualified names, never the modules themselves); optimizer step hooks mark
-the optimizer phase; autograd says when a thread is running backward. Every ring record then carries
-``(module, phase)``. Names come from a ``WeakKeyDictionary``: attribution never keeps a module alive.
-A module first seen outside any other is taken as a root, and its submodules are named from it.
+While enabled, every ring record carries ``(module, phase)``; how, and what it costs: docs/running.md
+("Module attribution").
 
 Example::
 

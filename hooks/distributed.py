@@ -248,13 +248,8 @@ def build_extensions() -> None:
 
 def uninstrument() -> None:
     """Restore torch.distributed exactly as it was, once commlens' callbacks on completed futures have
-    left the backend's threads (at most ``futures.EXIT_WAIT_S``). Idempotent.
-
-    A callback that closes over a process group can hold its last reference: dropped on the group's
-    own worker thread, the group's destructor joins that thread from itself, and the process dies with
-    SIGABRT ("Resource deadlock avoided"). A group destroyed, or commlens taken out, right after a
-    backward whose last bucket's callback still ran did that in 2 of 24 runs of a test on a loaded
-    machine."""
+    left the backend's threads (at most ``futures.EXIT_WAIT_S``): one dropped there holding a group's
+    last reference kills the process (docs/testing.md, "Resource deadlock avoided"). Idempotent."""
     futures.wait_for_callbacks(grace_s=0.0)
     with _lock:
         _patches.undo()

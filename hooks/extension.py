@@ -1,14 +1,9 @@
 """commlens' C++ extensions (``_pg_hooks.cpp``, ``_ddp_hook.cpp``), built against the installed torch.
 
-``load(source)`` returns the module built from ``source`` (a file next to this one): from the cache,
-``$XDG_CACHE_HOME/commlens`` (default ``~/.cache/commlens``), else built into it by
-``torch.utils.cpp_extension`` (about 25 s, once per machine, torch and source; it needs a C++ compiler
-and ninja on PATH). One process builds while the others that need it (the ranks of a node) wait for
-it, under a file lock that the kernel releases if the builder dies. A failure raises, the compiler's
-whole output in the error. ``load_or_warn`` is
-what the hooks call: None where it fails, and a one-line warning that says what commlens does instead.
-``ready()`` says, without importing torch (seconds of CPU), whether every extension this torch takes
-was built (``mark_ready()``): a launcher imports torch to build them only when not.
+``load(source)`` returns the module built from ``source`` (a file next to this one), from the cache or
+built into it under a file lock (docs/install.md); a failure raises with the compiler's output.
+``load_or_warn`` is what the hooks call: None where it fails, and a one-line warning. ``ready()`` says,
+without importing torch, whether every extension this torch takes was built (``mark_ready()``).
 
     hook = extension.load_or_warn("_ddp_hook.cpp", "C++ hook", "records ... with a Python hook",
                                   lambda module: module.init(...))

@@ -1,9 +1,7 @@
 """``FlightRecorderHook``: the last collectives of this process, in PyTorch's flight-recorder format.
 
-It is a reader of the ring, not a second buffer: a dump joins the START and END records still in
-the ring by ``op_id``, so entries carry real states (``started`` / ``completed``), completion times
-and durations on every backend, gloo included. Dumps follow schema version "2.10", so PyTorch's
-own analyzer reads a directory of them::
+A reader of the ring, not a second buffer (docs/hooks.md); PyTorch's own analyzer reads a
+directory of its dumps::
 
     recorder = FlightRecorderHook(max_entries=1024)
     recorder.register_with_comm()          # every torch.distributed group; or a group, or a torchcomms comm

@@ -1,18 +1,8 @@
 """Instrumentation of PyTorch's functional collectives, the ones DTensor and tensor parallelism issue.
 
-``torch.distributed._functional_collectives`` calls C++ ops (``torch.ops._c10d_functional.*``) that
-go to the process group without passing through ``torch.distributed``. ``instrument_functional()``
-wraps its Python entry points in place (``patch.Patch``), so each call gets the same pre-hooks, START
-record and sequence number as a ``torch.distributed`` collective.
-
-A functional collective returns at once, before it has completed: its output is an
-``AsyncCollectiveTensor`` whose data is waited for at first use. END and the post-hooks come when
-that wait returns, so the recorded duration runs from issue to the first use of the result. An
-output never waited for stays in flight, as PyTorch itself reports it ("unwaited collective calls").
-
-Graphs compiled by ``torch.compile`` call the C++ ops directly, and the wrappers step aside while
-Dynamo traces: on torch >= 2.14 PyTorch's own process-group hooks record those (``native.py``); before
-2.14 compiled collectives are not recorded.
+``instrument_functional()`` wraps the Python entry points of ``torch.distributed._functional_collectives``
+and ``wait_tensor`` in place (``patch.Patch``); END comes at the output's first wait. What is and is
+not covered: docs/hooks.md.
 """
 
 from __future__ import annotations

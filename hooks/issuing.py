@@ -1,13 +1,8 @@
 """The issuing protocol every source of collectives follows: start → issuing → call → failed or settle.
 
-``record()`` is the whole of it, for a source that issues the collective itself (the public API,
-the functional collectives, DDP's buckets). A source that sees a collective through two callbacks
-(PyTorch's process-group hooks, torchcomms' pre- and post-hooks) calls its halves: ``start()`` in
-the first, ``settle()`` in the second. Either way a propagating hook's error reaches the caller as
-it was raised, and a failure of commlens itself is counted and leaves the collective unrecorded.
-
-While a wrapper issues a collective, ``issuing()`` is true on its thread (``_issuing.c``: C, read
-by ``_pg_hooks.cpp``), so that PyTorch's own process-group hooks (``native.py``) step aside.
+``record()`` is the whole of it; a source that sees a collective through two callbacks calls its
+halves, ``start()`` then ``settle()``. ``issuing()`` is true on a thread while a wrapper issues a
+collective (``_issuing.c``), so that PyTorch's own process-group hooks step aside. docs/architecture.md.
 
 Example::
 

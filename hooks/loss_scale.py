@@ -1,11 +1,8 @@
 """``watch_loss_scaling()``: what a dynamic loss scaler did with each step, into the ring.
 
-With ``torch.amp.GradScaler`` a step whose scaled gradients overflow holds Inf (or NaN) in its gradient
-buckets by design: the scaler skips it and lowers its scale. The ring gets a LOSS_SCALE record when
-the scaler scales a loss (the step's gradients follow) and when it ends the step, applied or skipped,
-so that the sidecar tells those values from non-finite values entering the job (agent/sidecar.py).
-Reading whether the step was skipped copies the scaler's found-Inf flags to the host once per step;
-``GradScaler.step`` has already waited for them.
+A step whose scaled gradients overflow holds Inf (or NaN) by design; LOSS_SCALE records let the
+sidecar tell that overflow from values entering the job (docs/verdicts.md). Reading whether the step
+was skipped copies the found-Inf flags to the host once per step, after ``GradScaler.step`` waited.
 
 Example::
 

@@ -25,9 +25,7 @@ MODES = ("report", "raise")
 class NanCheckHook:
     """Checks inputs (and, with ``check_outputs``, outputs) of every collective for NaN and Inf.
 
-    On a CUDA tensor, report mode sums it on the device and reads the sum when it is ready, without
-    synchronising (``hooks/cuda.py``): NaN and Inf are then told apart by the sum (NaN, or ±Inf) and
-    the count is not known (0). Raise mode synchronises, since it must refuse the collective first.
+    On a CUDA tensor, report mode never synchronises and raise mode does (docs/gpu.md).
 
     ``mode="report"``: each finding is a NAN record in the ring (tensor index in ``aux``, count of
     non-finite elements in ``nbytes``, ``FLAG_*`` bits in ``flags``) and the collective proceeds.

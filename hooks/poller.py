@@ -26,16 +26,9 @@ class InFlight(Protocol):
 
 class CompletionPoller:
     """Completes async works that have no future (gloo point-to-point, gloo reduce_scatter), so the
-    post-hook fires at completion without anyone blocking on ``wait()``:
-
-    * ``wait()`` returning completes the op at once (``waited`` wraps ``Work.wait``);
-    * a daemon thread polls ``is_completed()``, backing off from 0.5 ms to 50 ms while nothing
-      completes, and sleeping while nothing is watched — it never spins on a work;
-    * a work the caller drops without waiting, and that never said it completed (gloo's
-      reduce_scatter reports ``is_completed() == False`` for good), cannot be judged: it is completed
-      when dropped and counted (the ring's ``work_unjudged`` error), never left to look like a hang.
-
-    Works are held by weak reference, so watching one never keeps it alive.
+    post-hook fires at completion without anyone blocking on ``wait()``: when ``wait()`` returns
+    (``waited``), when a polling thread sees ``is_completed()``, or, dropped unjudged, counted as
+    ``work_unjudged`` (docs/hooks.md). Works are held by weak reference.
     """
 
     FIRST_PERIOD_S, LAST_PERIOD_S = 0.0005, 0.05

@@ -29,11 +29,8 @@ class HookRaised(Exception):
         self.error = error
 
     def reraise(self) -> NoReturn:
-        """Raise ``error`` as it is, leaving no reference cycle between the two exceptions: the
-        error, and what its traceback's frames hold (the op's tensors, its process group), are freed
-        as soon as the caller lets go of it. Kept alive until a garbage collection instead, a
-        process group outlived ``destroy_process_group`` and was torn down as the process exited,
-        after its peers had gone (a SIGABRT now and then)."""
+        """Raise ``error`` as it is, leaving no reference cycle between the two exceptions, so that
+        its frames' tensors and process group are freed with it (docs/hooks.md says why)."""
         error, self.error = self.error, None
         self.__context__ = None  # ``error``, being handled when this was raised
         try:

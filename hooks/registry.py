@@ -1,8 +1,7 @@
 """Pre-, post- and abort-hook registration, and calling them without hurting the job.
 
-Hooks run in registration order. A hook that raises is counted in ``hook_errors`` and reported once
-(a warning naming it); the collective goes on. Only a hook registered with ``propagate=True`` (the
-NaN check in raise mode) may raise into the caller.
+Hooks run in registration order; one that raises is counted in ``hook_errors`` and warned about once,
+unless registered with ``propagate=True`` (docs/hooks.md).
 
 Example::
 

@@ -28,12 +28,9 @@ START, END, NAN, GPU_START, SNAPSHOT, LOSS_SCALE = 1, 2, 3, 4, 5, 6
 writer asks its reader for a flight-recorder snapshot (``flags``: the reason's index in ``REASONS``);
 a loss scaler began or ended a step (``flags``: the index in ``LOSS_SCALE_EVENTS``)."""
 REASONS = ("abort", "hang", "signal", "exception", "peer", "exit")
-"""Why a snapshot was written: a collective's abort, a hang, SIGTERM, an unhandled exception,
-another rank's hang or abort, the writer's process ended without closing its ring (killed, crashed)."""
+"""Why a snapshot was written (each one's meaning: ``commlens_abort_snapshots_total`` in docs/metrics.md)."""
 ERRORS = ("hook", "recorder", "string_dropped", "work_unjudged", "gpu_pool_exhausted")
-"""What the writer lost, counted in the header: hooks that raised, collectives it failed to record,
-strings with no room in the arena, async works dropped before their completion could be observed,
-collectives on the GPU timed on the CPU for want of events."""
+"""What the writer lost, counted in the header (``commlens_telemetry_errors_total`` in docs/metrics.md)."""
 LOSS_SCALE_EVENTS = ("scaled", "applied", "skipped")
 """A loss scaler (``torch.amp.GradScaler``) scaled a loss: the step's gradients follow; it ended the
 step and applied it; it skipped it, the gradients holding Inf or NaN (hooks/loss_scale.py)."""
