@@ -56,6 +56,10 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
     lost = {rank for f in found if f.kind == "lost_rank" for rank in f.ranks}
     # a killed rank that a pipeline peer waits on is named once, as killed
     found += [f for f in _late_peers(facts) if not set(f.ranks) <= lost]
+    unreachable = _unreachable_nodes(facts)
+    if unreachable:  # the node is the fault: the ranks behind it, or waiting on it unseen, are not
+        found = unreachable + [f for f in found if f.kind not in ("late_rank", "lost_rank", "hang")]
+        links = []
     if links and not any(f.kind in ("lost_rank", "desync", "size_mismatch", "late_rank") for f in found):
         found.append(Finding("deadlock", tuple(sorted({r for f in links for r in f.ranks})), links[0].pg,
                              links[0].op, links[0].seq, "; ".join(f.evidence for f in links)))
@@ -63,7 +67,7 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
         found = [dataclasses.replace(f, evidence="; ".join([f.evidence, *(
             f"held up through them: {link.evidence}" for link in links if f.pg in link.waits_in)]))
             if f.kind == "late_rank" else f for f in found]
-    order = ("nan_origin", "lost_rank", "desync", "size_mismatch", "late_rank", "deadlock", "hang", "stall", "straggler")
+    order = ("nan_origin", "node_unreachable", "lost_rank", "desync", "size_mismatch", "late_rank", "deadlock", "hang", "stall", "straggler")
     return sorted(found, key=lambda f: order.index(f.kind))
 
 
@@ -147,6 +151,35 @@ def _hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[
                              f"ranks {waiting} wait in seq {seq} and no rank is behind: look at the network "
                              "or the backend"))
     return found
+
+
+def _unreachable_nodes(facts: list[RankFacts]) -> list[Finding]:
+    """Live: a node none of whose ranks Prometheus reaches any more while ranks of other nodes wait
+    (past the hang threshold, or an op failed on them): killed with its ranks, or cut off. Not a node
+    whose own ranks were seen waiting or told to stop: a job torn down ends every node."""
+    nodes: dict[str, list[RankFacts]] = collections.defaultdict(list)
+    for f in facts:
+        if f.node:
+            nodes[f.node].append(f)
+    found = []
+    for node, ranks in sorted(nodes.items()):
+        if not all(f.unreachable for f in ranks) or any(_waits(f) or f.stopped for f in ranks):
+            continue
+        waiting = [f for f in facts if f.node != node and _waits(f)]
+        if not waiting:
+            continue
+        pg, op, seq = next(((pg, *(g.hung or g.failed)) for f in waiting for pg, g in sorted(f.groups.items())
+                            if g.hung or g.failed), ("", "", None))
+        found.append(Finding("node_unreachable", tuple(f.rank for f in ranks), pg, op, seq,
+                             f"Prometheus reaches none of its metrics endpoints, and {_who([f.rank for f in waiting])} "
+                             "of other nodes wait past the hang threshold or saw their ops fail: its link or the host "
+                             "is down", node=node))
+    return found
+
+
+def _waits(f: RankFacts) -> bool:
+    """It waits itself: past the hang threshold in a collective or on a peer, or an op failed on it."""
+    return f.aborted or any(g.hung or g.failed or g.p2p_hung for g in f.groups.values())
 
 
 def _unmatched(pg: str, members: list[RankFacts], seq: int, ops: dict[int, str], waiting: list[int], how: str,

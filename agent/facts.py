@@ -70,6 +70,12 @@ class RankFacts:
     """Steps its loss scaler skipped for Inf or NaN in the gradients (offline: those seen in its spans)."""
     unobserved: str = ""
     """Why commlens did not start in it, where ``commlens run`` was told (offline): it ran unobserved."""
+    node: str = ""
+    """The node it runs on (``commlens_info``'s ``node``; live)."""
+    unreachable: bool = False
+    """Prometheus no longer reaches its metrics endpoint (``up == 0``; live, ``--prometheus``)."""
+    aborted: bool = False
+    """An op failed on it in the window (its ``abort`` snapshot: a peer's process or node went; live)."""
 
     def group(self, pg: str) -> GroupFacts:
         return self.groups.setdefault(pg, GroupFacts())
@@ -78,7 +84,8 @@ class RankFacts:
 @dataclasses.dataclass(frozen=True)
 class Finding:
     kind: str
-    """nan_origin, lost_rank, late_rank, desync, size_mismatch, straggler, stall, hang or deadlock."""
+    """nan_origin, node_unreachable, lost_rank, late_rank, desync, size_mismatch, straggler, stall, hang or
+    deadlock."""
     ranks: tuple[int, ...]
     pg: str
     op: str
@@ -86,11 +93,17 @@ class Finding:
     evidence: str
     waits_in: tuple[str, ...] = ()
     """A deadlock link's: the groups its ranks wait in (where the chain goes on)."""
+    node: str = ""
+    """A node_unreachable's: the node (``ranks``: its ranks)."""
 
     def line(self) -> str:
         who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {', '.join(map(str, self.ranks))}"
-        where = f"{self.op} (group {self.pg}" + (f", seq {self.seq})" if self.seq is not None else ")")
-        title = {"nan_origin": "NaN/Inf entered on", "lost_rank": "killed or crashed:", "late_rank": "late or missing:",
-                 "desync": "desync:", "size_mismatch": "size mismatch:", "straggler": "straggler:", "stall": "stall:", "hang": "hang: all waiting,",
-                 "deadlock": "deadlock: waiting on each other,"}[self.kind]
+        if self.node:
+            who = f"node {self.node} ({who})"
+        where = f"{self.op} (group {self.pg}" + (f", seq {self.seq})" if self.seq is not None else ")") \
+            if self.op else "the job"
+        title = {"nan_origin": "NaN/Inf entered on", "node_unreachable": "unreachable:",
+                 "lost_rank": "killed or crashed:", "late_rank": "late or missing:", "desync": "desync:",
+                 "size_mismatch": "size mismatch:", "straggler": "straggler:", "stall": "stall:",
+                 "hang": "hang: all waiting,", "deadlock": "deadlock: waiting on each other,"}[self.kind]
         return f"{title} {who} in {where} — {self.evidence}"

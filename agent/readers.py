@@ -77,6 +77,7 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str], window_s: fl
                     totals[(rank, pg)][2 * index + 1] += s.value
                 elif s.name == names.INFO:
                     world_size = max(world_size, int(s.labels.get("world_size", 0)))
+                    facts.node = s.labels.get("node", "")
                 elif s.name == names.RANK_UP and s.value == 0:
                     down.add(rank)
                 elif s.name == names.total(names.ABORT_SNAPSHOTS) and s.value > 0:
@@ -210,6 +211,14 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
         facts.group(labels["pg"]).waited_s = value
     for facts, labels, value in each(f"{by} (increase({DURATION_COUNT}{{{selector}}}[{window}]))"):
         facts.group(labels["pg"]).completed = round(value)
+    info = f"last_over_time({names.INFO}{{{selector}}}[15m])"
+    for facts, labels, _ in each(info):
+        facts.node = labels.get("node", "")
+    for facts, _, _ in each(f"{info} and on (job, instance) (up == 0)"):
+        facts.unreachable = True
+    aborts = f'{names.total(names.ABORT_SNAPSHOTS)}{{reason="abort"{"," + selector if selector else ""}}}'
+    for facts, _, _ in each(f"increase({aborts}[5m]) > 0"):
+        facts.aborted = True
     down = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(f"{names.RANK_UP}{{{selector}}} == 0")}
     endings: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
     # over the job: a pod sidecar's counts end with it, and a killed rank stays the evidence after
