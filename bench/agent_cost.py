@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import os
 import statistics
 import subprocess
@@ -62,6 +63,7 @@ CONFIGS = {
     "every-span": {"OTEL_TRACES_SAMPLER": "always_on"},
     "pod-sidecar": {"COMMLENS_RING_DIR": ""},  # filled in per trial
 }
+TRIAL_LIMIT_S = 240
 YARDSTICK_US = 1.2
 """The CPU jobs' yardstick (no commlens): each all_reduce preceded by this much plain Python, what the
 hooks cost on their own (``bench/hook_overhead.py``). What it adds to the training thread is what any
@@ -181,6 +183,9 @@ def _process_cpu_s(pid: int) -> float:
 
 def _trial(rank: int, world_size: int, port: int, workload: str, iterations: int, settings: dict | None,
            out: dict, busy_us: float = 0.0, fill: float = 0.0) -> None:
+    # a rank still running after TRIAL_LIMIT_S (a trial takes seconds) prints every thread's stack and
+    # exits, so that a hang, wherever it is (training, commlens, the process' exit), fails with its evidence
+    faulthandler.dump_traceback_later(TRIAL_LIMIT_S, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
@@ -266,6 +271,7 @@ def trial(workload: str, config: str, iterations: int, world_size: int = 2, fill
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             assert sidecar.stdout.readline().startswith("commlens sidecar:")  # started: from here its CPU counts
             sidecar_started_s = _process_cpu_s(sidecar.pid)
+        print(f"trial: {workload}, {config}", file=sys.stderr, flush=True)
         try:
             with mp.Manager() as manager:
                 out = manager.dict()

@@ -5,8 +5,10 @@ Each run starts an ordinary training script with the fault written into it under
 torchrun``, and Debian's Prometheus (1 s scrape and evaluation) with the shipped rules: 3 gloo ranks of
 one DDP group (``tests/faulty_train.py``), or 4 ranks in tensor-parallel pairs, a pipeline of two stages
 (``isend``/``irecv``), DDP and a global group at once (``tests/parallel_train.py``: the faults named
-``tp-late``, ``late-send``, ``kill`` and ``size``; the last three with the pod sidecar). From the wall
-time the script wrote when the fault happened, it measures:
+``tp-late``, ``late-send``, ``kill`` and ``size``; the last three with the pod sidecar), or 3 nodes of 2
+ranks of the latter, each under its own ``commlens run`` with its pod sidecar (``node-kill``: every
+process of node 1 SIGKILLed; ``node-cut``: its link down; root only, ``tests/nodes.py``). From the wall
+time of the fault (the script writes it, or the harness notes it as it strikes), it measures:
 
 * **named**: the first evaluation whose data names the culprit (its alert pending or firing);
 * **firing**: the alert firing;
@@ -15,18 +17,20 @@ time the script wrote when the fault happened, it measures:
   culprit and nobody else); **recall**: the runs whose ``diagnose`` named the culprit.
 
 Medians (and min – max) of ``--runs`` runs per fault; precision over all runs. Goals: NaN origin ≤ 5 s;
-late or missing rank, and a size mismatch, ≤ hang threshold (3 s here) + 5 s; straggler ≤ 10 s; a kill ≤ 5 s; precision and
-recall 1.00.
+late or missing rank, a size mismatch and an unreachable node ≤ hang threshold (3 s here) + 5 s;
+straggler ≤ 10 s; a kill ≤ 5 s; precision and recall 1.00.
 
-    python bench/detection.py [--runs 3] [--faults nan,inf,late,leave,slow,desync,tp-late,late-send,kill,size]
+    python bench/detection.py [--runs 3] [--faults nan,inf,late,leave,slow,desync,tp-late,late-send,kill,size,node-kill,node-cut]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -36,9 +40,11 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from monitoring import PARALLEL_SCRIPT, SCRIPT, Prometheus, TrainingJob, culprits, wait_for  # noqa: E402
+from nodes import NodeJob, Nodes  # noqa: E402
 
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
 CULPRIT = 1
+CULPRIT_NODE = "node-1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,29 +69,56 @@ FAULTS = {
     "late-send": Fault("CommlensPeerLate", **PARALLEL, job={"step": 30, "extra": ["--late-s", "15"], "pod": True}),
     "kill": Fault("CommlensRankKilled", **PARALLEL, job={"step": 30, "pod": True}),
     "size": Fault("CommlensCollectiveMismatch", **PARALLEL, job={"step": 30, "pod": True, "extra": ["--timeout-s", "10"]}),
+    "node-kill": Fault("CommlensNodeUnreachable", PARALLEL_SCRIPT, 6),
+    "node-cut": Fault("CommlensNodeUnreachable", PARALLEL_SCRIPT, 6),
 }
-CULPRIT_ALERTS = {fault.alert for fault in FAULTS.values()} | {"CommlensDeadlock"}
+"""``node-*``: 3 nodes of 2 ranks (``tests/nodes.py``, root only), node 1 killed whole or its link cut."""
+CULPRIT_ALERTS = {fault.alert for fault in FAULTS.values()} | {"CommlensDeadlock", "CommlensCollectiveHung"}
 
 
 @dataclasses.dataclass
 class Run:
     named_s: float
     firing_s: float
-    by_alerts: set[int]
-    """Ranks that any culprit-naming alert named while firing."""
-    by_diagnose: set[int]
-    """Ranks that ``commlens diagnose --prometheus`` named once the alert fired."""
+    by_alerts: set[str]
+    """Ranks (and nodes) that any culprit-naming alert named while firing."""
+    by_diagnose: set[str]
+    """Ranks (and nodes) that ``commlens diagnose --prometheus`` named once the alert fired."""
 
 
-def measure(name: str, after_s: float) -> Run:
+@contextlib.contextmanager
+def _nodes_job(tmp: pathlib.Path, name: str):
+    """3 nodes of 2 ranks; node 1 killed or cut off once the job runs."""
+    with Nodes(3) as nodes:
+        job = NodeJob(nodes, tmp / "job", PARALLEL_SCRIPT, ["--steps", "3000", "--step-ms", "20", "--timeout-s", "30"])
+        with Prometheus(tmp, job, [RULES]) as prometheus:
+            wait_for(lambda: prometheus.query('commlens_collective_last_seq{pg="0", state="completed"} > 2'),
+                     "the job under way on every node")
+            fault_at = time.time()
+            nodes.kill(1) if name == "node-kill" else nodes.cut(1)
+            yield prometheus, lambda: fault_at
+
+
+@contextlib.contextmanager
+def _rank_job(tmp: pathlib.Path, name: str):
     fault = FAULTS[name]
     options = {"steps": 1000, **fault.job}
     written = options.pop("fault", name)  # the fault's name in the script
+    with TrainingJob(tmp, fault.world, written, rank=CULPRIT, script=fault.script, **options) as job, \
+            Prometheus(tmp, job, [RULES]) as prometheus:
+        yield prometheus, job.fault_at
+
+
+def _named(labels: dict) -> str:
+    return labels.get("node") if labels["alertname"] == "CommlensNodeUnreachable" else labels.get("rank", "")
+
+
+def measure(name: str, after_s: float) -> Run:
+    fault, culprit = FAULTS[name], CULPRIT_NODE if name.startswith("node-") else str(CULPRIT)
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp, \
-            TrainingJob(pathlib.Path(tmp), fault.world, written, rank=CULPRIT, script=fault.script, **options) as job, \
-            Prometheus(pathlib.Path(tmp), job, [RULES]) as prometheus:
+            (_nodes_job if name.startswith("node-") else _rank_job)(pathlib.Path(tmp), name) as (prometheus, fault_at):
         named = firing = diagnose = None
-        ranks: set[int] = set()
+        ranks: set[str] = set()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             now = time.time()
@@ -93,10 +126,8 @@ def measure(name: str, after_s: float) -> Run:
                 states = prometheus.query(f'ALERTS{{alertname=~"{"|".join(CULPRIT_ALERTS)}"}}')
             except OSError:
                 states = []
-            ranks |= {int(s["metric"]["rank"]) for s in states
-                      if s["metric"]["alertstate"] == "firing" and "rank" in s["metric"]}
-            mine = [s for s in states if s["metric"]["alertname"] == fault.alert
-                    and s["metric"].get("rank") == str(CULPRIT)]
+            ranks |= {_named(s["metric"]) for s in states if s["metric"]["alertstate"] == "firing"}
+            mine = [s for s in states if s["metric"]["alertname"] == fault.alert and _named(s["metric"]) == culprit]
             if mine and named is None:
                 named = now
             if firing is None and any(s["metric"]["alertstate"] == "firing" for s in mine):
@@ -110,14 +141,15 @@ def measure(name: str, after_s: float) -> Run:
             raise RuntimeError(f"{fault.alert} never fired for the {name} fault")
         if diagnose.returncode != 1:  # 1: something wrong found
             raise RuntimeError(f"commlens diagnose failed for the {name} fault: {diagnose.stdout}{diagnose.stderr}")
-        fault_at = wait_for(job.fault_at, "the fault's time", timeout_s=5)
-    return Run(named - fault_at, firing - fault_at, ranks, culprits(diagnose.stdout))
+        fault_at = wait_for(fault_at, "the fault's time", timeout_s=5)
+    said = {str(rank) for rank in culprits(diagnose.stdout)} | set(re.findall(r"unreachable: node (\S+)", diagnose.stdout))
+    return Run(named - fault_at, firing - fault_at, ranks, said)
 
 
-def precision(named: list[set[int]]) -> str:
-    """Culprits named / ranks named, over all runs."""
+def precision(named: list[set[str]], culprit: str) -> str:
+    """Culprits named / ranks (and nodes) named, over all runs."""
     ranks = sum(len(r) for r in named)
-    return f"{sum(CULPRIT in r for r in named) / ranks:.2f}" if ranks else "-"
+    return f"{sum(culprit in r for r in named) / ranks:.2f}" if ranks else "-"
 
 
 def main() -> None:
@@ -131,10 +163,11 @@ def main() -> None:
           f"{'precision: alerts':>19}{'diagnose':>10}{'recall':>8}  ranks named by alerts; by diagnose")
     for name in args.faults.split(","):
         runs = [measure(name, args.after_s) for _ in range(args.runs)]
+        culprit = CULPRIT_NODE if name.startswith("node-") else str(CULPRIT)
         by_alerts, by_diagnose = [r.by_alerts for r in runs], [r.by_diagnose for r in runs]
         print(f"{name:<10}{FAULTS[name].alert:<26}{_figure([r.named_s for r in runs]):>20}"
-              f"{_figure([r.firing_s for r in runs]):>20}{precision(by_alerts):>19}{precision(by_diagnose):>10}"
-              f"{sum(CULPRIT in r for r in by_diagnose) / len(runs):>8.2f}  "
+              f"{_figure([r.firing_s for r in runs]):>20}{precision(by_alerts, culprit):>19}"
+              f"{precision(by_diagnose, culprit):>10}{sum(culprit in r for r in by_diagnose) / len(runs):>8.2f}  "
               f"{sorted(set().union(*by_alerts))}; {sorted(set().union(*by_diagnose))}", flush=True)
 
 

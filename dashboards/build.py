@@ -156,6 +156,12 @@ def overview() -> dashboard.Dashboard:
                               events("commlens_hangs_total", SELECT), bars=True))
             .with_panel(graph("NaN events", "Collectives whose input held NaN or Inf; the first rank is the "
                               "source.", "none", events("commlens_nan_events_total", SELECT), bars=True))
+            .with_panel(graph("Nodes reached", "1 while Prometheus reaches every metrics endpoint of the node (its "
+                              "pod sidecar, or each rank's own), 0 when it misses one: CommlensNodeUnreachable "
+                              "names a node it reaches none of while the job waits.", "none",
+                              query('min by (node) (up{job=~"$job"} * on (job, instance) group_left (node) '
+                                    'max by (job, instance, node) (last_over_time(commlens_info{job=~"$job"}[15m])))',
+                                    "{{node}}")))
             .with_row(dashboard.Row("Telemetry health"))
             .with_panel(graph("Dropped ring records", "Records overwritten before the sidecar read them.",
                               "cps", query(f"sum by (rank) (rate(commlens_ring_records_dropped_total{{{RANK}}}"
