@@ -67,7 +67,8 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
         found = [dataclasses.replace(f, evidence="; ".join([f.evidence, *(
             f"held up through them: {link.evidence}" for link in links if f.pg in link.waits_in)]))
             if f.kind == "late_rank" else f for f in found]
-    order = ("nan_origin", "node_unreachable", "lost_rank", "desync", "size_mismatch", "late_rank", "deadlock", "hang", "stall", "straggler")
+    found = _slow_node(found, facts)
+    order = ("nan_origin", "node_unreachable", "node_slow", "lost_rank", "desync", "size_mismatch", "late_rank", "deadlock", "hang", "stall", "straggler")
     return sorted(found, key=lambda f: order.index(f.kind))
 
 
@@ -175,6 +176,26 @@ def _unreachable_nodes(facts: list[RankFacts]) -> list[Finding]:
                              "of other nodes wait past the hang threshold or saw their ops fail: its link or the host "
                              "is down", node=node))
     return found
+
+
+def _slow_node(found: list[Finding], facts: list[RankFacts]) -> list[Finding]:
+    """When the ranks found late, straggling or stalled are every rank of one node (two or more) and
+    nobody else is blamed, the node is named instead, alive but slow: its endpoints answer (an
+    unreachable node is ``_unreachable_nodes``')."""
+    blamed = [f for f in found if f.kind in ("late_rank", "straggler", "stall")]
+    if not blamed or any(f.kind not in ("late_rank", "straggler", "stall", "hang") for f in found):
+        return found
+    ranks = {rank for f in blamed for rank in f.ranks}
+    nodes = {f.node for f in facts if f.rank in ranks}
+    node = nodes.pop() if len(nodes) == 1 else ""
+    members = sorted(f.rank for f in facts if node and f.node == node)
+    if len(members) < 2 or set(members) != ranks or len({f.node for f in facts}) < 2:
+        return found
+    how = "; ".join(f"{_who(list(f.ranks))} {f.kind.replace('_rank', '')} in group {f.pg}" for f in blamed)
+    return [Finding("node_slow", tuple(members), blamed[0].pg, blamed[0].op, blamed[0].seq,
+                    f"every rank of the node, and only they, are what the others wait for ({how}), and its "
+                    "endpoints answer: the host is alive but slow (its CPU throttled or shared, memory, a stall)",
+                    node=node)]
 
 
 def _waits(f: RankFacts) -> bool:

@@ -84,8 +84,8 @@ class RankFacts:
 @dataclasses.dataclass(frozen=True)
 class Finding:
     kind: str
-    """nan_origin, node_unreachable, lost_rank, late_rank, desync, size_mismatch, straggler, stall, hang or
-    deadlock."""
+    """nan_origin, node_unreachable, node_slow, lost_rank, late_rank, desync, size_mismatch, straggler, stall,
+    hang or deadlock."""
     ranks: tuple[int, ...]
     pg: str
     op: str
@@ -94,7 +94,7 @@ class Finding:
     waits_in: tuple[str, ...] = ()
     """A deadlock link's: the groups its ranks wait in (where the chain goes on)."""
     node: str = ""
-    """A node_unreachable's: the node (``ranks``: its ranks)."""
+    """A node_unreachable's or node_slow's: the node (``ranks``: its ranks)."""
 
     def line(self) -> str:
         who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {', '.join(map(str, self.ranks))}"
@@ -102,7 +102,7 @@ class Finding:
             who = f"node {self.node} ({who})"
         where = f"{self.op} (group {self.pg}" + (f", seq {self.seq})" if self.seq is not None else ")") \
             if self.op else "the job"
-        title = {"nan_origin": "NaN/Inf entered on", "node_unreachable": "unreachable:",
+        title = {"nan_origin": "NaN/Inf entered on", "node_unreachable": "unreachable:", "node_slow": "slow node:",
                  "lost_rank": "killed or crashed:", "late_rank": "late or missing:", "desync": "desync:",
                  "size_mismatch": "size mismatch:", "straggler": "straggler:", "stall": "stall:",
                  "hang": "hang: all waiting,", "deadlock": "deadlock: waiting on each other,"}[self.kind]

@@ -11,10 +11,12 @@ Example::
 from __future__ import annotations
 
 import collections
+import contextlib
 import glob
 import json
 import os
 import pickle
+import statistics
 import sys
 import time
 import urllib.parse
@@ -257,13 +259,17 @@ def load_dump(path: str) -> dict:
 def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = None,
                on_problem: Callable[[str], None] = say_skipped) -> list[RankFacts]:
     """Facts from the OTLP JSON-lines trace files (``*.jsonl``) and flight-recorder dumps in ``folder``;
-    ``each_span(span, attributes)`` sees every span as it is read, for a caller that needs them too.
+    ``each_span(span, attributes)`` sees every span as it is read (on its rank's clock), for a caller that
+    needs them too. Span times are compared on the job's clock: each rank's ``clock_offsets`` taken off.
     What cannot be read (a corrupt line, a file of the wrong shape) is skipped, the rest still used,
     and ``on_problem`` gets one line naming it and what was wrong (default: printed to stderr)."""
     ranks: dict[int, RankFacts] = {}
     completed: set[tuple[int, str, int]] = set()
     seen, world = set(), 0  # the ranks any span is of; the job's size, as the spans say it
-    for span, attributes in spans_in(folder, on_problem):
+    spans = list(spans_in(folder, on_problem))
+    offsets = clock_offsets(_collective_ends(spans))  # each node's clock may differ: the job's clock
+    for raw, attributes in spans:
+        span = _on_the_jobs_clock(raw, offsets.get(_rank_of(attributes), 0))
         try:
             _span_fact(ranks, span, attributes, completed)
             if names.RANK in attributes:
@@ -273,7 +279,7 @@ def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = Non
             on_problem(f"a span {span.get('name')!r} of {folder}: no valid {error} attribute")
             continue
         if each_span is not None:
-            each_span(span, attributes)
+            each_span(raw, attributes)
     for f in ranks.values():  # a hang that the spans show resolved is no longer in flight
         for pg, group in f.groups.items():
             if group.hung is not None and (f.rank, pg, group.hung[1]) in completed:
@@ -296,11 +302,54 @@ def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = Non
             on_problem(str(error))
             continue
         _dump_fact(ranks.setdefault(int(path[-digits:]), RankFacts(int(path[-digits:]))), dump, collectives)
+    for f in ranks.values():  # the dump's signal time, on its rank's clock
+        if f.signalled_ns is not None:
+            f.signalled_ns -= offsets.get(f.rank, 0)
     missing = sorted(set(range(world)) - seen - set(ranks))
     if missing:  # another node's, where each node keeps its own folder; or lost
         on_problem(f"rank{'s' * (len(missing) > 1)} {_ranges(missing)} of the job's {world}: nothing of "
                    f"{'them' if len(missing) > 1 else 'it'} in {folder} (no span, no dump)")
     return [ranks[rank] for rank in sorted(ranks)]
+
+
+def clock_offsets(ends: Iterable[tuple[int, str, int, int]]) -> dict[int, int]:
+    """Each rank's clock minus the job's, in ns, from ``(rank, pg, seq, end ns)`` of the collectives it
+    completed: the ranks of a collective complete it together, so a rank's end less the median rank's,
+    over every collective it shared, is its clock's offset (nodes' clocks differ; docs/timeline.md)."""
+    by_collective: dict[tuple[str, int], dict[int, int]] = collections.defaultdict(dict)
+    for rank, pg, seq, end in ends:
+        by_collective[(pg, seq)][rank] = end
+    deltas: dict[int, list[int]] = collections.defaultdict(list)
+    for by_rank in by_collective.values():
+        if len(by_rank) > 1:
+            middle = statistics.median(by_rank.values())
+            for rank, end in by_rank.items():
+                deltas[rank].append(end - middle)
+    return {rank: int(statistics.median(values)) for rank, values in deltas.items()}
+
+
+def _collective_ends(spans: list[tuple[dict, dict]]) -> Iterator[tuple[int, str, int, int]]:
+    """``clock_offsets``' input: the completed collectives (not point-to-point) of ``spans``."""
+    for span, a in spans:
+        if names.RANK in a and names.SEQ in a and not a.get(names.P2P) and not a.get(names.IN_FLIGHT):
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                yield int(a[names.RANK]), str(a[names.PG_NAME]), int(a[names.SEQ]), int(span["endTimeUnixNano"])
+
+
+def _rank_of(attributes: dict) -> int | None:
+    with contextlib.suppress(KeyError, TypeError, ValueError):
+        return int(attributes[names.RANK])
+    return None
+
+
+def _on_the_jobs_clock(span: dict, offset: int) -> dict:
+    """``span`` with ``offset`` (its rank's clock's) taken from its times."""
+    if not offset:
+        return span
+    with contextlib.suppress(KeyError, TypeError, ValueError):
+        return {**span, "startTimeUnixNano": str(int(span["startTimeUnixNano"]) - offset),
+                "endTimeUnixNano": str(int(span["endTimeUnixNano"]) - offset)}
+    return span
 
 
 def spans_in(folder: str, on_problem: Callable[[str], None] = say_skipped) -> Iterator[tuple[dict, dict]]:

@@ -17,7 +17,6 @@ import collections
 import json
 import os
 import re
-import statistics
 import sys
 from typing import Callable, Iterable, Iterator, NamedTuple
 
@@ -25,7 +24,7 @@ from commlens.exporters import names
 
 from .detectors import findings
 from .facts import RankFacts
-from .readers import from_files, say_skipped
+from .readers import clock_offsets as _offsets, from_files, say_skipped
 
 
 class Slice(NamedTuple):
@@ -88,17 +87,7 @@ def read_facts(folder: str, on_problem: Callable[[str], None] = say_skipped) -> 
 
 def clock_offsets(found: Iterable[Slice]) -> dict[int, int]:
     """Each rank's clock minus the job's, in ns, from the ends of the collectives ranks share."""
-    ends: dict[tuple[str, int], dict[int, int]] = collections.defaultdict(dict)
-    for s in found:
-        if not s.p2p and not s.in_flight:
-            ends[(s.pg, s.seq)][s.rank] = s.end_ns
-    deltas: dict[int, list[int]] = collections.defaultdict(list)
-    for by_rank in ends.values():
-        if len(by_rank) > 1:
-            middle = statistics.median(by_rank.values())
-            for rank, end in by_rank.items():
-                deltas[rank].append(end - middle)
-    return {rank: int(statistics.median(values)) for rank, values in deltas.items()}
+    return _offsets((s.rank, s.pg, s.seq, s.end_ns) for s in found if not s.p2p and not s.in_flight)
 
 
 def aligned(found: Iterable[Slice], offsets: dict[int, int]) -> list[Slice]:

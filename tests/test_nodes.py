@@ -101,3 +101,22 @@ def test_an_unreachable_node_is_named_only_while_others_wait_and_its_own_ranks_d
     facts[0].group("4").failed = None
     facts[5].aborted = False
     assert not any(f.kind == "node_unreachable" for f in findings(facts))
+
+
+def test_the_ranks_found_late_are_one_nodes_all_and_only_the_node_is_named_slow():
+    """Ranks 2 and 3, node 1's two, straggle in their data-parallel groups: the node is named, alive but
+    slow; with rank 4 of node 2 named too, or a single node's job, the ranks are named as they are."""
+    facts = [RankFacts(rank, node=f"node-{rank // 2}") for rank in range(6)]
+    for pg, ranks in (("4", (0, 2, 4)), ("5", (1, 3, 5))):
+        for rank in ranks:
+            group = facts[rank].group(pg)
+            group.wait_s, group.waited_s, group.completed = (0.001, 0.05, 50) if rank in (2, 3) else (0.2, 0.5, 50)
+    found = findings(facts)
+    assert [(f.kind, f.node, f.ranks) for f in found] == [("node_slow", "node-1", (2, 3))], found
+    assert found[0].line().startswith("slow node: node node-1 (ranks 2, 3) in all (group 4) — every rank of the node")
+    facts[4].group("4").wait_s = 0.0005
+    assert {f.kind for f in findings(facts)} != {"node_slow"}
+    for f in facts:
+        f.node = "node-0"
+    facts[4].group("4").wait_s = 0.2
+    assert {f.kind for f in findings(facts)} == {"straggler"}

@@ -78,6 +78,41 @@ def _check_structure(events, recorded):
     return flows
 
 
+def _skewed(out: pathlib.Path, to: pathlib.Path, ranks: set[int], offset_ns: int) -> pathlib.Path:
+    """A copy of the job's folder whose ``ranks``' span times read ``offset_ns`` more: their node's clock."""
+    shutil.copytree(out, to)
+    for path in to.glob("*.jsonl"):
+        lines = []
+        for line in path.read_text().splitlines():
+            document = json.loads(line)
+            for spans in document["resourceSpans"]:
+                for span in (span for scope in spans["scopeSpans"] for span in scope["spans"]):
+                    rank = next(int(a["value"]["intValue"]) for a in span["attributes"] if a["key"] == "commlens.rank")
+                    if rank in ranks:
+                        for key in ("startTimeUnixNano", "endTimeUnixNano"):
+                            span[key] = str(int(span[key]) + offset_ns)
+            lines.append(json.dumps(document))
+        path.write_text("\n".join(lines) + "\n")
+    return to
+
+
+def _verdict(folder: pathlib.Path) -> str:
+    done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "diagnose", str(folder)], capture_output=True,
+                          text=True, timeout=60)
+    return done.stdout
+
+
+def test_a_straggler_is_named_the_same_when_its_nodes_clock_is_off(tmp_path):
+    """Rank 2 arrives late at every step; its node's clock reads 40 s behind the others' (ranks 2 and 3's
+    span times, as on a host whose clock drifted): ``commlens diagnose`` on the job's files says the
+    same, the ranks' clocks aligned from the ends of the collectives they share (ranks complete a
+    collective together). About 30 s: a job of its own."""
+    out = _job(tmp_path, "slow")
+    verdict = _verdict(out)
+    assert "straggler: rank 2 " in verdict, verdict
+    assert _verdict(_skewed(out, tmp_path / "skewed", {2, 3}, -40 * 10**9)) == verdict
+
+
 def test_a_late_ranks_timeline_joins_every_collective_across_ranks_and_its_arrows_end_on_the_late_rank(tmp_path):
     events, recorded = _timeline(_job(tmp_path, "late"))
     flows = _check_structure(events, recorded)
