@@ -200,7 +200,13 @@ def _slow_node(found: list[Finding], facts: list[RankFacts]) -> list[Finding]:
 
 def _waits(f: RankFacts) -> bool:
     """It waits itself: past the hang threshold in a collective or on a peer, or an op failed on it."""
-    return f.aborted or any(g.hung or g.failed or g.p2p_hung for g in f.groups.values())
+    return f.aborted or any(g.failed or g.p2p_hung or _still_hung(g) for g in f.groups.values())
+
+
+def _still_hung(g: GroupFacts) -> bool:
+    """Its hang is not one it has since completed (``--prometheus`` reads hangs over the last minute: a
+    rank that waited at start-up for the others, say)."""
+    return g.hung is not None and (g.finished is None or g.finished < g.hung[1])
 
 
 def _unmatched(pg: str, members: list[RankFacts], seq: int, ops: dict[int, str], waiting: list[int], how: str,
@@ -211,6 +217,8 @@ def _unmatched(pg: str, members: list[RankFacts], seq: int, ops: dict[int, str],
     others = [f for f in members if f.rank not in ops]
     if not others or any(pg not in f.groups or (f.groups[pg].finished or 0) < seq for f in others):
         return None
+    if not all(f.groups[pg].failed or _still_hung(f.groups[pg]) for f in members if f.rank in waiting):
+        return None  # a wait it has since come out of
     return Finding("size_mismatch", tuple(waiting), pg, op, seq,
                    f"ranks {[f.rank for f in others]} completed it and {_who(waiting)} {how} it: its side did not "
                    "match theirs (an input of another size or dtype; the dumps show each rank's), or its link failed")

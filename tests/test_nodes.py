@@ -95,6 +95,7 @@ def test_an_unreachable_node_is_named_only_while_others_wait_and_its_own_ranks_d
         f.unreachable = True
     facts[0].group("4").failed = ("all_reduce", 40)
     facts[4].unreachable = facts[5].unreachable = facts[5].aborted = True
+    facts[2].group("4").hung, facts[2].group("4").finished = ("all_gather", 1), 39  # a wait at start-up, over
     found = findings(facts)
     assert [(f.kind, f.node, f.ranks, f.pg, f.seq) for f in found] == [("node_unreachable", "node-1", (2, 3), "4", 40)]
     assert found[0].line().startswith("unreachable: node node-1 (ranks 2, 3) in all_reduce (group 4, seq 40) — ")
