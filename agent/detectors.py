@@ -58,7 +58,9 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
     found += [f for f in _late_peers(facts) if not set(f.ranks) <= lost]
     unreachable = _unreachable_nodes(facts)
     if unreachable:  # the node is the fault: the ranks behind it, or waiting on it unseen, are not
-        found = unreachable + [f for f in found if f.kind not in ("late_rank", "lost_rank", "hang")]
+        theirs = {rank for f in unreachable for rank in f.ranks}
+        found = unreachable + [f for f in found if f.kind not in ("late_rank", "hang")
+                               and not (f.kind == "lost_rank" and set(f.ranks) <= theirs)]
         links = []
     if links and not any(f.kind in ("lost_rank", "desync", "size_mismatch", "late_rank") for f in found):
         found.append(Finding("deadlock", tuple(sorted({r for f in links for r in f.ranks})), links[0].pg,
@@ -169,8 +171,8 @@ def _unreachable_nodes(facts: list[RankFacts]) -> list[Finding]:
         waiting = [f for f in facts if f.node != node and _waits(f)]
         if not waiting:
             continue
-        pg, op, seq = next(((pg, *(g.hung or g.failed)) for f in waiting for pg, g in sorted(f.groups.items())
-                            if g.hung or g.failed), ("", "", None))
+        pg, op, seq = next(((pg, *(g.hung if _still_hung(g) else g.failed)) for f in waiting
+                            for pg, g in sorted(f.groups.items()) if _still_hung(g) or g.failed), ("", "", None))
         found.append(Finding("node_unreachable", tuple(f.rank for f in ranks), pg, op, seq,
                              f"Prometheus reaches none of its metrics endpoints, and {_who([f.rank for f in waiting])} "
                              "of other nodes wait past the hang threshold or saw their ops fail: its link or the host "
@@ -186,6 +188,8 @@ def _slow_node(found: list[Finding], facts: list[RankFacts]) -> list[Finding]:
     if not blamed or any(f.kind not in ("late_rank", "straggler", "stall", "hang") for f in found):
         return found
     ranks = {rank for f in blamed for rank in f.ranks}
+    if any(f.gone or f.unreachable for f in facts if f.rank in ranks):
+        return found  # late because it stopped reporting: not known to be alive
     nodes = {f.node for f in facts if f.rank in ranks}
     node = nodes.pop() if len(nodes) == 1 else ""
     members = sorted(f.rank for f in facts if node and f.node == node)
@@ -195,7 +199,7 @@ def _slow_node(found: list[Finding], facts: list[RankFacts]) -> list[Finding]:
     return [Finding("node_slow", tuple(members), blamed[0].pg, blamed[0].op, blamed[0].seq,
                     f"every rank of the node, and only they, are what the others wait for ({how}), and its "
                     "endpoints answer: the host is alive but slow (its CPU throttled or shared, memory, a stall)",
-                    node=node)]
+                    node=node)] + [f for f in found if f not in blamed]
 
 
 def _waits(f: RankFacts) -> bool:
@@ -217,8 +221,8 @@ def _unmatched(pg: str, members: list[RankFacts], seq: int, ops: dict[int, str],
     others = [f for f in members if f.rank not in ops]
     if not others or any(pg not in f.groups or (f.groups[pg].finished or 0) < seq for f in others):
         return None
-    if not all(f.groups[pg].failed or _still_hung(f.groups[pg]) for f in members if f.rank in waiting):
-        return None  # a wait it has since come out of
+    if not all(_still_hung(f.groups[pg]) for f in members if f.rank in waiting):
+        return None  # a wait it has since come out of, or a failure (kept for minutes, past a restart)
     return Finding("size_mismatch", tuple(waiting), pg, op, seq,
                    f"ranks {[f.rank for f in others]} completed it and {_who(waiting)} {how} it: its side did not "
                    "match theirs (an input of another size or dtype; the dumps show each rank's), or its link failed")

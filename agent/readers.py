@@ -325,7 +325,12 @@ def clock_offsets(ends: Iterable[tuple[int, str, int, int]]) -> dict[int, int]:
             middle = statistics.median(by_rank.values())
             for rank, end in by_rank.items():
                 deltas[rank].append(end - middle)
-    return {rank: int(statistics.median(values)) for rank, values in deltas.items()}
+    offsets = {rank: int(statistics.median(values)) for rank, values in deltas.items()}
+    return {rank: offset for rank, offset in offsets.items() if abs(offset) >= CLOCK_SPREAD_NS}
+
+
+CLOCK_SPREAD_NS = 1_000_000
+"""Offsets under this are left at 0: the spread of a collective's ends (its ranks on one host share a clock)."""
 
 
 def _collective_ends(spans: list[tuple[dict, dict]]) -> Iterator[tuple[int, str, int, int]]:

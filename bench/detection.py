@@ -40,7 +40,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from monitoring import PARALLEL_SCRIPT, SCRIPT, Prometheus, TrainingJob, culprits, wait_for  # noqa: E402
-from nodes import NodeJob, Nodes  # noqa: E402
+from nodes import NodeJob, Nodes, why_not  # noqa: E402
 
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
 CULPRIT = 1
@@ -68,7 +68,7 @@ FAULTS = {
     "tp-late": Fault("CommlensRankLate", **PARALLEL, job={"fault": "late", "step": 30, "extra": ["--late-s", "15"]}),
     "late-send": Fault("CommlensPeerLate", **PARALLEL, job={"step": 30, "extra": ["--late-s", "15"], "pod": True}),
     "kill": Fault("CommlensRankKilled", **PARALLEL, job={"step": 30, "pod": True}),
-    "size": Fault("CommlensCollectiveMismatch", **PARALLEL, job={"step": 30, "pod": True, "extra": ["--timeout-s", "10"]}),
+    "size": Fault("CommlensCollectiveMismatch", **PARALLEL, job={"step": 30, "pod": True, "extra": ["--timeout-s", "20"]}),
     "node-kill": Fault("CommlensNodeUnreachable", PARALLEL_SCRIPT, 6),
     "node-cut": Fault("CommlensNodeUnreachable", PARALLEL_SCRIPT, 6),
 }
@@ -126,7 +126,7 @@ def measure(name: str, after_s: float) -> Run:
                 states = prometheus.query(f'ALERTS{{alertname=~"{"|".join(CULPRIT_ALERTS)}"}}')
             except OSError:
                 states = []
-            ranks |= {_named(s["metric"]) for s in states if s["metric"]["alertstate"] == "firing"}
+            ranks |= {_named(s["metric"]) for s in states if s["metric"]["alertstate"] == "firing"} - {""}
             mine = [s for s in states if s["metric"]["alertname"] == fault.alert and _named(s["metric"]) == culprit]
             if mine and named is None:
                 named = now
@@ -162,6 +162,9 @@ def main() -> None:
     print(f"{'fault':<10}{'alert':<26}{'named s (min-max)':>20}{'firing s (min-max)':>20}"
           f"{'precision: alerts':>19}{'diagnose':>10}{'recall':>8}  ranks named by alerts; by diagnose")
     for name in args.faults.split(","):
+        if name.startswith("node-") and why_not() is not None:
+            print(f"{name:<10}skipped: {why_not()}", flush=True)
+            continue
         runs = [measure(name, args.after_s) for _ in range(args.runs)]
         culprit = CULPRIT_NODE if name.startswith("node-") else str(CULPRIT)
         by_alerts, by_diagnose = [r.by_alerts for r in runs], [r.by_diagnose for r in runs]

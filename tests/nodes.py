@@ -30,6 +30,8 @@ def why_not() -> str | None:
         return "network namespaces need root (CI runs as root)"
     if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
         return "`ip netns` does not work here (Debian's iproute2)"
+    if not os.path.isfile(os.path.join(CGROUP_CPU, "cpu.cfs_quota_us")):
+        return f"no cgroup v1 cpu controller at {CGROUP_CPU} (the nodes' CPU shares)"
     return None
 
 
@@ -96,7 +98,7 @@ class Nodes:
                 _ip("addr", "add", f"{self.address(k)}/{self.subnet.prefixlen}", "dev", inside, namespace=namespace)
                 _ip("link", "set", inside, "up", namespace=namespace)
                 _ip("link", "set", "lo", "up", namespace=namespace)
-                os.makedirs(self._cgroup(k), exist_ok=True)
+                os.mkdir(self._cgroup(k))
                 self._made.append(("cgroup", self._cgroup(k)))
         except BaseException:
             self.__exit__()
@@ -108,10 +110,11 @@ class Nodes:
         process group of its own; output to ``log`` (a path)."""
         # it waits for a line on stdin, written once it is in the cgroup (a namespace's /sys has none)
         shell = f'read go && hostname {self.name(k)} && exec "$@" < /dev/null'
-        process = subprocess.Popen(
-            ["ip", "netns", "exec", self.namespace(k), "unshare", "--uts", "sh", "-c", shell, "sh", *command],
-            env={**os.environ, "GLOO_SOCKET_IFNAME": self.interface(k), **(env or {})}, stdin=subprocess.PIPE,
-            stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
+        with open(log, "a") as output:
+            process = subprocess.Popen(
+                ["ip", "netns", "exec", self.namespace(k), "unshare", "--uts", "sh", "-c", shell, "sh", *command],
+                env={**os.environ, "GLOO_SOCKET_IFNAME": self.interface(k), **(env or {})}, stdin=subprocess.PIPE,
+                stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
         self.processes[k].append(process)
         with open(os.path.join(self._cgroup(k), "cgroup.procs"), "w") as procs:
             procs.write(str(process.pid))
@@ -124,11 +127,18 @@ class Nodes:
         _ip("link", "set", self._host_end(k), "down")
 
     def kill(self, k: int) -> None:
-        """SIGKILL every process on node ``k`` (a host that vanished)."""
-        with open(os.path.join(self._cgroup(k), "cgroup.procs")) as procs:
-            for pid in procs.read().split():
+        """SIGKILL every process on node ``k`` (a host that vanished), again until none is left that a
+        fork in the meantime made."""
+        while pids := self._pids(k):
+            for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
+            if pids == self._pids(k):  # killed, not yet reaped: leaving is ``_rmdir_when_empty``'s wait
+                return
+
+    def _pids(self, k: int) -> list[int]:
+        with open(os.path.join(self._cgroup(k), "cgroup.procs")) as procs:
+            return [int(pid) for pid in procs.read().split()]
 
     def throttle(self, k: int, share: float) -> None:
         """Node ``k``'s processes get ``share`` of one CPU (cgroup v1's CFS quota)."""
@@ -147,21 +157,31 @@ class Nodes:
             subprocess.run(command, check=True, capture_output=True, text=True)
 
     def __exit__(self, *exc) -> None:
+        """Everything made is removed, each step whatever the others did; the first failure raised last."""
+        failures: list[BaseException] = []
         for k, processes in self.processes.items():
-            for process in processes:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-            if os.path.isdir(self._cgroup(k)):
-                self.kill(k)  # a process that left its group (a daemon) goes too
-            for process in processes:
-                process.wait()
+            try:
+                for process in processes:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGKILL)
+                if os.path.isdir(self._cgroup(k)):
+                    self.kill(k)  # a process that left its group (a daemon) goes too
+                for process in processes:
+                    process.wait()
+            except Exception as error:  # noqa: BLE001 — the namespaces and links must still go
+                failures.append(error)
         for kind, name in reversed(self._made):
-            if kind == "cgroup":
-                _rmdir_when_empty(name)
-            elif kind == "netns":
-                subprocess.run(["ip", "netns", "del", name], capture_output=True)
-            else:
-                subprocess.run(["ip", "link", "del", name], capture_output=True)
+            try:
+                if kind == "cgroup":
+                    _rmdir_when_empty(name)
+                elif kind == "netns":
+                    subprocess.run(["ip", "netns", "del", name], capture_output=True, check=True)
+                else:
+                    subprocess.run(["ip", "link", "del", name], capture_output=True, check=True)
+            except Exception as error:  # noqa: BLE001
+                failures.append(error)
+        if failures:
+            raise failures[0]
 
 
 def _rmdir_when_empty(path: str, timeout_s: float = 10.0) -> None:

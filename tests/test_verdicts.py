@@ -287,10 +287,11 @@ def test_a_rank_whose_input_size_differs_is_named_live_and_from_the_dumps_and_no
     the job down. Live, the alert and ``commlens diagnose --prometheus`` name rank 1, left in a collective
     its group completed, and no deadlock. With the pod sidecar, whose dumps hold every rank's inputs, even
     a killed one's: ``commlens diagnose`` on the job's files names rank 1 and its input, and no other rank
-    (their failures follow from it), as ``torchfrtrace`` does. The backend's timeout at 10 s: a rank
-    sending to one that gloo failed waits it out before the job ends."""
+    (their failures follow from it), as ``torchfrtrace`` does. The backend's timeout at 20 s: long enough
+    for the live reading, which sees waits, not failures; a rank sending to one that gloo failed waits
+    it out before the job ends."""
     with _stack(tmp_path, "size", world=4, step=30, steps=200, script=PARALLEL_SCRIPT, pod=True,
-                extra=["--timeout-s", "10"]) as (
+                extra=["--timeout-s", "20"]) as (
             webhook, training, prometheus):
         wait_for(lambda: webhook.firing("CommlensCollectiveMismatch"), "CommlensCollectiveMismatch at the webhook",
                  explain=lambda: _evidence(prometheus, training))
