@@ -53,7 +53,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from commlens.agent.ports import free_port, free_ports
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+# ports drawn from the pytest-xdist worker's own slice when a test runs this (the whole range otherwise): a
+# port chosen here must not be one another worker's test has chosen and not bound yet
+from ports import free_port, free_ports  # noqa: E402
 
 CONFIGS = {
     "none": None,
