@@ -67,10 +67,18 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 2
 
 
+def _version() -> str:
+    """The installed distribution's version; a source tree on PYTHONPATH has none, and still runs."""
+    try:
+        return importlib.metadata.version("commlens")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: run from a source tree)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="commlens", description=__doc__.split("\n")[0],
                                      epilog=__doc__.split("\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"commlens {importlib.metadata.version('commlens')}")
+    parser.add_argument("--version", action="version", version=f"commlens {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run the instrumented multi-rank training demo on CPU")
     demo.add_argument("--world-size", type=_positive, default=4, help="gloo processes (default 4)")

@@ -1,108 +1,243 @@
-"""commlens on a GPU: added time per NCCL collective and per DDP training step.
+"""commlens on a GPU: what the whole agent adds to NCCL collectives and training steps.
 
-A world of one on GPU 0 (NCCL). Arms, interleaved over ``--rounds`` rounds, medians with min – max:
-no commlens, and commlens (``commlens.agent.start()``: GPU timing, the NaN/Inf check on the device,
-sidecar and spans to a file) on
+One GPU, a world of one on NCCL. Each configuration runs in a job of its own, which times every
+workload without commlens and with it, interleaved round after round (the first round warms up and is
+not counted): without = no agent and the hooks off, on models built before the agent started; with =
+``commlens.agent.start()`` under the configuration, on the same models built again from the same seed.
 
-* ``all_reduce`` of 4 KiB and of 64 MiB (``--calls`` back to back, then one synchronisation);
-* a DDP training step of a ~100M-parameter model (six 4096×4096 linear layers, batch 64), the plain
-  model with DDP's built-in C++ allreduce, the other under commlens (its wrapped allreduce hook).
+Configurations: ``default`` (NaN/Inf check on the device, span budget, spans to a file), ``every-span``
+(``OTEL_TRACES_SAMPLER=always_on``), ``pod-sidecar`` (the rank writes its ring only; ``commlens
+sidecar``, a process of its own, drains it). Workloads: all_reduce of 4 KiB and of 64 MiB; a DDP step
+and an FSDP2 step of ``LAYERS`` Linear(``WIDTH``) layers on a batch of ``BATCH`` (TF32 matmuls),
+big enough that the step is not bound by kernel launches alone.
 
-Goals: ≤ 2 % on the 64 MiB all_reduce, ≤ 1 % on the training step.
+Per workload and configuration: the step ratio (with over without, paired by round) min - median -
+max; the training thread's CPU until the slice is issued (``time.thread_time``) and the GPU's time
+(CUDA events around the slice queued behind a spinning kernel, so that it runs back to back: busy
+time, not time spent waiting for the CPU) added per collective; the plain step time. The queue of
+launches CUDA holds bounds the iterations per slice. Then the NaN/Inf check's GPU time on the
+64 MiB payload (the check on against off, same job) beside one ``torch.sum`` over it: the goal is at
+most 1.2x.
 
-    python bench/gpu.py [--rounds 7] [--sample 0.01]
+    python bench/gpu.py [--rounds 5] [--configs default every-span pod-sidecar] [--workloads ...]
+    python bench/gpu.py --device cpu --rounds 1   # gloo on the CPU: every path, no figure of worth
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import functools
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
-import commlens.agent
-import commlens.hooks as ch
-from commlens.agent.config import Config
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from ports import free_port  # noqa: E402
+
+CONFIGS = {"default": {}, "every-span": {"OTEL_TRACES_SAMPLER": "always_on"}, "pod-sidecar": {}}
+LAYERS, WIDTH, BATCH = 8, 4096, 2048
+WORKLOADS = {"all_reduce 4 KiB": (1 << 10, 100), "all_reduce 64 MiB": (1 << 24, 40),
+             "DDP step": (None, 10), "FSDP2 step": (None, 10)}
+"""Name: (float32 elements of the payload, or None for a training step; iterations per slice)."""
 
 
-def _timed(fn, calls: int) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls
-
-
-def _model() -> torch.nn.Module:
+def _model(device: torch.device, wrapper: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    layers = []
-    for _ in range(6):
-        layers += [torch.nn.Linear(4096, 4096), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers).cuda()
+    width = WIDTH if device.type == "cuda" else 256
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(LAYERS)]).to(device)
+    if wrapper == "DDP":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        fully_shard(layer)
+    return fully_shard(model)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--sample", type=float, default=1.0,
-                        help="share of spans exported (traceidratio; default 1: every collective's span)")
-    args = parser.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29577")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    plain_model = torch.nn.parallel.DistributedDataParallel(_model())
-    spans = tempfile.TemporaryDirectory(prefix="commlens-gpu-")
-    agent = commlens.agent.start(Config(metrics_port=None, trace_file=os.path.join(spans.name, "t.jsonl"),
-                                        sampler="traceidratio", sampler_ratio=args.sample))
-    traced_model = torch.nn.parallel.DistributedDataParallel(_model())
-    optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=1e-4) for m in (plain_model, traced_model)}
-    x = torch.randn(64, 4096, device="cuda")
-    small, large = torch.randn(1024, device="cuda"), torch.randn(16 << 20, device="cuda")
+def _step(name: str, device: torch.device):
+    """One iteration of workload ``name`` as a function (a fresh model for a training step)."""
+    elements, _ = WORKLOADS[name]
+    if elements is not None:
+        tensor = torch.zeros(elements, device=device)
+        return lambda: dist.all_reduce(tensor)
+    model = _model(device, name.split()[0])
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    x = torch.randn(BATCH if device.type == "cuda" else 16, model.module[0].in_features if hasattr(model, "module")
+                    else model[0].in_features, device=device)
 
-    def step(model):
-        optimizer = optimizers[id(model)]
-        optimizer.zero_grad()
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=False)
         model(x).square().mean().backward()
         optimizer.step()
+    return step
 
-    cases = {"all_reduce 4 KiB": (lambda: dist.all_reduce(small), args.calls),
-             "all_reduce 64 MiB": (lambda: dist.all_reduce(large), args.calls // 4),
-             "DDP step, 100M params": (None, 20)}
-    times: dict[tuple[str, str], list[float]] = {}
-    for round_ in range(args.rounds + 1):  # the first round warms up and is not counted
-        for arm in ("plain", "commlens"):
-            if arm == "plain":
-                ch.uninstrument()
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _slice(step, iterations: int, device: torch.device) -> dict:
+    """Per iteration: wall seconds, and the training thread's CPU seconds until the last one was
+    issued (not the wait for the GPU after it, which spins); the collectives issued."""
+    group = dist.distributed_c10d._get_default_group()
+    _sync(device)
+    seq, cpu, wall = group._get_sequence_number_for_group(), time.thread_time(), time.perf_counter()
+    for _ in range(iterations):
+        step()
+    cpu = time.thread_time() - cpu
+    _sync(device)
+    wall = time.perf_counter() - wall
+    return {"wall": wall / iterations, "cpu": cpu / iterations,
+            "collectives": (group._get_sequence_number_for_group() - seq) / iterations}
+
+
+def _gpu_busy_s(step, iterations: int, ahead_s: float) -> float:
+    """GPU seconds per iteration with the GPU never waiting for the CPU: the slice is queued behind a
+    kernel that spins for ``ahead_s`` (longer than the CPU takes to issue it), so that its work runs
+    back to back between the two events."""
+    torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    torch.cuda._sleep(int(ahead_s * _cycles_per_s()))
+    events[0].record()
+    for _ in range(iterations):
+        step()
+    events[1].record()
+    torch.cuda.synchronize()
+    return events[0].elapsed_time(events[1]) / 1e3 / iterations
+
+
+@functools.cache
+def _cycles_per_s() -> float:
+    """The GPU clock's cycles per second, as ``torch.cuda._sleep`` counts them."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    torch.cuda._sleep(1 << 20)  # clocks up
+    events[0].record()
+    torch.cuda._sleep(1 << 26)
+    events[1].record()
+    torch.cuda.synchronize()
+    return (1 << 26) / (events[0].elapsed_time(events[1]) / 1e3)
+
+
+def _median_slice(step, iterations: int, device: torch.device) -> dict:
+    slices = [_slice(step, iterations, device) for _ in range(3)]
+    found = {key: statistics.median(s[key] for s in slices) for key in slices[0]}
+    found["gpu"] = _gpu_busy_s(step, iterations, 2 * found["wall"] * iterations) if device.type == "cuda" else 0.0
+    return found
+
+
+def job(config: str, rounds: int, workloads: list[str], device_name: str) -> dict:
+    """Every workload without and with commlens under ``config``, ``rounds`` + 1 interleaved rounds."""
+    import commlens.agent
+    import commlens.hooks as ch
+
+    device = torch.device(device_name, 0) if device_name == "cuda" else torch.device("cpu")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
+                      WORLD_SIZE="1")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
+    folder = tempfile.mkdtemp(prefix="commlens-gpu-")
+    os.environ.update(COMMLENS_METRICS_PORT="0", COMMLENS_TRACE_FILE=os.path.join(folder, "spans.jsonl"),
+                      **CONFIGS[config])
+    sidecar = None
+    if config == "pod-sidecar":
+        os.environ["COMMLENS_RING_DIR"] = folder
+        sidecar = subprocess.Popen([sys.executable, "-m", "commlens.agent.cli", "sidecar", "--ring-dir", folder,
+                                    "--metrics-port", "0", "--trace-file", os.path.join(folder, "pod.jsonl")],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in sidecar.stdout:  # until it says it started
+            print(line, end="", file=sys.stderr)
+            if line.startswith("commlens sidecar:"):
+                break
+    plain = {name: _step(name, device) for name in workloads}
+    commlens.agent.start()
+    traced = {name: _step(name, device) for name in workloads}
+    results: dict[str, dict[str, list[dict]]] = {name: {"none": [], "commlens": []} for name in workloads}
+    check = {"on": [], "off": [], "sum": []}
+    for round_ in range(rounds + 1):
+        for name in workloads:
+            iterations = WORKLOADS[name][1] if device.type == "cuda" else 2
+            commlens.agent.stop()
+            ch.uninstrument()
+            none = _median_slice(plain[name], iterations, device)
+            agent = commlens.agent.start()
+            with_ = _median_slice(traced[name], iterations, device)
+            if round_:
+                results[name]["none"].append(none)
+                results[name]["commlens"].append(with_)
+            if round_ and name == "all_reduce 64 MiB" and agent.nan_check is not None and device.type == "cuda":
+                check["on"].append(with_["gpu"])
                 agent.nan_check.unregister()
-            else:
-                ch.instrument()
+                check["off"].append(_median_slice(traced[name], iterations, device)["gpu"])
                 agent.nan_check.register_with_comm()
-            for name, (fn, calls) in cases.items():
-                if fn is None:
-                    fn = (lambda: step(plain_model)) if arm == "plain" else (lambda: step(traced_model))
-                seconds = _timed(fn, calls)
-                if round_:
-                    times.setdefault((name, arm), []).append(seconds)
-    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.rounds} rounds, "
-          f"{args.sample:g} of spans exported")
-    print(f"{'case':<24}{'plain µs':>12}{'commlens µs':>14}{'added µs':>11}{'ratio (min-max)':>24}")
-    for name in cases:
-        plain, traced = times[(name, "plain")], times[(name, "commlens")]
-        ratios = [t / p for p, t in zip(plain, traced)]
-        print(f"{name:<24}{statistics.median(plain) * 1e6:>12.1f}{statistics.median(traced) * 1e6:>14.1f}"
-              f"{(statistics.median(traced) - statistics.median(plain)) * 1e6:>11.1f}"
-              f"{statistics.median(ratios):>10.4f} ({min(ratios):.4f}-{max(ratios):.4f})")
+                payload = torch.zeros(WORKLOADS[name][0], device=device)
+                check["sum"].append(_gpu_busy_s(lambda: torch.sum(payload), iterations, with_["wall"] * iterations))
     commlens.agent.stop()
-    spans.cleanup()
+    if sidecar is not None:
+        sidecar.terminate()
+        sidecar.wait(30)
     dist.destroy_process_group()
+    return {"results": results, "check": check}
+
+
+def _spread(values: list[float]) -> str:
+    values = sorted(values)
+    return f"{values[0]:.3f} - {statistics.median(values):.3f} - {values[-1]:.3f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--job", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.job:
+        print(json.dumps(job(args.job, args.rounds, args.workloads, args.device)))
+        return 0
+    jobs = {}
+    for config in args.configs:
+        print(f"job: {config}", file=sys.stderr, flush=True)
+        out = subprocess.run([sys.executable, __file__, "--job", config, "--rounds", str(args.rounds), "--device",
+                              args.device, "--workloads", *args.workloads], stdout=subprocess.PIPE, text=True,
+                             check=True)
+        jobs[config] = json.loads(out.stdout.strip().splitlines()[-1])
+    if args.device == "cuda":
+        print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, NCCL "
+              f"{'.'.join(map(str, torch.cuda.nccl.version()))}; {args.rounds} rounds")
+    print(f"model: {LAYERS} x Linear({WIDTH}), {LAYERS * (WIDTH * WIDTH + WIDTH) / 1e6:.0f}M parameters, batch {BATCH}")
+    print(f"{'workload':<20}{'config':<13}{'plain ms':>10}{'ratio min - median - max':>26}{'coll./it':>9}"
+          f"{'+CPU µs/coll.':>14}{'+GPU µs/coll.':>14}")
+    for name in args.workloads:
+        for config, found in jobs.items():
+            none, with_ = found["results"][name]["none"], found["results"][name]["commlens"]
+            collectives = statistics.median(w["collectives"] for w in with_) or 1
+            added = {key: statistics.median((w[key] - n[key]) / collectives * 1e6 for w, n in zip(with_, none))
+                     for key in ("cpu", "gpu")}
+            print(f"{name:<20}{config:<13}{statistics.median(n['wall'] for n in none) * 1e3:>10.3f}"
+                  f"{_spread([w['wall'] / n['wall'] for w, n in zip(with_, none)]):>26}{collectives:>9.1f}"
+                  f"{added['cpu']:>14.1f}{added['gpu']:>14.1f}")
+    for config, found in jobs.items():
+        check = found["check"]
+        if check["on"]:
+            cost, one_sum = statistics.median(check["on"]) - statistics.median(check["off"]), statistics.median(check["sum"])
+            print(f"NaN/Inf check ({config}), 64 MiB: +{cost * 1e6:.1f} µs of GPU per collective; one torch.sum: "
+                  f"{one_sum * 1e6:.1f} µs; ratio {cost / one_sum:.2f} (goal <= 1.2)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

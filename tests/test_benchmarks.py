@@ -134,3 +134,22 @@ def test_the_hot_path_and_export_benchmarks_print_every_figure(script, lines):
     printed = done.stdout.splitlines()
     for pattern in lines:
         assert any(re.fullmatch(pattern, line) for line in printed), (pattern, printed)
+
+
+def test_the_gpu_benchmark_times_every_configuration_and_workload_with_and_without_commlens():
+    """On the CPU (gloo): every path of bench/gpu.py once, the agent started and stopped around each
+    slice; its figures come from a GPU (docs/gpu.md)."""
+    sys.path.insert(0, str(BENCH.parent))
+    from gpu import CONFIGS, WORKLOADS
+
+    done = subprocess.run([sys.executable, str(BENCH.parent / "gpu.py"), "--device", "cpu", "--rounds", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-12000:]
+    rows = {}
+    for line in done.stdout.splitlines()[2:]:
+        # workload, config, plain ms, ratio "min - median - max", collectives per iteration, +CPU, +GPU µs
+        *workload, config, plain, low, _, median, _, high, collectives, _, _ = line.split()
+        rows[(" ".join(workload), config)] = float(plain), float(low), float(median), float(high), float(collectives)
+    assert set(rows) == {(w, c) for w in WORKLOADS for c in CONFIGS}, done.stdout
+    assert all(plain > 0 and 0 < low <= median <= high for plain, low, median, high, _ in rows.values())
+    assert all(rows[(w, c)][-1] >= 1 for w in WORKLOADS for c in CONFIGS if w.startswith("all_reduce")), rows
