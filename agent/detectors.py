@@ -69,7 +69,7 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
         found = [dataclasses.replace(f, evidence="; ".join([f.evidence, *(
             f"held up through them: {link.evidence}" for link in links if f.pg in link.waits_in)]))
             if f.kind == "late_rank" else f for f in found]
-    found = _slow_node(found, facts)
+    found = _slow_node(found, facts) if any(f.kind != "straggler" for f in found) else _node_last(found, facts)
     order = ("nan_origin", "node_unreachable", "node_slow", "lost_rank", "desync", "size_mismatch", "late_rank", "deadlock", "hang", "stall", "straggler")
     return sorted(found, key=lambda f: order.index(f.kind))
 
@@ -398,32 +398,78 @@ def _dtypes(tensors: str) -> frozenset[str]:
     return frozenset(tensor.partition("[")[0] for tensor in tensors.split("], "))
 
 
+def _last_arrival(groups: dict[int, GroupFacts]) -> tuple[int, float, float] | None:
+    """Live: the member that waits least in a group's collectives, by over ``STRAGGLER_MIN_S`` and under
+    ``STRAGGLER_RATIO`` of the longest waiter's wait, from ``STRAGGLER_LIVE_EVIDENCE`` collectives of
+    each: it arrives last. (rank, its wait, the longest wait), or None."""
+    waits = {rank: g.wait_s for rank, g in groups.items() if g.wait_s is not None}
+    if len(waits) < 2 or min(g.completed for g in groups.values()) < STRAGGLER_LIVE_EVIDENCE:
+        return None
+    longest = max(waits.values())
+    rank = min(waits, key=waits.get)
+    if longest - waits[rank] > STRAGGLER_MIN_S and waits[rank] < STRAGGLER_RATIO * longest:
+        return rank, waits[rank], longest
+    return None
+
+
+def _node_last(found: list[Finding], facts: list[RankFacts]) -> list[Finding]:
+    """Live, when nothing worse is found: a node every rank of which arrives last in a group it shares
+    with other nodes (``_last_arrival``), the only such node, whose ranks spend less time in collectives
+    than any other node's, its endpoints answering and nobody waiting past the hang threshold: the
+    node is slow, and named in place of its ranks' straggler findings. Its ranks may wait in the
+    groups they share, as everything they do is slow: the stragglers' test of waiting in no other
+    group does not hold for them (as CommlensNodeSlow)."""
+    nodes = {f.rank: f.node for f in facts}
+    if len(set(nodes.values())) < 2 or _waiting(facts) or any(f.gone or f.unreachable for f in facts):
+        return found
+    last: dict[str, set[int]] = collections.defaultdict(set)
+    for pg in {pg for f in facts for pg in f.groups}:
+        groups = {f.rank: f.groups[pg] for f in facts if pg in f.groups}
+        if len({nodes[rank] for rank in groups}) > 1 and (arrival := _last_arrival(groups)) is not None:
+            last[nodes[arrival[0]]].add(arrival[0])
+    slow = [node for node, ranks in last.items() if ranks == {r for r, n in nodes.items() if n == node}]
+    # it computes while the others wait: each of its ranks spends less time in collectives than any
+    # other node's (behind a slow link, the ranks that send across it arrive last and wait as long)
+    waited = {f.rank: sum(g.waited_s or 0.0 for g in f.groups.values()) for f in facts}
+    if len(slow) != 1 or max(waited[r] for r in last[slow[0]]) >= \
+            min(w for r, w in waited.items() if nodes[r] != slow[0]):
+        return _slow_node(found, facts)
+    node, ranks = slow[0], sorted(last[slow[0]])
+    return [Finding("node_slow", tuple(ranks), "", "", None,
+                    f"every rank of the node arrives last, by over {STRAGGLER_MIN_S * 1e3:.0f} ms per collective, "
+                    "in a group it shares with other nodes, and its endpoints answer: the host is alive but slow "
+                    "(its CPU throttled or shared, memory, its devices)", node=node)] + \
+        [f for f in found if not set(f.ranks) <= set(ranks)]
+
+
+def _waiting(facts: Iterable[RankFacts]) -> bool:
+    """Whether any of these ranks waits past the hang threshold, or saw an op fail, in any group."""
+    return any(g.hung or g.p2p_hung or g.failed for f in facts for g in f.groups.values())
+
+
 def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:
     groups = {f.rank: f.groups[pg] for f in members if pg in f.groups and not f.gone}
     if len(groups) < 2:
         return []
-    waits = {rank: g.wait_s for rank, g in groups.items() if g.wait_s is not None}
-    if len(waits) == len(groups):  # live: lateness from waits
-        if min(g.completed for g in groups.values()) < STRAGGLER_LIVE_EVIDENCE:
+    if all(g.wait_s is not None for g in groups.values()):  # live: lateness from waits
+        last = _last_arrival(groups)
+        if last is None:
             return []
-        longest = max(waits.values())
-        rank = min(waits, key=waits.get)
-        lateness = longest - waits[rank]
+        rank, wait, longest = last
         # arriving last in this group because it waited in another is not straggling: a straggler
         # waits less than the others in all its groups together, its own compute holds them up; and
         # one that waits now past the hang threshold is a link of a chain that another finding names
         waited = {f.rank: sum(g.waited_s or 0.0 for g in f.groups.values()) for f in everyone if f.rank in groups}
-        waiting = any(g.hung or g.p2p_hung or g.failed for f in everyone if f.rank == rank for g in f.groups.values())
-        if lateness > STRAGGLER_MIN_S and waits[rank] < STRAGGLER_RATIO * longest and not waiting and \
-                waited[rank] < STRAGGLER_RATIO * max(waited.values()):
-            # its cost: the others' time in the group's collectives beyond its own, which they spend
-            # waiting for it, as a share of the job's time (every rank's, the window's length)
-            caused = sum(max(0.0, g.waited_s - groups[rank].waited_s) for g in groups.values())
-            return [Finding("straggler", (rank,), pg, "all", None,
-                            f"it waits {waits[rank] * 1e3:.1f} ms per collective where the group's longest waiter "
-                            f"waits {longest * 1e3:.1f} ms: it arrives about {lateness * 1e3:.1f} ms after the others; "
-                            f"the waits for it cost the job {caused / len(everyone):.1%} of its time over the window")]
-        return []
+        if _waiting(f for f in everyone if f.rank == rank) or waited[rank] >= STRAGGLER_RATIO * max(waited.values()):
+            return []
+        # its cost: the others' time in the group's collectives beyond its own, which they spend
+        # waiting for it, as a share of the job's time (every rank's, the window's length)
+        caused = sum(max(0.0, g.waited_s - groups[rank].waited_s) for g in groups.values())
+        return [Finding("straggler", (rank,), pg, "all", None,
+                        f"it waits {wait * 1e3:.1f} ms per collective where the group's longest waiter "
+                        f"waits {longest * 1e3:.1f} ms: it arrives about {(longest - wait) * 1e3:.1f} ms after the "
+                        f"others; the waits for it cost the job {caused / len(everyone):.1%} of its time over the "
+                        "window")]
     common = set.intersection(*(set(g.arrivals) for g in groups.values()))
     if len(common) < STRAGGLER_EVIDENCE:  # too few collectives seen by every rank to tell
         return []

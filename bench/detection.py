@@ -7,7 +7,8 @@ one DDP group (``tests/faulty_train.py``), or 4 ranks in tensor-parallel pairs, 
 (``isend``/``irecv``), DDP and a global group at once (``tests/parallel_train.py``: the faults named
 ``tp-late``, ``late-send``, ``kill`` and ``size``; the last three with the pod sidecar), or 3 nodes of 2
 ranks of the latter, each under its own ``commlens run`` with its pod sidecar (``node-kill``: every
-process of node 1 SIGKILLed; ``node-cut``: its link down; root only, ``tests/nodes.py``). From the wall
+process of node 1 SIGKILLed; ``node-cut``: its link down; ``node-throttle``: its CPU throttled to a tenth
+of one; root only, ``tests/nodes.py``). From the wall
 time of the fault (the script writes it, or the harness notes it as it strikes), it measures:
 
 * **named**: the first evaluation whose data names the culprit (its alert pending or firing);
@@ -18,9 +19,9 @@ time of the fault (the script writes it, or the harness notes it as it strikes),
 
 Medians (and min – max) of ``--runs`` runs per fault; precision over all runs. Goals: NaN origin ≤ 5 s;
 late or missing rank, a size mismatch and an unreachable node ≤ hang threshold (3 s here) + 5 s;
-straggler ≤ 10 s; a kill ≤ 5 s; precision and recall 1.00.
+straggler ≤ 10 s; a slow node ≤ 30 s; a kill ≤ 5 s; precision and recall 1.00.
 
-    python bench/detection.py [--runs 3] [--faults nan,inf,late,leave,slow,desync,tp-late,late-send,kill,size,node-kill,node-cut]
+    python bench/detection.py [--runs 3] [--faults nan,inf,late,leave,slow,desync,tp-late,late-send,kill,size,node-kill,node-cut,node-throttle]
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ FAULTS = {
     "size": Fault("CommlensCollectiveMismatch", **PARALLEL, job={"step": 30, "pod": True, "extra": ["--timeout-s", "20"]}),
     "node-kill": Fault("CommlensNodeUnreachable", PARALLEL_SCRIPT, 6),
     "node-cut": Fault("CommlensNodeUnreachable", PARALLEL_SCRIPT, 6),
+    "node-throttle": Fault("CommlensNodeSlow", PARALLEL_SCRIPT, 6),
 }
-"""``node-*``: 3 nodes of 2 ranks (``tests/nodes.py``, root only), node 1 killed whole or its link cut."""
+"""``node-*``: 3 nodes of 2 ranks (``tests/nodes.py``, root only), node 1 killed whole, its link cut, or its
+CPU throttled to a tenth of one."""
 CULPRIT_ALERTS = {fault.alert for fault in FAULTS.values()} | {"CommlensDeadlock", "CommlensCollectiveHung"}
 
 
@@ -88,14 +91,14 @@ class Run:
 
 @contextlib.contextmanager
 def _nodes_job(tmp: pathlib.Path, name: str):
-    """3 nodes of 2 ranks; node 1 killed or cut off once the job runs."""
+    """3 nodes of 2 ranks; node 1 killed, cut off or throttled once the job runs."""
     with Nodes(3) as nodes:
         job = NodeJob(nodes, tmp / "job", PARALLEL_SCRIPT, ["--steps", "3000", "--step-ms", "20", "--timeout-s", "30"])
         with Prometheus(tmp, job, [RULES]) as prometheus:
             wait_for(lambda: prometheus.query('commlens_collective_last_seq{pg="0", state="completed"} > 2'),
                      "the job under way on every node")
             fault_at = time.time()
-            nodes.kill(1) if name == "node-kill" else nodes.cut(1)
+            {"node-kill": nodes.kill, "node-cut": nodes.cut, "node-throttle": lambda k: nodes.throttle(k, 0.1)}[name](1)
             yield prometheus, lambda: fault_at
 
 
@@ -110,7 +113,8 @@ def _rank_job(tmp: pathlib.Path, name: str):
 
 
 def _named(labels: dict) -> str:
-    return labels.get("node") if labels["alertname"] == "CommlensNodeUnreachable" else labels.get("rank", "")
+    return labels.get("node") if labels["alertname"] in ("CommlensNodeUnreachable", "CommlensNodeSlow") \
+        else labels.get("rank", "")
 
 
 def measure(name: str, after_s: float) -> Run:
@@ -142,7 +146,7 @@ def measure(name: str, after_s: float) -> Run:
         if diagnose.returncode != 1:  # 1: something wrong found
             raise RuntimeError(f"commlens diagnose failed for the {name} fault: {diagnose.stdout}{diagnose.stderr}")
         fault_at = wait_for(fault_at, "the fault's time", timeout_s=5)
-    said = {str(rank) for rank in culprits(diagnose.stdout)} | set(re.findall(r"unreachable: node (\S+)", diagnose.stdout))
+    said = {str(rank) for rank in culprits(diagnose.stdout)} | set(re.findall(r"(?:unreachable|slow node): node (\S+)", diagnose.stdout))
     return Run(named - fault_at, firing - fault_at, ranks, said)
 
 

@@ -24,7 +24,7 @@ from nodes import Nodes, NodeJob, why_not
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
 CULPRIT_ALERTS = ("CommlensNaNOrigin", "CommlensRankLate", "CommlensCollectiveDesync", "CommlensStraggler",
                   "CommlensDeadlock", "CommlensPeerLate", "CommlensCollectiveMismatch", "CommlensRankKilled",
-                  "CommlensNodeUnreachable", "CommlensCollectiveHung")
+                  "CommlensNodeUnreachable", "CommlensCollectiveHung", "CommlensNodeSlow")
 
 
 @pytest.fixture
@@ -78,6 +78,25 @@ def test_a_node_killed_or_cut_off_is_named_by_the_alert_and_diagnose_and_nothing
     assert len(verdicts) == 1 and ": unreachable: node node-1 (ranks 2, 3) in " in verdicts[0], live
 
 
+def test_a_node_throttled_to_a_tenth_of_a_cpu_is_named_slow_and_nothing_else_is(tmp_path, harness):
+    """Node 1's processes (its two ranks, its pod sidecar) get a tenth of one CPU mid-training: its ranks
+    arrive last where they meet the other nodes, and compute while those wait. ``CommlensNodeSlow``
+    names node 1, no alert names anyone else, and ``commlens diagnose --prometheus`` prints that one
+    verdict. About 40 s."""
+    with _cluster(tmp_path, steps=3000) as (nodes, job, webhook, prometheus):
+        wait_for(lambda: prometheus.query('commlens_collective_last_seq{pg="0", state="completed"} > 2'),
+                 "the job's loss all_reduced a few times")
+        nodes.throttle(1, 0.1)
+        wait_for(lambda: webhook.firing("CommlensNodeSlow"), "CommlensNodeSlow at the webhook", timeout_s=60,
+                 explain=lambda: f"{webhook.alerts} {_logs(job)}")
+        live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
+        named = {(a["labels"]["alertname"], a["labels"].get("node"), a["labels"].get("rank"))
+                 for a in webhook.alerts if a["labels"]["alertname"] in CULPRIT_ALERTS}
+    assert named == {("CommlensNodeSlow", "node-1", None)}, webhook.alerts
+    verdicts = [line for line in live.splitlines() if " — " in line]
+    assert len(verdicts) == 1 and ": slow node: node node-1 (ranks 2, 3) in the job — " in verdicts[0], live
+
+
 def test_a_healthy_job_across_nodes_fires_nothing(tmp_path, harness):
     """The same job, no fault, to its end: once it is under way, no alert that names a culprit is pending
     beyond one evaluation or firing, and every node's command ends 0. (At start-up, on a busy machine,
@@ -121,10 +140,35 @@ def test_the_ranks_found_late_are_one_nodes_all_and_only_the_node_is_named_slow(
             group.wait_s, group.waited_s, group.completed = (0.001, 0.05, 50) if rank in (2, 3) else (0.2, 0.5, 50)
     found = findings(facts)
     assert [(f.kind, f.node, f.ranks) for f in found] == [("node_slow", "node-1", (2, 3))], found
-    assert found[0].line().startswith("slow node: node node-1 (ranks 2, 3) in all (group 4) — every rank of the node")
+    assert found[0].line().startswith("slow node: node node-1 (ranks 2, 3) in the job — every rank of the node")
     facts[4].group("4").wait_s = 0.0005
     assert {f.kind for f in findings(facts)} != {"node_slow"}
     for f in facts:
         f.node = "node-0"
     facts[4].group("4").wait_s = 0.2
     assert {f.kind for f in findings(facts)} == {"straggler"}
+
+
+def test_a_node_whose_ranks_arrive_last_while_waiting_in_their_own_groups_is_named_slow():
+    """A node throttled: ranks 2 and 3 arrive last in the groups they share with other nodes, and wait in
+    their own pair (everything they do is slow), so neither is a straggler; the node is named. Not while
+    a rank waits past the hang threshold, nor where one of its ranks is on time, nor behind a slow link,
+    where the ranks that arrive last spend as much time in collectives as the others."""
+    facts = [RankFacts(rank, node=f"node-{rank // 2}") for rank in range(6)]
+    for pg, ranks in (("1", (2, 3)), ("4", (0, 2, 4)), ("5", (1, 3, 5))):
+        for rank in ranks:
+            group = facts[rank].group(pg)
+            late = rank in (2, 3) and pg != "1"
+            group.wait_s, group.waited_s, group.completed = (0.002, 0.05, 200) if late else (0.02, 0.4, 200)
+            if pg == "1":
+                group.waited_s = 0.2  # their own pair's: 0.25 s a second in all, where the others spend 0.4
+    found = findings(facts)
+    assert [(f.kind, f.node, f.ranks) for f in found] == [("node_slow", "node-1", (2, 3))], found
+    facts[0].group("4").hung = ("all_reduce", 7)
+    assert not any(f.kind == "node_slow" for f in findings(facts))
+    facts[0].group("4").hung = None
+    facts[3].group("5").wait_s = 0.02
+    assert findings(facts) == []
+    facts[3].group("5").wait_s = 0.002
+    facts[2].group("1").waited_s = facts[3].group("1").waited_s = 0.5  # waiting on the link as long as anyone
+    assert not any(f.kind == "node_slow" for f in findings(facts))

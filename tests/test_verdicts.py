@@ -25,7 +25,7 @@ from monitoring import PARALLEL_SCRIPT, Alertmanager, Prometheus, TrainingJob, W
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
 WORLD, CULPRIT = 3, 1
 CULPRIT_ALERTS = ("CommlensNaNOrigin", "CommlensRankLate", "CommlensCollectiveDesync", "CommlensStraggler",
-                  "CommlensDeadlock", "CommlensPeerLate", "CommlensCollectiveMismatch")
+                  "CommlensDeadlock", "CommlensPeerLate", "CommlensCollectiveMismatch", "CommlensNodeSlow")
 
 
 @contextlib.contextmanager
@@ -73,7 +73,7 @@ def test_the_alert_and_diagnose_name_the_faulty_rank_and_only_it(tmp_path, fault
     with _stack(tmp_path, fault, pod=pod, **job) as (webhook, training, prometheus):
         fired = wait_for(lambda: webhook.firing(alert), f"{alert} at the webhook", timeout_s=90,
                          explain=lambda: _evidence(prometheus, training))
-        named = {a["labels"]["rank"] for a in webhook.alerts
+        named = {a["labels"].get("rank", a["labels"].get("node")) for a in webhook.alerts
                  if a["labels"]["alertname"] in CULPRIT_ALERTS and a["status"] == "firing"}
         if fault == "slow":  # its cost below is the steady state's: live diagnose's 15 s holds only training
             wait_for(lambda: prometheus.query("commlens_collective_duration_seconds_count offset 16s"),
@@ -251,7 +251,7 @@ def test_a_one_off_stall_under_the_hang_threshold_is_named_after_the_fact_and_on
     with _stack(tmp_path, "late", world=4, step=30, steps=200, script=PARALLEL_SCRIPT,
                 extra=["--late-s", "1.5"]) as (webhook, training, prometheus):
         assert training.wait(120) == 0, training.log.read_text()[-3000:]
-        named = {a["labels"]["rank"] for a in webhook.alerts if a["labels"]["alertname"] in CULPRIT_ALERTS}
+        named = {a["labels"].get("rank", a["labels"].get("node")) for a in webhook.alerts if a["labels"]["alertname"] in CULPRIT_ALERTS}
     assert named <= {"1"}, webhook.alerts
     offline = _diagnose(str(training.out))
     assert culprits(offline) == {1}, offline
@@ -272,7 +272,7 @@ def test_a_rank_killed_inside_its_pairs_all_reduce_is_named_alive_and_after_the_
                  explain=lambda: _evidence(prometheus, training))
         assert training.wait(120) != 0  # torchrun reports the killed rank
         live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
-        named = {a["labels"]["rank"] for a in webhook.alerts if a["labels"]["alertname"] in CULPRIT_ALERTS
+        named = {a["labels"].get("rank", a["labels"].get("node")) for a in webhook.alerts if a["labels"]["alertname"] in CULPRIT_ALERTS
                  or a["labels"]["alertname"] == "CommlensRankKilled"}
     assert named == {"1"}, webhook.alerts
     offline = _diagnose(str(training.out))
@@ -298,7 +298,7 @@ def test_a_rank_whose_input_size_differs_is_named_live_and_from_the_dumps_and_no
         live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
         assert training.wait(120) != 0  # the backend ended it
         wait_for(lambda: all((training.out / f"rank_{rank}").exists() for rank in range(4)), "every rank's dump")
-        named = {a["labels"]["rank"] for a in webhook.alerts if a["labels"]["alertname"] in CULPRIT_ALERTS
+        named = {a["labels"].get("rank", a["labels"].get("node")) for a in webhook.alerts if a["labels"]["alertname"] in CULPRIT_ALERTS
                  or a["labels"]["alertname"] == "CommlensRankKilled"}
     assert named == {"1"}, webhook.alerts
     assert culprits(live) == {1} and "size mismatch: rank 1 in all_reduce (group 0, seq " in live, live
