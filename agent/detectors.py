@@ -27,6 +27,8 @@ STRAGGLER_LIVE_EVIDENCE = 10
 STALL_MIN_S = 1.0
 """After the fact, a one-off stall is named where the ranks held up by it waited this long (under the
 hang threshold)."""
+NODE_SLOW_MARGIN = 0.02
+"""A slow node's ranks spend less of their time in collectives than any other node's by more than this."""
 STRAGGLER_LEAD = 1.5
 """... or, after the fact, arrives later on average than this many times the next latest rank."""
 
@@ -70,7 +72,9 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
             f"held up through them: {link.evidence}" for link in links if f.pg in link.waits_in)]))
             if f.kind == "late_rank" else f for f in found]
     found = _slow_node(found, facts) if any(f.kind != "straggler" for f in found) else _node_last(found, facts)
-    order = ("nan_origin", "node_unreachable", "node_slow", "lost_rank", "desync", "size_mismatch", "late_rank", "deadlock", "hang", "stall", "straggler")
+    if not found:
+        found = _network_slow(facts)
+    order = ("nan_origin", "node_unreachable", "node_slow", "network_slow", "lost_rank", "desync", "size_mismatch", "late_rank", "deadlock", "hang", "stall", "straggler")
     return sorted(found, key=lambda f: order.index(f.kind))
 
 
@@ -431,7 +435,7 @@ def _node_last(found: list[Finding], facts: list[RankFacts]) -> list[Finding]:
     # it computes while the others wait: each of its ranks spends less time in collectives than any
     # other node's (behind a slow link, the ranks that send across it arrive last and wait as long)
     waited = {f.rank: sum(g.waited_s or 0.0 for g in f.groups.values()) for f in facts}
-    if len(slow) != 1 or max(waited[r] for r in last[slow[0]]) >= \
+    if len(slow) != 1 or max(waited[r] for r in last[slow[0]]) + NODE_SLOW_MARGIN >= \
             min(w for r, w in waited.items() if nodes[r] != slow[0]):
         return _slow_node(found, facts)
     node, ranks = slow[0], sorted(last[slow[0]])
@@ -440,6 +444,22 @@ def _node_last(found: list[Finding], facts: list[RankFacts]) -> list[Finding]:
                     "in a group it shares with other nodes, and its endpoints answer: the host is alive but slow "
                     "(its CPU throttled or shared, memory, its devices)", node=node)] + \
         [f for f in found if not set(f.ranks) <= set(ranks)]
+
+
+def _network_slow(facts: list[RankFacts]) -> list[Finding]:
+    """Live, when nothing else is found, across nodes: every rank spends under half the time outside
+    collectives that it spent at its most in the last 5 min (as CommlensNetworkSlow): the collectives
+    take longer on every rank while nobody computes more — they wait on the network, not on a rank."""
+    if len({f.node for f in facts}) < 2 or _waiting(facts) or any(f.gone or f.least_waited is None for f in facts):
+        return []
+    now = {f.rank: sum(g.waited_s or 0.0 for g in f.groups.values()) for f in facts}
+    if not all(1 - now[f.rank] < 0.5 * (1 - f.least_waited) for f in facts):
+        return []
+    return [Finding("network_slow", tuple(sorted(now)), "", "", None,
+                    f"every rank spends {min(now.values()):.0%}–{max(now.values()):.0%} of its time in collectives, "
+                    f"where it spent as little as {min(f.least_waited for f in facts):.0%}–"
+                    f"{max(f.least_waited for f in facts):.0%} in the last 5 min, and no rank or node is what the "
+                    "others wait for: the collectives are slow — look at the links between the nodes")]
 
 
 def _waiting(facts: Iterable[RankFacts]) -> bool:

@@ -76,6 +76,9 @@ class RankFacts:
     """Prometheus no longer reaches its metrics endpoint (``up == 0``; live, ``--prometheus``)."""
     aborted: bool = False
     """An op failed on it in the window (its ``abort`` snapshot: a peer's process or node went; live)."""
+    least_waited: float | None = None
+    """The least share of its time it spent in collectives, all groups, over the last 5 min (live,
+    ``--prometheus``); now's is the sum of its groups' ``waited_s``."""
 
     def group(self, pg: str) -> GroupFacts:
         return self.groups.setdefault(pg, GroupFacts())
@@ -84,8 +87,8 @@ class RankFacts:
 @dataclasses.dataclass(frozen=True)
 class Finding:
     kind: str
-    """nan_origin, node_unreachable, node_slow, lost_rank, late_rank, desync, size_mismatch, straggler, stall,
-    hang or deadlock."""
+    """nan_origin, node_unreachable, node_slow, network_slow, lost_rank, late_rank, desync, size_mismatch,
+    straggler, stall, hang or deadlock."""
     ranks: tuple[int, ...]
     pg: str
     op: str
@@ -100,9 +103,12 @@ class Finding:
         who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {', '.join(map(str, self.ranks))}"
         if self.node:
             who = f"node {self.node} ({who})"
+        if self.kind == "network_slow":
+            who = "every rank waits"
         where = f"{self.op} (group {self.pg}" + (f", seq {self.seq})" if self.seq is not None else ")") \
             if self.op else "the job"
         title = {"nan_origin": "NaN/Inf entered on", "node_unreachable": "unreachable:", "node_slow": "slow node:",
+                 "network_slow": "the network is slow, no rank is late:",
                  "lost_rank": "killed or crashed:", "late_rank": "late or missing:", "desync": "desync:",
                  "size_mismatch": "size mismatch:", "straggler": "straggler:", "stall": "stall:",
                  "hang": "hang: all waiting,", "deadlock": "deadlock: waiting on each other,"}[self.kind]

@@ -213,6 +213,9 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
         facts.group(labels["pg"]).waited_s = value
     for facts, labels, value in each(f"{by} (increase({DURATION_COUNT}{{{selector}}}[{window}]))"):
         facts.group(labels["pg"]).completed = round(value)
+    for facts, labels, value in each(f"min_over_time((sum by (job, rank) (rate({DURATION_SUM}{{{selector}}}"
+                                     f"[{window}])))[5m:5s])"):
+        facts.least_waited = value
     info = f"last_over_time({names.INFO}{{{selector}}}[15m])"
     for facts, labels, _ in each(info):
         facts.node = labels.get("node", "")

@@ -162,6 +162,13 @@ def overview() -> dashboard.Dashboard:
                               query('min by (node) (up{job=~"$job"} * on (job, instance) group_left (node) '
                                     'max by (job, instance, node) (last_over_time(commlens_info{job=~"$job"}[15m])))',
                                     "{{node}}")))
+            .with_panel(graph("Time in collectives by node", "The share of its time a node's ranks spend in "
+                              "collectives, all groups: a slow node sits below the others (it computes while they "
+                              "wait: CommlensNodeSlow), a slow network lifts every node towards 1 "
+                              "(CommlensNetworkSlow).", "percentunit",
+                              query('avg by (node) (sum by (job, rank) (rate(commlens_collective_duration_seconds_sum'
+                                    '{job=~"$job"}[1m])) * on (job, rank) group_left (node) max by (job, rank, node) '
+                                    '(commlens_info{job=~"$job"}))', "{{node}}")))
             .with_row(dashboard.Row("Telemetry health"))
             .with_panel(graph("Dropped ring records", "Records overwritten before the sidecar read them.",
                               "cps", query(f"sum by (rank) (rate(commlens_ring_records_dropped_total{{{RANK}}}"

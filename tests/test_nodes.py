@@ -24,7 +24,7 @@ from nodes import Nodes, NodeJob, why_not
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
 CULPRIT_ALERTS = ("CommlensNaNOrigin", "CommlensRankLate", "CommlensCollectiveDesync", "CommlensStraggler",
                   "CommlensDeadlock", "CommlensPeerLate", "CommlensCollectiveMismatch", "CommlensRankKilled",
-                  "CommlensNodeUnreachable", "CommlensCollectiveHung", "CommlensNodeSlow")
+                  "CommlensNodeUnreachable", "CommlensCollectiveHung", "CommlensNodeSlow", "CommlensNetworkSlow")
 
 
 @pytest.fixture
@@ -95,6 +95,25 @@ def test_a_node_throttled_to_a_tenth_of_a_cpu_is_named_slow_and_nothing_else_is(
     assert named == {("CommlensNodeSlow", "node-1", None)}, webhook.alerts
     verdicts = [line for line in live.splitlines() if " — " in line]
     assert len(verdicts) == 1 and ": slow node: node node-1 (ranks 2, 3) in the job — " in verdicts[0], live
+
+
+def test_a_slow_link_is_named_as_the_network_and_nothing_else_is(tmp_path, harness):
+    """Node 1's link limited to 1 Mbit/s both ways mid-training: every collective that crosses it slows,
+    on every rank, and the ranks that send across it arrive last behind it. ``CommlensNetworkSlow``
+    fires, no alert names a rank or a node, and ``commlens diagnose --prometheus`` prints that one
+    verdict. About 45 s."""
+    with _cluster(tmp_path, steps=3000) as (nodes, job, webhook, prometheus):
+        wait_for(lambda: prometheus.query('commlens_collective_last_seq{pg="0", state="completed"} > 2'),
+                 "the job's loss all_reduced a few times")
+        nodes.limit(1, "1mbit")
+        wait_for(lambda: webhook.firing("CommlensNetworkSlow"), "CommlensNetworkSlow at the webhook", timeout_s=60,
+                 explain=lambda: f"{webhook.alerts} {_logs(job)}")
+        live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
+        named = {(a["labels"]["alertname"], a["labels"].get("node"), a["labels"].get("rank"))
+                 for a in webhook.alerts if a["labels"]["alertname"] in CULPRIT_ALERTS}
+    assert named == {("CommlensNetworkSlow", None, None)}, webhook.alerts
+    verdicts = [line for line in live.splitlines() if " — " in line]
+    assert len(verdicts) == 1 and ": the network is slow, no rank is late: every rank waits in the job — " in verdicts[0], live
 
 
 def test_a_healthy_job_across_nodes_fires_nothing(tmp_path, harness):
@@ -172,3 +191,31 @@ def test_a_node_whose_ranks_arrive_last_while_waiting_in_their_own_groups_is_nam
     facts[3].group("5").wait_s = 0.002
     facts[2].group("1").waited_s = facts[3].group("1").waited_s = 0.5  # waiting on the link as long as anyone
     assert not any(f.kind == "node_slow" for f in findings(facts))
+
+
+def test_a_slow_link_is_named_as_the_network_and_no_rank_or_node_is():
+    """Node 1's link slow: node 0's ranks, blocked in their sends across it, arrive last in the
+    data-parallel groups, and every rank waits most of its time in the pipeline's groups, as it did not
+    a few minutes before: the network is slow, no rank is late. Not on one node, nor while the job
+    spends as much of its time in collectives as it has for 5 min."""
+    facts = [RankFacts(rank, node=f"node-{rank // 2}") for rank in range(6)]
+    for pg, ranks in (("4", (0, 2, 4)), ("5", (1, 3, 5)), ("6", (0, 2, 4)), ("7", (1, 3, 5))):
+        for rank in ranks:
+            group = facts[rank].group(pg)
+            if pg in ("4", "5"):
+                group.wait_s = group.waited_s = 0.007 if rank in (0, 1) else 0.05
+            else:
+                group.wait_s = group.waited_s = 0.95 if rank in (0, 1) else 0.9
+            group.completed = 100
+    for f in facts:
+        f.least_waited = 0.1
+    found = findings(facts)
+    assert [(f.kind, f.node) for f in found] == [("network_slow", "")], found
+    assert found[0].line().startswith("the network is slow, no rank is late: every rank waits in the job — "
+                                      "every rank spends 95%–96% of its time in collectives")
+    for f in facts:
+        f.least_waited = 0.94
+    assert findings(facts) == []
+    for f in facts:
+        f.least_waited, f.node = 0.1, "node-0"
+    assert findings(facts) == []
