@@ -232,7 +232,7 @@ def run(world_size: int, steps: int, out_dir: str, faults: tuple[Fault, ...] = (
     config = Config.from_env({**os.environ, **environment})  # a bad setting fails here, before any rank starts
     metrics = config.metrics_port or 0
     reserve(range(metrics, metrics + world_size))  # the store's port is not one the ranks serve on
-    store = free_port()
+    store = int(os.environ.get("MASTER_PORT") or 0) or free_port()  # torchrun's variable, where it is set
     distributed.build_extensions()
     forkserver = mp.get_context("forkserver")
     # imported once, not once per rank (DDP's constructor imports dynamo: 2 s of CPU)

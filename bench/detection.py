@@ -8,7 +8,7 @@ one DDP group (``tests/faulty_train.py``), or 4 ranks in tensor-parallel pairs, 
 ``tp-late``, ``late-send``, ``kill`` and ``size``; the last three with the pod sidecar), or 3 nodes of 2
 ranks of the latter, each under its own ``commlens run`` with its pod sidecar (``node-kill``: every
 process of node 1 SIGKILLed; ``node-cut``: its link down; ``node-throttle``: its CPU throttled to a tenth
-of one; root only, ``tests/nodes.py``). From the wall
+of one; ``node-limit``: its link limited to 1 Mbit/s; root only, ``tests/nodes.py``). From the wall
 time of the fault (the script writes it, or the harness notes it as it strikes), it measures:
 
 * **named**: the first evaluation whose data names the culprit (its alert pending or firing);
@@ -19,9 +19,9 @@ time of the fault (the script writes it, or the harness notes it as it strikes),
 
 Medians (and min – max) of ``--runs`` runs per fault; precision over all runs. Goals: NaN origin ≤ 5 s;
 late or missing rank, a size mismatch and an unreachable node ≤ hang threshold (3 s here) + 5 s;
-straggler ≤ 10 s; a slow node ≤ 30 s; a kill ≤ 5 s; precision and recall 1.00.
+straggler ≤ 10 s; a slow node and a slow link ≤ 30 s; a kill ≤ 5 s; precision and recall 1.00.
 
-    python bench/detection.py [--runs 3] [--faults nan,inf,late,leave,slow,desync,tp-late,late-send,kill,size,node-kill,node-cut,node-throttle]
+    python bench/detection.py [--runs 3] [--faults nan,inf,late,leave,slow,desync,tp-late,late-send,kill,size,node-kill,node-cut,node-throttle,node-limit]
 """
 
 from __future__ import annotations
@@ -73,9 +73,10 @@ FAULTS = {
     "node-kill": Fault("CommlensNodeUnreachable", PARALLEL_SCRIPT, 6),
     "node-cut": Fault("CommlensNodeUnreachable", PARALLEL_SCRIPT, 6),
     "node-throttle": Fault("CommlensNodeSlow", PARALLEL_SCRIPT, 6),
+    "node-limit": Fault("CommlensNetworkSlow", PARALLEL_SCRIPT, 6),
 }
-"""``node-*``: 3 nodes of 2 ranks (``tests/nodes.py``, root only), node 1 killed whole, its link cut, or its
-CPU throttled to a tenth of one."""
+"""``node-*``: 3 nodes of 2 ranks (``tests/nodes.py``, root only), node 1 killed whole, its link cut, its
+CPU throttled to a tenth of one, or its link limited to 1 Mbit/s (the culprit: the network)."""
 CULPRIT_ALERTS = {fault.alert for fault in FAULTS.values()} | {"CommlensDeadlock", "CommlensCollectiveHung"}
 
 
@@ -91,14 +92,15 @@ class Run:
 
 @contextlib.contextmanager
 def _nodes_job(tmp: pathlib.Path, name: str):
-    """3 nodes of 2 ranks; node 1 killed, cut off or throttled once the job runs."""
+    """3 nodes of 2 ranks; node 1 killed, cut off, throttled or its link limited once the job runs."""
     with Nodes(3) as nodes:
         job = NodeJob(nodes, tmp / "job", PARALLEL_SCRIPT, ["--steps", "3000", "--step-ms", "20", "--timeout-s", "30"])
         with Prometheus(tmp, job, [RULES]) as prometheus:
             wait_for(lambda: prometheus.query('commlens_collective_last_seq{pg="0", state="completed"} > 2'),
                      "the job under way on every node")
             fault_at = time.time()
-            {"node-kill": nodes.kill, "node-cut": nodes.cut, "node-throttle": lambda k: nodes.throttle(k, 0.1)}[name](1)
+            {"node-kill": nodes.kill, "node-cut": nodes.cut, "node-throttle": lambda k: nodes.throttle(k, 0.1),
+             "node-limit": lambda k: nodes.limit(k, "1mbit")}[name](1)
             yield prometheus, lambda: fault_at
 
 
@@ -113,12 +115,18 @@ def _rank_job(tmp: pathlib.Path, name: str):
 
 
 def _named(labels: dict) -> str:
+    if labels["alertname"] == "CommlensNetworkSlow":
+        return "network"
     return labels.get("node") if labels["alertname"] in ("CommlensNodeUnreachable", "CommlensNodeSlow") \
         else labels.get("rank", "")
 
 
+def _culprit(name: str) -> str:
+    return "network" if name == "node-limit" else CULPRIT_NODE if name.startswith("node-") else str(CULPRIT)
+
+
 def measure(name: str, after_s: float) -> Run:
-    fault, culprit = FAULTS[name], CULPRIT_NODE if name.startswith("node-") else str(CULPRIT)
+    fault, culprit = FAULTS[name], _culprit(name)
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp, \
             (_nodes_job if name.startswith("node-") else _rank_job)(pathlib.Path(tmp), name) as (prometheus, fault_at):
         named = firing = diagnose = None
@@ -146,7 +154,9 @@ def measure(name: str, after_s: float) -> Run:
         if diagnose.returncode != 1:  # 1: something wrong found
             raise RuntimeError(f"commlens diagnose failed for the {name} fault: {diagnose.stdout}{diagnose.stderr}")
         fault_at = wait_for(fault_at, "the fault's time", timeout_s=5)
-    said = {str(rank) for rank in culprits(diagnose.stdout)} | set(re.findall(r"(?:unreachable|slow node): node (\S+)", diagnose.stdout))
+    said = {str(rank) for rank in culprits(diagnose.stdout)} | set(re.findall(r"(?:unreachable|slow node): node (\S+)",
+                                                                              diagnose.stdout))
+    said |= {"network"} if "the network is slow" in diagnose.stdout else set()
     return Run(named - fault_at, firing - fault_at, ranks, said)
 
 
@@ -170,7 +180,7 @@ def main() -> None:
             print(f"{name:<10}skipped: {why_not()}", flush=True)
             continue
         runs = [measure(name, args.after_s) for _ in range(args.runs)]
-        culprit = CULPRIT_NODE if name.startswith("node-") else str(CULPRIT)
+        culprit = _culprit(name)
         by_alerts, by_diagnose = [r.by_alerts for r in runs], [r.by_diagnose for r in runs]
         print(f"{name:<10}{FAULTS[name].alert:<26}{_figure([r.named_s for r in runs]):>20}"
               f"{_figure([r.firing_s for r in runs]):>20}{precision(by_alerts, culprit):>19}"

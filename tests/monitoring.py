@@ -23,7 +23,7 @@ import time
 import urllib.parse
 import urllib.request
 
-from ports import free_ports
+from ports import free_port, free_ports
 from receivers import serve_posts
 
 
@@ -61,7 +61,7 @@ def culprits(report: str) -> set[int]:
     return {int(rank) for ranks in found for rank in ranks.split(",")}
 
 
-def _end_session(process: subprocess.Popen, timeout_s: float) -> None:
+def end_session(process: subprocess.Popen, timeout_s: float) -> None:
     """SIGTERM to the process group ``process`` leads; SIGKILL after ``timeout_s``."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
@@ -82,7 +82,8 @@ class Demo:
         for fault in inject:
             command += ["--inject", fault]
         self.process = subprocess.Popen(
-            command, env={**os.environ, "COMMLENS_METRICS_PORT": str(self.base), **(env or {})},
+            command, env={**os.environ, "COMMLENS_METRICS_PORT": str(self.base), "MASTER_PORT": str(free_port()),
+                          **(env or {})},
             stdout=subprocess.PIPE, stderr=open(tmp_path / "demo.log", "w"), text=True, start_new_session=True)
         self.targets = [f"127.0.0.1:{self.base + rank}" for rank in range(world)]
 
@@ -101,7 +102,7 @@ class Demo:
         return self
 
     def __exit__(self, *exc) -> None:
-        _end_session(self.process, 60)
+        end_session(self.process, 60)
 
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faulty_train.py")
@@ -150,7 +151,7 @@ class TrainingJob:
         return self
 
     def __exit__(self, *exc) -> None:
-        _end_session(self.process, 30)
+        end_session(self.process, 30)
 
 
 class PodSidecar:

@@ -21,6 +21,8 @@ import signal
 import subprocess
 import time
 
+from monitoring import end_session
+
 CGROUP_CPU = "/sys/fs/cgroup/cpu"
 
 
@@ -79,9 +81,14 @@ class Nodes:
     def address(self, k: int) -> str:
         return str(self.subnet.network_address + k + 1)
 
+    @property
+    def gateway(self) -> str:
+        """The host's address on the nodes' bridge: where a node reaches a server of the host's."""
+        return str(self.subnet.network_address + 254)
+
     def __enter__(self) -> Nodes:
         try:
-            gateway = f"{self.subnet.network_address + 254}/{self.subnet.prefixlen}"
+            gateway = f"{self.gateway}/{self.subnet.prefixlen}"
             _ip("link", "add", self.bridge, "type", "bridge")
             self._made.append(("link", self.bridge))
             _ip("addr", "add", gateway, "dev", self.bridge)
@@ -201,11 +208,11 @@ def _rmdir_when_empty(path: str, timeout_s: float = 10.0) -> None:
 class NodeJob:
     """``commlens run --sidecar -- torchrun`` of ``script`` on every node of ``nodes`` (``per_node``
     ranks each, node 0 the rendezvous), as a cluster runs one job: a pod sidecar per node serving
-    metrics on ``address:port``, traces and dumps in ``out/node-<k>``. ``targets``: what Prometheus
-    scrapes (``monitoring.Prometheus`` takes it as a job)."""
+    metrics on ``address:port``, dumps in ``out/node-<k>``, traces there too or to the OTLP endpoint
+    ``spans_to``. ``targets``: what Prometheus scrapes (``monitoring.Prometheus`` takes it as a job)."""
 
     def __init__(self, nodes: Nodes, out, script: str, args: list[str], per_node: int = 2,
-                 hang_threshold_s: float = 3, port: int = 9464, env: dict | None = None):
+                 hang_threshold_s: float = 3, port: int = 9464, env: dict | None = None, spans_to: str | None = None):
         import sys
 
         self.nodes, self.out, self.port = nodes, out, port
@@ -217,7 +224,9 @@ class NodeJob:
             folder.mkdir(parents=True, exist_ok=True)
             command = [sys.executable, "-m", "commlens.agent.cli", "run", "--sidecar", "--job-id", "multi-node",
                        "--hang-threshold", str(hang_threshold_s), "--metrics-port", str(port),
-                       "--metrics-addr", "0.0.0.0", "--trace-file", str(folder / "traces-{rank}.jsonl"), "--",
+                       "--metrics-addr", "0.0.0.0",
+                       *(["--otlp-endpoint", spans_to] if spans_to else ["--trace-file", str(folder / "traces-{rank}.jsonl")]),
+                       "--",
                        torchrun, "--nnodes", str(nodes.count), "--node-rank", str(k),
                        "--nproc-per-node", str(per_node), "--master-addr", nodes.address(0),
                        "--master-port", "29500", script, *args]
@@ -229,11 +238,4 @@ class NodeJob:
 
     def __exit__(self, *exc) -> None:
         for process in self.processes:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-        for process in self.processes:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            end_session(process, 30)

@@ -40,7 +40,7 @@ def _plain(value):
 
 
 class GrpcReceiver:
-    def __init__(self, signal: str = "traces"):
+    def __init__(self, signal: str = "traces", host: str = "127.0.0.1"):
         _, response, base, register = SERVICES[signal]
         self.requests, self.headers = [], []
         receiver = self
@@ -53,8 +53,8 @@ class GrpcReceiver:
 
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         register(Servicer(), self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.port = self.server.add_insecure_port(f"{host}:0")
+        self.endpoint = f"http://{host}:{self.port}"
         self.server.start()
 
     def close(self):

@@ -18,8 +18,10 @@ import pytest
 
 from commlens.agent.detectors import findings
 from commlens.agent.facts import RankFacts
+from commlens.exporters import names
 from monitoring import PARALLEL_SCRIPT, Alertmanager, Prometheus, Webhook, wait_for
 from nodes import Nodes, NodeJob, why_not
+from receivers import GrpcReceiver, span_attributes, spans_of
 
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
 CULPRIT_ALERTS = ("CommlensNaNOrigin", "CommlensRankLate", "CommlensCollectiveDesync", "CommlensStraggler",
@@ -37,14 +39,21 @@ def harness():
 
 
 @contextlib.contextmanager
-def _cluster(tmp_path, steps: int):
-    with Nodes(3) as nodes, Webhook() as webhook, Alertmanager(tmp_path, webhook.url) as alertmanager:
+def _cluster(tmp_path, steps: int, spans: bool = False):
+    """The 3 nodes' job, Prometheus and Alertmanager; with ``spans``, an OTLP/gRPC receiver on the host
+    that every node's pod sidecar sends its spans to (else each writes files), yielded last."""
+    with Nodes(3) as nodes, Webhook() as webhook, Alertmanager(tmp_path, webhook.url) as alertmanager, \
+            contextlib.ExitStack() as stack:
+        receiver = GrpcReceiver(host=nodes.gateway) if spans else None
+        if receiver is not None:
+            stack.callback(receiver.close)
         job = NodeJob(nodes, tmp_path / "job", PARALLEL_SCRIPT,
-                      ["--steps", str(steps), "--step-ms", "20", "--timeout-s", "30"])
+                      ["--steps", str(steps), "--step-ms", "20", "--timeout-s", "30"],
+                      spans_to=receiver and receiver.endpoint, env={"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
         with Prometheus(tmp_path, job, [RULES], alertmanager.address) as prometheus:
             wait_for(lambda: len(prometheus.query("commlens_info")) == 6, "every rank of the 3 nodes scraped",
                      explain=lambda: _logs(job))
-            yield nodes, job, webhook, prometheus
+            yield nodes, job, webhook, prometheus, receiver
 
 
 def _logs(job: NodeJob) -> str:
@@ -64,7 +73,7 @@ def test_a_node_killed_or_cut_off_is_named_by_the_alert_and_diagnose_and_nothing
     receives that involve it, and torchrun ends them. The alert names node 1, not ranks 2 and 3 one by
     one, nor the ranks held up by it, nor the nodes torn down after it; ``commlens diagnose
     --prometheus`` says the same. About 40 s."""
-    with _cluster(tmp_path, steps=3000) as (nodes, job, webhook, prometheus):
+    with _cluster(tmp_path, steps=3000) as (nodes, job, webhook, prometheus, _):
         wait_for(lambda: prometheus.query('commlens_collective_last_seq{pg="0", state="completed"} > 2'),
                  "the job's loss all_reduced a few times")
         nodes.kill(1) if fault == "kill" else nodes.cut(1)
@@ -83,7 +92,7 @@ def test_a_node_throttled_to_a_tenth_of_a_cpu_is_named_slow_and_nothing_else_is(
     arrive last where they meet the other nodes, and compute while those wait. ``CommlensNodeSlow``
     names node 1, no alert names anyone else, and ``commlens diagnose --prometheus`` prints that one
     verdict. About 40 s."""
-    with _cluster(tmp_path, steps=3000) as (nodes, job, webhook, prometheus):
+    with _cluster(tmp_path, steps=3000) as (nodes, job, webhook, prometheus, _):
         wait_for(lambda: prometheus.query('commlens_collective_last_seq{pg="0", state="completed"} > 2'),
                  "the job's loss all_reduced a few times")
         nodes.throttle(1, 0.1)
@@ -102,7 +111,7 @@ def test_a_slow_link_is_named_as_the_network_and_nothing_else_is(tmp_path, harne
     on every rank, and the ranks that send across it arrive last behind it. ``CommlensNetworkSlow``
     fires, no alert names a rank or a node, and ``commlens diagnose --prometheus`` prints that one
     verdict. About 45 s."""
-    with _cluster(tmp_path, steps=3000) as (nodes, job, webhook, prometheus):
+    with _cluster(tmp_path, steps=3000) as (nodes, job, webhook, prometheus, _):
         wait_for(lambda: prometheus.query('commlens_collective_last_seq{pg="0", state="completed"} > 2'),
                  "the job's loss all_reduced a few times")
         nodes.limit(1, "1mbit")
@@ -116,19 +125,25 @@ def test_a_slow_link_is_named_as_the_network_and_nothing_else_is(tmp_path, harne
     assert len(verdicts) == 1 and ": the network is slow, no rank is late: every rank waits in the job — " in verdicts[0], live
 
 
-def test_a_healthy_job_across_nodes_fires_nothing(tmp_path, harness):
+def test_a_healthy_job_across_nodes_fires_nothing_and_sends_every_nodes_spans_to_one_receiver(tmp_path, harness):
     """The same job, no fault, to its end: once it is under way, no alert that names a culprit is pending
     beyond one evaluation or firing, and every node's command ends 0. (At start-up, on a busy machine,
     the ranks can wait past the tests' 3 s hang threshold in DDP's first collective, for a rank still
-    building its model: a hang by that threshold, over once the job is under way.) About 30 s."""
-    with _cluster(tmp_path, steps=400) as (nodes, job, webhook, prometheus):
+    building its model: a hang by that threshold, over once the job is under way.) Every node's pod
+    sidecar sends its spans over OTLP/gRPC to one receiver, each rank's under its node's
+    ``host.name``. About 30 s."""
+    with _cluster(tmp_path, steps=400, spans=True) as (nodes, job, webhook, prometheus, receiver):
         wait_for(lambda: prometheus.query('commlens_collective_last_seq{pg="0", state="completed"} > 2'),
                  "the job under way on every node")
         under_way = time.time() + 1  # one evaluation on
         assert job.wait(120) == [0, 0, 0], _logs(job)
         window = max(1, int(time.time() - under_way))
         pending = prometheus.query(f'max_over_time(ALERTS{{alertname=~"{"|".join(CULPRIT_ALERTS)}"}}[{window}s])')
-    assert pending == [] and webhook.alerts == [], (pending, webhook.alerts)
+        exported = prometheus.query("sum by (rank, result) (commlens_spans_exported_total)")
+    assert pending == [] and webhook.alerts == [], (pending, webhook.alerts, exported)
+    ranks_by_host = {(resource.get("host.name"), span_attributes(span).get(names.RANK))
+                     for resource, span in spans_of(receiver.requests)}
+    assert ranks_by_host == {(f"node-{rank // 2}", rank) for rank in range(6)}, ranks_by_host
 
 
 def test_an_unreachable_node_is_named_only_while_others_wait_and_its_own_ranks_do_not():
