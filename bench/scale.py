@@ -3,17 +3,23 @@
 The series of one rank are taken from a real scrape: a 2-rank gloo job with four process groups
 runs seven kinds of collectives in three sizes under commlens at its default metrics detail, and
 rank 0's ``/metrics`` is the template. It is replicated for every simulated rank (eight ranks per
-target, as a pod sidecar serves them) with the rank and group labels a job of that size has: the
-world group, tensor-parallel groups of 8, data-parallel groups across them, and groups of 64;
-counters grow at a steady rate. Three ranks are made faulty, each in another group: one never issues
+target, a node, as its pod sidecar serves them; commlens_info's ``node`` is ``node-<target>``) with the
+rank and group labels a job of that size has: the world group, tensor-parallel groups of 8,
+data-parallel groups across them, and groups of 64; counters grow at a steady rate. Of the ranks, all
+but 64 are one job, ``train``, with three ranks made faulty, each in another group: one never issues
 the collective its tensor-parallel group hangs in (late), one is where NaN entered (its first
-non-finite sequence number is the lowest), one waits least in its data-parallel group (a straggler).
+non-finite sequence number is the lowest), one waits least in every group it is in (a straggler: it
+arrives last to each collective, and spends less time in collectives than any member of its groups).
+The other 64 (8 nodes) are a second job, ``train-node``, as its own job because an unreachable node
+silences the rank alerts of its job: one node stops answering scrapes after its second, and the ranks
+of the other nodes then wait in a world-group collective its ranks have not issued.
 
 Debian's Prometheus scrapes the targets every 10 s (the straggler rule's longest interval) and
 evaluates ``deploy/prometheus-rules.yaml``.
-Printed per size: series held, each rule group's evaluation time, the slowest dashboard panel query
-(a 5-minute range, every job, group and rank), Prometheus' resident memory, and whether each alert
-names the faulty rank, and only it.
+Printed per size: series held (in all, and of one node), each rule group's evaluation time and the
+node rules' own, the slowest dashboard panel query (a 5-minute range, every job, group and rank),
+Prometheus' resident memory, whether each alert names the faulty rank (or node), and only it, and
+the other alerts firing.
 
     python bench/scale.py [--ranks 1000 10000]
 """
@@ -44,9 +50,11 @@ from commlens.agent.ports import free_port, free_ports
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RANKS_PER_TARGET, TP, EP = 8, 8, 64
+NODE_JOB_RANKS = 64  # the job in which a node becomes unreachable: 8 nodes
 GROWING = ("_total", "_sum", "_count", "_bucket")
 WAIT_S = 0.02  # mean seconds in a collective; the straggler waits 1 ms
-EXPECTED = {"CommlensRankLate": "late", "CommlensNaNOrigin": "nan", "CommlensStraggler": "straggler"}
+EXPECTED = {"CommlensRankLate": "late", "CommlensNaNOrigin": "nan", "CommlensStraggler": "straggler",
+            "CommlensNodeUnreachable": "node"}
 
 
 def _template_rank(rank: int, base_port: int, out: dict) -> None:
@@ -85,63 +93,95 @@ def template() -> str:
         return out["text"]
 
 
-class Job:
-    """The exposition of ``ranks`` simulated ranks, one text per target, at any moment."""
+def _exposed(lines: list) -> list[tuple[str, float, float]]:
+    return [(f"{name}{{{','.join(f'{k}={json.dumps(v)}' for k, v in labels.items())}}}", value, growth)
+            for name, labels, value, growth in lines]
 
-    def __init__(self, text: str, ranks: int):
-        self.ranks, self.started = ranks, time.monotonic()
-        self.faulty = {"late": ranks // 2 + 3, "nan": ranks // 3 + 1, "straggler": ranks - 5}
+
+class Job:
+    """The exposition of job ``name``'s ``ranks`` simulated ranks, one text per target (node ``first_node``
+    and on), at any moment. ``faults``: the late, NaN origin and straggler ranks, or ``node``, the index of
+    the node that becomes unreachable once scraped twice; the ranks of the other nodes then wait in
+    collective 500 of the world group, which its ranks have not issued."""
+
+    def __init__(self, name: str, text: str, ranks: int, first_node: int, faults: dict[str, int]):
+        self.name, self.ranks, self.first_node, self.started = name, ranks, first_node, time.monotonic()
+        self.faults, self.down = faults, faults.get("node")
+        self.faulty = {fault: f"{name}/node-{first_node + rank}" if fault == "node" else f"{name}/{rank}"
+                       for fault, rank in faults.items()}
+        if "late" in faults:  # the group that hangs, and its ranks that have not issued the collective
+            self.hung_pg, self.behind = f"tp{faults['late'] // TP}", {faults["late"]}
+        else:
+            self.hung_pg, self.behind = "0", set(range(faults["node"] * RANKS_PER_TARGET,
+                                                       (faults["node"] + 1) * RANKS_PER_TARGET))
         samples = [s for f in text_string_to_metric_families(text) for s in f.samples
                    if not s.name.endswith("_created")]
-        self.targets = [self._target(samples, first) for first in range(0, ranks, RANKS_PER_TARGET)]
+        self.targets, self.hung = zip(*(self._target(samples, first) for first in range(0, ranks, RANKS_PER_TARGET)))
+        self.scrapes = [0] * len(self.targets)
 
     def _groups(self, rank: int) -> dict[str, str]:
         return {"0": "0", "1": f"tp{rank // TP}", "2": f"dp{rank % TP}", "3": f"ep{rank // EP}"}
 
-    def _target(self, samples: list, first: int) -> list[tuple[str, float, float]]:
-        """(series, value at start, growth per second) of the ranks ``first ..`` of one target."""
-        lines = []
-        late, late_tp = self.faulty["late"], f"tp{self.faulty['late'] // TP}"
+    def _target(self, samples: list, first: int) -> tuple[list, list]:
+        """(series, value at start, growth per second) of the ranks ``first ..`` of one target: always,
+        and while their group hangs."""
+        lines, hung = [], []
+        node = f"node-{self.first_node + first // RANKS_PER_TARGET}"
         for rank in range(first, min(first + RANKS_PER_TARGET, self.ranks)):
             groups = self._groups(rank)
-            straggling = rank == self.faulty["straggler"]
+            straggling = rank == self.faults.get("straggler")
             counts = {}  # the growth of each duration histogram's count, by its labels
             for s in samples:
                 labels = {**s.labels, "rank": str(rank)}
                 if "pg" in labels:
                     labels["pg"] = groups.get(labels["pg"], labels["pg"])
+                if s.name == "commlens_info":
+                    labels["node"] = node
                 value, growth = s.value, 0.0
                 if s.name.endswith(GROWING):
                     growth = s.value / 10  # as if the template's counts took 10 s
                 if s.name == "commlens_collective_duration_seconds_count":
                     counts[tuple(sorted(labels.items()))] = growth
-                if s.name == "commlens_collective_last_seq" and labels["pg"] == late_tp:
-                    value, growth = (499 if rank == late or labels["state"] == "completed" else 500), 0.0
+                if s.name == "commlens_collective_last_seq" and labels["pg"] == self.hung_pg:
+                    value, growth = (499 if rank in self.behind or labels["state"] == "completed" else 500), 0.0
                 lines.append((s.name, labels, value, growth))
-            for i in range(len(lines) - len(samples), len(lines)):  # mean waits: the straggler's in its dp group
+            for i in range(len(lines) - len(samples), len(lines)):  # mean waits: the straggler's the least
                 name, labels, value, _ = lines[i]
                 if name == "commlens_collective_duration_seconds_sum":
-                    wait = 0.001 if straggling and labels["pg"] == groups["2"] else WAIT_S
+                    wait = 0.001 if straggling else WAIT_S
                     lines[i] = (name, labels, value, counts[tuple(sorted(labels.items()))] * wait)
-            if groups["1"] == late_tp and rank != late:
-                lines.append(("commlens_collective_hung_seq", {"pg": late_tp, "op": "all_reduce", "rank": str(rank)},
-                              500, 0.0))
-            nan_seq = 1000 if rank == self.faulty["nan"] else 1001
-            lines.append(("commlens_nonfinite_first_seq", {"pg": "0", "op": "all_reduce", "kind": "nan",
-                                                           "rank": str(rank)}, nan_seq, 0.0))
-        return [(f"{name}{{{','.join(f'{k}={json.dumps(v)}' for k, v in labels.items())}}}", value, growth)
-                for name, labels, value, growth in lines]
+            if self.hung_pg in groups.values() and rank not in self.behind:
+                hung.append(("commlens_collective_hung_seq", {"pg": self.hung_pg, "op": "all_reduce",
+                                                              "rank": str(rank)}, 500, 0.0))
+            if "nan" in self.faults:
+                nan_seq = 1000 if rank == self.faults["nan"] else 1001
+                lines.append(("commlens_nonfinite_first_seq", {"pg": "0", "op": "all_reduce", "kind": "nan",
+                                                               "rank": str(rank)}, nan_seq, 0.0))
+        return _exposed(lines), _exposed(hung)
 
-    def text(self, target: int) -> bytes:
+    def text(self, target: int) -> bytes | None:
+        """None (unreachable) for the node that goes down, from its third scrape on."""
+        self.scrapes[target] += 1
+        down = self.down is not None and self.scrapes[self.down] > 2
+        if down and target == self.down:
+            return None
         t = time.monotonic() - self.started
+        hanging = self.down is None or down
         return ("".join(f"{series} {value + growth * t}\n" for series, value, growth
-                                     in self.targets[target])).encode()
+                        in self.targets[target] + (self.hung[target] if hanging else []))).encode()
 
 
-def serve(job: Job) -> http.server.ThreadingHTTPServer:
+def serve(jobs: list[Job]) -> http.server.ThreadingHTTPServer:
+    """Serves target ``t`` of job ``name`` at ``/metrics/<name>/<t>``."""
+    by_name = {job.name: job for job in jobs}
+
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            body = job.text(int(self.path.rsplit("/", 1)[1]))
+            _, _, name, target = self.path.split("/")
+            body = by_name[name].text(int(target))
+            if body is None:
+                self.send_error(503)
+                return
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(body)))
@@ -175,14 +215,18 @@ def _panels() -> list[tuple[str, str]]:
 
 
 def measure(text: str, ranks: int, out: pathlib.Path) -> dict:
-    job = Job(text, ranks)
-    server = serve(job)
+    n = ranks - NODE_JOB_RANKS
+    train = Job("train", text, n, 0, {"late": n // 2 + 3, "nan": n // 3 + 1, "straggler": n - 5})
+    node_job = Job("train-node", text, NODE_JOB_RANKS, len(train.targets), {"node": 3})
+    jobs = [train, node_job]
+    server = serve(jobs)
     port = free_ports(1)
-    targets = [{"targets": [f"127.0.0.1:{server.server_port}"],
-                "labels": {"__metrics_path__": f"/metrics/{i}", "instance": f"pod-{i}"}} for i in range(len(job.targets))]
+    scrape_configs = [{"job_name": job.name, "static_configs": [
+        {"targets": [f"127.0.0.1:{server.server_port}"],
+         "labels": {"__metrics_path__": f"/metrics/{job.name}/{t}", "instance": f"pod-{job.first_node + t}"}}
+        for t in range(len(job.targets))]} for job in jobs]
     config = {"global": {"scrape_interval": "10s", "evaluation_interval": "10s", "scrape_timeout": "10s"},
-              "rule_files": [str(ROOT / "deploy" / "prometheus-rules.yaml")],
-              "scrape_configs": [{"job_name": "train", "static_configs": targets}]}
+              "rule_files": [str(ROOT / "deploy" / "prometheus-rules.yaml")], "scrape_configs": scrape_configs}
     (out / "prometheus.yml").write_text(json.dumps(config))
     prometheus = subprocess.Popen(["prometheus", f"--config.file={out / 'prometheus.yml'}",
                                    f"--storage.tsdb.path={out / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
@@ -195,17 +239,24 @@ def measure(text: str, ranks: int, out: pathlib.Path) -> dict:
                 alerts = _api(port, "alerts")["alerts"]
             except OSError:
                 continue
-            named = {}
+            named = {}  # alert: the "job/rank" or "job/node" it names
             for alert in alerts:
                 if alert["state"] == "firing":
-                    named.setdefault(alert["labels"]["alertname"], set()).add(int(alert["labels"].get("rank", -1)))
-            if all(name in named for name in EXPECTED) and time.monotonic() - job.started > 90:
+                    labels = alert["labels"]
+                    named.setdefault(labels["alertname"], set()).add(
+                        f"{labels.get('job')}/{labels.get('node', labels.get('rank'))}")
+            if all(name in named for name in EXPECTED) and time.monotonic() - train.started > 90:
                 break
         series = _api(port, "status/tsdb")["headStats"]["numSeries"]
-        up = _api(port, "query", query="avg_over_time(up[1m])")["result"]
+        node_series = int(_api(port, "query", query='count({instance="pod-0"})')["result"][0]["value"][1])
+        down = f"pod-{node_job.first_node + node_job.down}"
+        up = _api(port, "query", query=f'avg_over_time(up{{instance!="{down}"}}[1m])')["result"]
         scraped = sum(float(r["value"][1]) for r in up) / max(1, len(up))
         slowest_scrape = float(_api(port, "query", query="max(scrape_duration_seconds)")["result"][0]["value"][1])
-        rules = {group["name"]: group["evaluationTime"] for group in _api(port, "rules")["groups"]}
+        groups = _api(port, "rules")["groups"]
+        rules = {group["name"]: group["evaluationTime"] for group in groups}
+        node_rules = {rule["name"]: rule["evaluationTime"] for group in groups for rule in group["rules"]
+                      if "node" in rule["name"].lower()}
         end = time.time()
         queries = []
         for name, expr in _panels():
@@ -218,9 +269,11 @@ def measure(text: str, ranks: int, out: pathlib.Path) -> dict:
         prometheus.terminate()
         prometheus.wait()
         server.shutdown()
-    verdicts = {alert: (named.get(alert, set()) == {job.faulty[fault]}) for alert, fault in EXPECTED.items()}
-    return {"series": series, "scraped": scraped, "slowest_scrape": slowest_scrape, "rules": rules, "slowest": max(queries), "rss_gib": rss, "verdicts": verdicts,
-            "named": {alert: sorted(named.get(alert, ())) for alert in EXPECTED}, "faulty": job.faulty}
+    faulty = {**train.faulty, **node_job.faulty}
+    verdicts = {alert: (named.get(alert, set()) == {faulty[fault]}) for alert, fault in EXPECTED.items()}
+    return {"series": series, "node_series": node_series, "scraped": scraped, "slowest_scrape": slowest_scrape,
+            "rules": rules, "node_rules": node_rules, "slowest": max(queries), "rss_gib": rss, "verdicts": verdicts,
+            "named": {alert: sorted(subjects) for alert, subjects in named.items()}, "faulty": faulty}
 
 
 def main() -> int:
@@ -237,15 +290,19 @@ def main() -> int:
     for ranks in args.ranks:
         with tempfile.TemporaryDirectory(prefix="commlens-scale-") as folder:
             result = measure(text, ranks, pathlib.Path(folder))
-        rules = ", ".join(f"{name} {seconds * 1e3:.0f} ms" for name, seconds in result["rules"].items())
+        rules, node_rules = (", ".join(f"{name} {seconds * 1e3:.0f} ms" for name, seconds in result[key].items())
+                             for key in ("rules", "node_rules"))
         seconds, panel = result["slowest"]
-        print(f"{ranks:,} ranks: {result['series']:,} series; scrapes that succeeded over the last minute "
-              f"{result['scraped']:.0%}, slowest {result['slowest_scrape'] * 1e3:.0f} ms; rule groups: {rules}; slowest "
+        print(f"{ranks:,} ranks: {result['series']:,} series, {result['node_series']:,} of one node; scrapes "
+              f"that succeeded over the last minute {result['scraped']:.0%}, slowest "
+              f"{result['slowest_scrape'] * 1e3:.0f} ms; rule groups: {rules} (node rules: {node_rules}); slowest "
               f"panel query {seconds * 1e3:.0f} ms ({panel}); Prometheus {result['rss_gib']:.2f} GiB resident")
         for alert, right in result["verdicts"].items():
             fault = EXPECTED[alert]
-            print(f"  {alert}: names {result['named'][alert]} — the {fault} rank is {result['faulty'][fault]}: "
-                  f"{'right' if right else 'WRONG'}")
+            print(f"  {alert}: names {result['named'].get(alert, [])} — the {fault} fault is "
+                  f"{result['faulty'][fault]}: {'right' if right else 'WRONG'}")
+        for alert in sorted(set(result["named"]) - set(EXPECTED)):
+            print(f"  also firing: {alert} on {', '.join(result['named'][alert])}")
     return 0
 
 
