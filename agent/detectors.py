@@ -71,6 +71,7 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
         found = [dataclasses.replace(f, evidence="; ".join([f.evidence, *(
             f"held up through them: {link.evidence}" for link in links if f.pg in link.waits_in)]))
             if f.kind == "late_rank" else f for f in found]
+    # a slow node: named from its ranks' findings, or, when nothing worse is found, from their arrivals
     found = _slow_node(found, facts) if any(f.kind != "straggler" for f in found) else _node_last(found, facts)
     if not found:
         found = _network_slow(facts)
@@ -425,7 +426,7 @@ def _node_last(found: list[Finding], facts: list[RankFacts]) -> list[Finding]:
     group does not hold for them (as CommlensNodeSlow)."""
     nodes = {f.rank: f.node for f in facts}
     if len(set(nodes.values())) < 2 or _waiting(facts) or any(f.gone or f.unreachable for f in facts):
-        return found
+        return _slow_node(found, facts)
     last: dict[str, set[int]] = collections.defaultdict(set)
     for pg in {pg for f in facts for pg in f.groups}:
         groups = {f.rank: f.groups[pg] for f in facts if pg in f.groups}
