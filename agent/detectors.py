@@ -87,9 +87,9 @@ def _nan_origin(pg: str, members: list[RankFacts]) -> list[Finding]:
     origin = sorted(rank for (seq, _, _), rank in seen if seq == first)
     (_, op, kind), _ = next(item for item in seen if item[0][0] == first)
     later = sorted(rank for (seq, _, _), rank in seen if seq > first)
-    evidence = f"its input held {'NaN' if kind == 'nan' else 'Inf'} at seq {first}" + (
-        f"; ranks {later} saw non-finite inputs only later" if later else "; no other rank saw any")
-    return [Finding("nan_origin", tuple(origin), pg, op, first, evidence)]
+    return [Finding("nan_origin", tuple(origin), pg, op, first, f"its input held {'NaN' if kind == 'nan' else 'Inf'} "
+                    f"at seq {first}" + (f"; ranks {later} saw non-finite inputs only later" if later else
+                                         "; no other rank saw any"))]
 
 
 def _hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:
@@ -132,10 +132,9 @@ def _hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[
     if wrong and count > len(wrong):
         found.append(_desync(pg, seq, {r: ops[r] for r in wrong}, waiting, majority))
     starts = [f.groups[pg].arrivals[seq][1] for f in members if f.rank in waiting and seq in f.groups[pg].arrivals]
-    thresholds = [f.groups[pg].threshold_s for f in members if pg in f.groups and f.groups[pg].threshold_s]
-    first_wait = min(starts, default=None)
+    first_wait, threshold_s = min(starts, default=None), _threshold_s(pg, members)
     late = {f.rank: why for f in members if f.rank not in ops
-            and (why := _late(f, pg, seq, bool(live), first_wait, min(thresholds, default=0.0))) is not None}
+            and (why := _late(f, pg, seq, bool(live), first_wait, threshold_s)) is not None}
     elsewhere = {rank: where for rank in late if (where := _waiting_elsewhere(
         next(f for f in everyone if f.rank == rank), pg, bool(live), first_wait)) is not None}
     waits_in = tuple(sorted({group for group, _ in elsewhere.values()}))
@@ -243,8 +242,7 @@ def _waits_of_the_stop(pg: str, members: list[RankFacts]) -> set[int]:
     collective that failed, at all (docs/running.md, "Snapshots on the way down")."""
     if not any(f.signalled_ns for f in members):
         return set()
-    thresholds = [f.groups[pg].threshold_s for f in members if pg in f.groups and f.groups[pg].threshold_s]
-    threshold_ns = min(thresholds, default=0.0) * 1e9
+    threshold_ns = _threshold_s(pg, members) * 1e9
     stop = set()
     waited = {s for f in members if pg in f.groups for s in f.groups[pg].hangs_seen}
     for seq in waited | {f.groups[pg].failed[1] for f in members if pg in f.groups and f.groups[pg].failed}:
@@ -254,6 +252,11 @@ def _waits_of_the_stop(pg: str, members: list[RankFacts]) -> set[int]:
         if starts and behind and all(f.signalled_ns is not None and f.signalled_ns < deadline for f in behind):
             stop.add(seq)
     return stop
+
+
+def _threshold_s(pg: str, members: list[RankFacts]) -> float:
+    """The group's hang threshold, as the earliest age at which a member reported a hang (0: none did)."""
+    return min((f.groups[pg].threshold_s for f in members if pg in f.groups and f.groups[pg].threshold_s), default=0.0)
 
 
 def _late(f: RankFacts, pg: str, seq: int, live: bool, first_wait_ns: int | None, threshold_s: float) -> str | None:
@@ -308,11 +311,9 @@ def _lost_unseen(facts: list[RankFacts], found: list[Finding]) -> list[Finding]:
     named = {rank for f in found if f.kind == "lost_rank" for rank in f.ranks}
     unseen = []
     for f in facts:
-        in_flight = _in_flight(f)
-        if f.lost and f.rank not in named and in_flight:
+        if f.lost and f.rank not in named and (in_flight := _in_flight(f)):
             pg = min(in_flight, key=lambda group: (len(group), group))
-            seq = f.groups[pg].issued
-            unseen.append(Finding("lost_rank", (f.rank,), pg, "a collective", seq,
+            unseen.append(Finding("lost_rank", (f.rank,), pg, "a collective", f.groups[pg].issued,
                                   "its process ended without a signal or an exception (SIGKILL, the OOM killer, "
                                   "a crash) inside it"))
     return unseen
@@ -337,8 +338,7 @@ def _late_peers(facts: list[RankFacts]) -> list[Finding]:
     found = []
     for (peer, pg, op), evidence in sorted(waits.items()):
         culprit = by_rank.get(peer, RankFacts(peer))
-        waiting = any(g.hung or g.p2p_hung or g.failed for g in culprit.groups.values())
-        if not waiting:
+        if not _waiting([culprit]):
             state = "it stopped reporting" if culprit.gone else "it waits nowhere itself"
             found.append(Finding("late_rank", (peer,), pg, op, None, "; ".join([*evidence, state])))
     return found
@@ -538,11 +538,10 @@ def _stalls(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> lis
                 and not _waited_within(f, since, until)]
         if late and len(late) < len(groups):
             op = collections.Counter(op for op, _, _ in waiting.values()).most_common(1)[0][0]
-            caused = sum(end - start for _, start, end in waiting.values()) / 1e9
             found.append(Finding("stall", tuple(late), pg, op, seq,
                                  f"ranks {sorted(waiting)} waited {waited_s:.1f} s in it, several times their usual "
                                  f"wait and under the hang threshold, while ranks {late} waited nowhere; "
-                                 f"{_cost(caused, everyone)}"))
+                                 f"{_cost(sum(end - start for _, start, end in waiting.values()) / 1e9, everyone)}"))
     return found
 
 
@@ -558,8 +557,7 @@ def _cost(caused_s: float, everyone: list[RankFacts]) -> str:
 def _waited_within(facts: RankFacts, since: int, until: int) -> bool:
     """Whether the rank waited long (in any group, on any peer) over most of ``since`` to ``until``
     (ns; from the same host's clock as its own waits, in a job of one node)."""
-    span = until - since
-    return any(min(until, end if end is not None else until) - max(since, start) > span / 2
+    return any(min(until, end if end is not None else until) - max(since, start) > (until - since) / 2
                for start, end in facts.waits)
 
 
