@@ -200,9 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"commlens demo: {error}", file=sys.stderr)
         return 2
-    port = environment["COMMLENS_METRICS_PORT"]
     print(f"commlens demo: {args.world_size} ranks x {args.steps} steps of DDP on gloo/CPU; metrics on "
-          f"127.0.0.1:{port}+rank; traces and flight-recorder dumps in {out}", flush=True)
+          f"127.0.0.1:{environment['COMMLENS_METRICS_PORT']}+rank; traces and flight-recorder dumps in {out}", flush=True)
     try:
         outcome = run(args.world_size, args.steps, out, tuple(args.inject), args.keep_serving, environment)
     except ConfigError as error:

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import mmap
@@ -343,18 +344,14 @@ class Wakeup:
         """Sleep until the ring has filled a quarter since the last wait, ``set()``, or ``timeout_s``."""
         woken = bool(select.select([self._read_fd], [], [], timeout_s)[0])
         if woken:
-            try:
+            with contextlib.suppress(BlockingIOError):
                 os.read(self._read_fd, 4096)
-            except BlockingIOError:
-                pass
         return woken
 
     def set(self) -> None:
         """Wake the waiter now."""
-        try:
+        with contextlib.suppress(BlockingIOError):  # a full pipe wakes it already
             os.write(self._write_fd, b"\1")
-        except BlockingIOError:  # a full pipe wakes it already
-            pass
 
     def close(self) -> None:
         """Detach from the producers, then close the pipe (producers write only while holding the GIL,
