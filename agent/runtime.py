@@ -132,9 +132,8 @@ class Agent:
             self.collector.wait_for_scrape(max(0.0, deadline - time.monotonic()))
 
     def stop(self) -> None:
-        """Stop recording; drain the ring, flush spans and metrics, all within the snapshot timeout
-        whatever the collector does; stop serving; with a pod sidecar, mark the ring closed (the rank
-        ended cleanly)."""
+        """Stop recording and flush, within the snapshot timeout whatever the collector does; with a pod
+        sidecar, mark the ring closed (the rank ended cleanly)."""
         deadline = time.monotonic() + self.config.snapshot_timeout_s
 
         def left() -> float:
