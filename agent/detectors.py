@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
-from typing import Iterable
+from typing import Any, Iterable
 
 from .facts import Finding, GroupFacts, RankFacts
 
@@ -352,17 +352,23 @@ def _desync(pg: str, seq: int, wrong: dict[int, str], others: list[int], op: str
 
 def _mismatch(pg: str, members: list[RankFacts]) -> list[Finding]:
     """After the fact: the first sequence number at which ranks issued different ops."""
-    by_seq: dict[int, dict[int, str]] = collections.defaultdict(dict)
-    for f in members:
-        for seq, (op, _) in f.groups.get(pg, GroupFacts()).arrivals.items():
-            by_seq[seq][f.rank] = op
+    by_seq = _by_seq(pg, members, "arrivals")
     for seq in sorted(by_seq):
-        ops = by_seq[seq]
+        ops = {rank: op for rank, (op, _) in by_seq[seq].items()}
         majority, count = collections.Counter(ops.values()).most_common(1)[0]
         wrong = {rank: op for rank, op in ops.items() if op != majority}
         if wrong and count > len(wrong):
             return [_desync(pg, seq, wrong, sorted(r for r, op in ops.items() if op == majority), majority)]
     return []
+
+
+def _by_seq(pg: str, members: list[RankFacts], field: str) -> dict[int, dict[int, Any]]:
+    """seq -> rank -> its entry in the member's ``GroupFacts`` dict ``field`` (by seq) of group ``pg``."""
+    by_seq: dict[int, dict[int, Any]] = collections.defaultdict(dict)
+    for f in members:
+        for seq, value in getattr(f.groups.get(pg, GroupFacts()), field).items():
+            by_seq[seq][f.rank] = value
+    return by_seq
 
 
 SAME_INPUTS = ("all_reduce", "reduce", "broadcast")
@@ -373,10 +379,7 @@ def _size_mismatch(pg: str, members: list[RankFacts]) -> list[Finding]:
     """After the fact, from the dumps: the first collective of the group whose inputs differ between
     ranks that issued the same op, in dtype (any op) or in size (``SAME_INPUTS``): the fewer gave the
     wrong ones. gloo aborts the processes in it ("Received data size doesn't match"), NCCL hangs."""
-    by_seq: dict[int, dict[int, tuple[str, str]]] = collections.defaultdict(dict)
-    for f in members:
-        for seq, seen in f.groups.get(pg, GroupFacts()).inputs.items():
-            by_seq[seq][f.rank] = seen
+    by_seq = _by_seq(pg, members, "inputs")
     for seq in sorted(by_seq):
         ops = {op for op, _ in by_seq[seq].values()}
         if len(ops) > 1:  # a desync, told by the ops
@@ -524,12 +527,8 @@ def _stalls(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> lis
     arrived late, and are named, unless they waited themselves in another group or on a peer
     meanwhile: held up there, they are links of a chain whose end is named in that group."""
     groups = {f.rank: f.groups[pg] for f in members if pg in f.groups}
-    waiting_in: dict[int, dict[int, tuple[str, int, int]]] = collections.defaultdict(dict)
-    for rank, group in groups.items():
-        for seq, wait in group.slow_waits.items():
-            waiting_in[seq][rank] = wait
     found = []
-    for seq, waiting in sorted(waiting_in.items()):
+    for seq, waiting in sorted(_by_seq(pg, members, "slow_waits").items()):
         waited_s = min(end - start for _, start, end in waiting.values()) / 1e9
         if waited_s < STALL_MIN_S:
             continue
