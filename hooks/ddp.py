@@ -197,9 +197,7 @@ def allreduce_hook(process_group: Any, bucket: Any, flight: InFlight | None = No
 
 
 def _process_group(state: Any) -> Any:
-    if isinstance(state, dist.ProcessGroup):
-        return state
-    return getattr(state, "process_group", None)
+    return state if isinstance(state, dist.ProcessGroup) else getattr(state, "process_group", None)
 
 
 _hooked: weakref.WeakSet = weakref.WeakSet()
