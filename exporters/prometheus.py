@@ -174,10 +174,8 @@ class PodCollector(_Scrapes):
         merged: dict[str, Any] = {}
         for rank in self.ranks():
             for family in rank.families():
-                if family.name in merged:
-                    merged[family.name].samples.extend(family.samples)
-                else:
-                    merged[family.name] = family
+                if (kept := merged.setdefault(family.name, family)) is not family:
+                    kept.samples.extend(family.samples)
         yield from merged.values()
         family = GaugeMetricFamily(names.RANK_UP, "1 while the rank's process lives, 0 after it ended (killed, "
                                    "crashed or done); a frozen process counts as living", labels=("rank",))
