@@ -131,18 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("report", add_help=False, help="a job's verdict, timeline, ranks, latencies and anomalies "
                         "as one HTML page, from its trace files")
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["diagnose"]:
-        from .diagnose import main as diagnose
-
-        return diagnose(argv[1:])
-    if argv[:1] == ["timeline"]:
-        from .timeline import main as timeline
-
-        return timeline(argv[1:])
-    if argv[:1] == ["report"]:
-        from .report import main as report
-
-        return report(argv[1:])
+    if argv[:1] in (["diagnose"], ["timeline"], ["report"]):  # each parses its own arguments
+        return importlib.import_module(f".{argv[0]}", __package__).main(argv[1:])
     args = parser.parse_args(argv)
 
     from .config import ConfigError
