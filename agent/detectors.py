@@ -87,9 +87,9 @@ def _nan_origin(pg: str, members: list[RankFacts]) -> list[Finding]:
     origin = sorted(rank for (seq, _, _), rank in seen if seq == first)
     (_, op, kind), _ = next(item for item in seen if item[0][0] == first)
     later = sorted(rank for (seq, _, _), rank in seen if seq > first)
-    return [Finding("nan_origin", tuple(origin), pg, op, first, f"its input held {'NaN' if kind == 'nan' else 'Inf'} "
-                    f"at seq {first}" + (f"; ranks {later} saw non-finite inputs only later" if later else
-                                         "; no other rank saw any"))]
+    evidence = f"its input held {'NaN' if kind == 'nan' else 'Inf'} at seq {first}" + (
+        f"; ranks {later} saw non-finite inputs only later" if later else "; no other rank saw any")
+    return [Finding("nan_origin", tuple(origin), pg, op, first, evidence)]
 
 
 def _hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:
