@@ -23,10 +23,7 @@ def write_assets(folder: pathlib.Path) -> list[pathlib.Path]:
     """Copy every shipped asset under ``folder`` (new or empty); returns the files written."""
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise ConfigError(f"{folder} is not accepted: give a new or empty folder (nothing there is overwritten)")
-    written: list[pathlib.Path] = []
-    for name in PACKAGES:
-        written += _copy(files(f"commlens.{name}"), folder / name)
-    return written
+    return [path for name in PACKAGES for path in _copy(files(f"commlens.{name}"), folder / name)]
 
 
 def _copy(source: Traversable, target: pathlib.Path) -> list[pathlib.Path]:

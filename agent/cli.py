@@ -131,18 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("report", add_help=False, help="a job's verdict, timeline, ranks, latencies and anomalies "
                         "as one HTML page, from its trace files")
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["diagnose"]:
-        from .diagnose import main as diagnose
-
-        return diagnose(argv[1:])
-    if argv[:1] == ["timeline"]:
-        from .timeline import main as timeline
-
-        return timeline(argv[1:])
-    if argv[:1] == ["report"]:
-        from .report import main as report
-
-        return report(argv[1:])
+    if argv[:1] in (["diagnose"], ["timeline"], ["report"]):  # each parses its own arguments
+        return importlib.import_module(f".{argv[0]}", __package__).main(argv[1:])
     args = parser.parse_args(argv)
 
     from .config import ConfigError
@@ -200,9 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"commlens demo: {error}", file=sys.stderr)
         return 2
-    port = environment["COMMLENS_METRICS_PORT"]
     print(f"commlens demo: {args.world_size} ranks x {args.steps} steps of DDP on gloo/CPU; metrics on "
-          f"127.0.0.1:{port}+rank; traces and flight-recorder dumps in {out}", flush=True)
+          f"127.0.0.1:{environment['COMMLENS_METRICS_PORT']}+rank; traces and flight-recorder dumps in {out}", flush=True)
     try:
         outcome = run(args.world_size, args.steps, out, tuple(args.inject), args.keep_serving, environment)
     except ConfigError as error:

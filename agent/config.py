@@ -111,8 +111,6 @@ class Config:
         ratio = env.number("OTEL_TRACES_SAMPLER_ARG", 1.0, minimum=0.0, maximum=1.0) \
             if sampler.endswith("traceidratio") else 1.0
         headers = env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or env.get("OTEL_EXPORTER_OTLP_HEADERS") or ""
-        timeout_ms = env.number("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", None, minimum=1) or \
-            env.number("OTEL_EXPORTER_OTLP_TIMEOUT", 10000, minimum=1)
         return cls(
             rank=rank, local_rank=local_rank, world_size=env.integer("WORLD_SIZE", 1, minimum=1),
             job=env.get("COMMLENS_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "local",
@@ -124,7 +122,8 @@ class Config:
             otlp_headers=_pairs("OTEL_EXPORTER_OTLP_HEADERS", headers, lower_keys=True),
             service_name=env.get("OTEL_SERVICE_NAME"),
             resource_attributes=_pairs("OTEL_RESOURCE_ATTRIBUTES", env.get("OTEL_RESOURCE_ATTRIBUTES") or ""),
-            otlp_timeout_s=timeout_ms / 1000,
+            otlp_timeout_s=(env.number("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", None, minimum=1)
+                            or env.number("OTEL_EXPORTER_OTLP_TIMEOUT", 10000, minimum=1)) / 1000,
             otlp_insecure=env.boolean("OTEL_EXPORTER_OTLP_TRACES_INSECURE",
                                       env.boolean("OTEL_EXPORTER_OTLP_INSECURE", False)),
             otlp_certificate=env.get("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE") or

@@ -7,6 +7,7 @@ What each rank runs, what the launcher prints, the files it writes and the fault
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -117,14 +118,11 @@ def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faul
             step_seqs.append(pg._get_sequence_number_for_group())
             if _hit(faults, "skip", rank, step):
                 raise _Stopped
-            hang = _hit(faults, "hang", rank, step)
-            if hang:
+            if hang := _hit(faults, "hang", rank, step):
                 time.sleep(hang.s or threshold + 2)  # the injected fault: this rank is late past the threshold
-            slow = _hit(faults, "slow", rank, step)
-            if slow:
+            if slow := _hit(faults, "slow", rank, step):
                 time.sleep(slow.ms / 1000)
-            size_fault = _hit(faults, "size", rank, step) is not None
-            lr = torch.tensor([0.05, 0.0] if size_fault else [0.05])
+            lr = torch.tensor([0.05, 0.0] if _hit(faults, "size", rank, step) else [0.05])
             dist.broadcast(lr, src=0)
             optimizer.param_groups[0]["lr"] = float(lr[0])
             x = torch.randn(64, 32, generator=generator)
@@ -207,10 +205,8 @@ def _wait_for_all(point: str, rank: int, world_size: int, timeout: datetime.time
     timeout) rather than as a closed connection."""
     store = dist.distributed_c10d._get_default_store()
     store.set(f"commlens/{point}/{rank}", "1")
-    try:
+    with contextlib.suppress(RuntimeError):  # a rank died first: nothing more to wait for
         store.wait([f"commlens/{point}/{r}" for r in range(world_size)], timeout * 3)
-    except RuntimeError:  # a rank died first: nothing more to wait for
-        pass
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
-from typing import Iterable
+from typing import Any, Iterable
 
 from .facts import Finding, GroupFacts, RankFacts
 
@@ -132,10 +132,9 @@ def _hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[
     if wrong and count > len(wrong):
         found.append(_desync(pg, seq, {r: ops[r] for r in wrong}, waiting, majority))
     starts = [f.groups[pg].arrivals[seq][1] for f in members if f.rank in waiting and seq in f.groups[pg].arrivals]
-    thresholds = [f.groups[pg].threshold_s for f in members if pg in f.groups and f.groups[pg].threshold_s]
-    first_wait = min(starts, default=None)
+    first_wait, threshold_s = min(starts, default=None), _threshold_s(pg, members)
     late = {f.rank: why for f in members if f.rank not in ops
-            and (why := _late(f, pg, seq, bool(live), first_wait, min(thresholds, default=0.0))) is not None}
+            and (why := _late(f, pg, seq, bool(live), first_wait, threshold_s)) is not None}
     elsewhere = {rank: where for rank in late if (where := _waiting_elsewhere(
         next(f for f in everyone if f.rank == rank), pg, bool(live), first_wait)) is not None}
     waits_in = tuple(sorted({group for group, _ in elsewhere.values()}))
@@ -243,8 +242,7 @@ def _waits_of_the_stop(pg: str, members: list[RankFacts]) -> set[int]:
     collective that failed, at all (docs/running.md, "Snapshots on the way down")."""
     if not any(f.signalled_ns for f in members):
         return set()
-    thresholds = [f.groups[pg].threshold_s for f in members if pg in f.groups and f.groups[pg].threshold_s]
-    threshold_ns = min(thresholds, default=0.0) * 1e9
+    threshold_ns = _threshold_s(pg, members) * 1e9
     stop = set()
     waited = {s for f in members if pg in f.groups for s in f.groups[pg].hangs_seen}
     for seq in waited | {f.groups[pg].failed[1] for f in members if pg in f.groups and f.groups[pg].failed}:
@@ -254,6 +252,11 @@ def _waits_of_the_stop(pg: str, members: list[RankFacts]) -> set[int]:
         if starts and behind and all(f.signalled_ns is not None and f.signalled_ns < deadline for f in behind):
             stop.add(seq)
     return stop
+
+
+def _threshold_s(pg: str, members: list[RankFacts]) -> float:
+    """The group's hang threshold, as the earliest age at which a member reported a hang (0: none did)."""
+    return min((f.groups[pg].threshold_s for f in members if pg in f.groups and f.groups[pg].threshold_s), default=0.0)
 
 
 def _late(f: RankFacts, pg: str, seq: int, live: bool, first_wait_ns: int | None, threshold_s: float) -> str | None:
@@ -308,11 +311,9 @@ def _lost_unseen(facts: list[RankFacts], found: list[Finding]) -> list[Finding]:
     named = {rank for f in found if f.kind == "lost_rank" for rank in f.ranks}
     unseen = []
     for f in facts:
-        in_flight = _in_flight(f)
-        if f.lost and f.rank not in named and in_flight:
+        if f.lost and f.rank not in named and (in_flight := _in_flight(f)):
             pg = min(in_flight, key=lambda group: (len(group), group))
-            seq = f.groups[pg].issued
-            unseen.append(Finding("lost_rank", (f.rank,), pg, "a collective", seq,
+            unseen.append(Finding("lost_rank", (f.rank,), pg, "a collective", f.groups[pg].issued,
                                   "its process ended without a signal or an exception (SIGKILL, the OOM killer, "
                                   "a crash) inside it"))
     return unseen
@@ -337,8 +338,7 @@ def _late_peers(facts: list[RankFacts]) -> list[Finding]:
     found = []
     for (peer, pg, op), evidence in sorted(waits.items()):
         culprit = by_rank.get(peer, RankFacts(peer))
-        waiting = any(g.hung or g.p2p_hung or g.failed for g in culprit.groups.values())
-        if not waiting:
+        if not _waiting([culprit]):
             state = "it stopped reporting" if culprit.gone else "it waits nowhere itself"
             found.append(Finding("late_rank", (peer,), pg, op, None, "; ".join([*evidence, state])))
     return found
@@ -352,17 +352,23 @@ def _desync(pg: str, seq: int, wrong: dict[int, str], others: list[int], op: str
 
 def _mismatch(pg: str, members: list[RankFacts]) -> list[Finding]:
     """After the fact: the first sequence number at which ranks issued different ops."""
-    by_seq: dict[int, dict[int, str]] = collections.defaultdict(dict)
-    for f in members:
-        for seq, (op, _) in f.groups.get(pg, GroupFacts()).arrivals.items():
-            by_seq[seq][f.rank] = op
+    by_seq = _by_seq(pg, members, "arrivals")
     for seq in sorted(by_seq):
-        ops = by_seq[seq]
+        ops = {rank: op for rank, (op, _) in by_seq[seq].items()}
         majority, count = collections.Counter(ops.values()).most_common(1)[0]
         wrong = {rank: op for rank, op in ops.items() if op != majority}
         if wrong and count > len(wrong):
             return [_desync(pg, seq, wrong, sorted(r for r, op in ops.items() if op == majority), majority)]
     return []
+
+
+def _by_seq(pg: str, members: list[RankFacts], field: str) -> dict[int, dict[int, Any]]:
+    """seq -> rank -> its entry in the member's ``GroupFacts`` dict ``field`` (by seq) of group ``pg``."""
+    by_seq: dict[int, dict[int, Any]] = collections.defaultdict(dict)
+    for f in members:
+        for seq, value in getattr(f.groups.get(pg, GroupFacts()), field).items():
+            by_seq[seq][f.rank] = value
+    return by_seq
 
 
 SAME_INPUTS = ("all_reduce", "reduce", "broadcast")
@@ -373,10 +379,7 @@ def _size_mismatch(pg: str, members: list[RankFacts]) -> list[Finding]:
     """After the fact, from the dumps: the first collective of the group whose inputs differ between
     ranks that issued the same op, in dtype (any op) or in size (``SAME_INPUTS``): the fewer gave the
     wrong ones. gloo aborts the processes in it ("Received data size doesn't match"), NCCL hangs."""
-    by_seq: dict[int, dict[int, tuple[str, str]]] = collections.defaultdict(dict)
-    for f in members:
-        for seq, seen in f.groups.get(pg, GroupFacts()).inputs.items():
-            by_seq[seq][f.rank] = seen
+    by_seq = _by_seq(pg, members, "inputs")
     for seq in sorted(by_seq):
         ops = {op for op, _ in by_seq[seq].values()}
         if len(ops) > 1:  # a desync, told by the ops
@@ -524,12 +527,8 @@ def _stalls(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> lis
     arrived late, and are named, unless they waited themselves in another group or on a peer
     meanwhile: held up there, they are links of a chain whose end is named in that group."""
     groups = {f.rank: f.groups[pg] for f in members if pg in f.groups}
-    waiting_in: dict[int, dict[int, tuple[str, int, int]]] = collections.defaultdict(dict)
-    for rank, group in groups.items():
-        for seq, wait in group.slow_waits.items():
-            waiting_in[seq][rank] = wait
     found = []
-    for seq, waiting in sorted(waiting_in.items()):
+    for seq, waiting in sorted(_by_seq(pg, members, "slow_waits").items()):
         waited_s = min(end - start for _, start, end in waiting.values()) / 1e9
         if waited_s < STALL_MIN_S:
             continue
@@ -538,11 +537,10 @@ def _stalls(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> lis
                 and not _waited_within(f, since, until)]
         if late and len(late) < len(groups):
             op = collections.Counter(op for op, _, _ in waiting.values()).most_common(1)[0][0]
-            caused = sum(end - start for _, start, end in waiting.values()) / 1e9
             found.append(Finding("stall", tuple(late), pg, op, seq,
                                  f"ranks {sorted(waiting)} waited {waited_s:.1f} s in it, several times their usual "
                                  f"wait and under the hang threshold, while ranks {late} waited nowhere; "
-                                 f"{_cost(caused, everyone)}"))
+                                 f"{_cost(sum(end - start for _, start, end in waiting.values()) / 1e9, everyone)}"))
     return found
 
 
@@ -558,8 +556,7 @@ def _cost(caused_s: float, everyone: list[RankFacts]) -> str:
 def _waited_within(facts: RankFacts, since: int, until: int) -> bool:
     """Whether the rank waited long (in any group, on any peer) over most of ``since`` to ``until``
     (ns; from the same host's clock as its own waits, in a job of one node)."""
-    span = until - since
-    return any(min(until, end if end is not None else until) - max(since, start) > span / 2
+    return any(min(until, end if end is not None else until) - max(since, start) > (until - since) / 2
                for start, end in facts.waits)
 
 

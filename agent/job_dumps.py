@@ -36,10 +36,7 @@ class JobDumps:
         """Ask every rank of the job, this one excepted, to write its dump."""
         with self._lock:
             if self._connect():
-                try:
-                    self._seen = self.store.add(self.key, 1)
-                except Exception:  # noqa: BLE001 — the store is gone (the job is ending): nothing to ask
-                    self.errors += 1
+                self._seen = max(self._seen, self._add(self.store, 1))
 
     def stop(self) -> None:
         atexit.unregister(self.stop)
@@ -52,12 +49,14 @@ class JobDumps:
             store = _default_store(max(10.0, 4 * self.period_s))
             if store is None:
                 return False
-            self.store, self._seen = store, self._read(store)
+            self.store, self._seen = store, self._add(store, 0)
         return True
 
-    def _read(self, store: Any) -> int:
+    def _add(self, store: Any, count: int) -> int:
+        """The job's counter once ``count`` is added; -1, counted in ``errors``, when the store is gone
+        (the job is ending)."""
         try:
-            return store.add(self.key, 0)
+            return store.add(self.key, count)
         except Exception:  # noqa: BLE001
             self.errors += 1
             return -1
@@ -67,7 +66,7 @@ class JobDumps:
             with self._lock:
                 if not self._connect():
                     continue
-                current = self._read(self.store)
+                current = self._add(self.store, 0)
                 grew = current > self._seen >= 0
                 self._seen = max(self._seen, current)
             if grew:

@@ -95,9 +95,7 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str], window_s: fl
     for rank in range(world_size):  # a rank no endpoint answered for
         ranks.setdefault(rank, RankFacts(rank))
     for rank, facts in ranks.items():
-        facts.gone = rank not in reporting[1] or rank in down
-        _ended(facts, endings[rank])
-        _none_completed(facts)
+        _settle(facts, rank not in reporting[1] or rank in down, endings[rank])
     return [ranks[rank] for rank in sorted(ranks)]
 
 
@@ -121,9 +119,11 @@ def _metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> Non
         facts.loss_scale_skipped = int(value)
 
 
-def _none_completed(facts: RankFacts) -> None:
-    """Live: a group in which the rank issued collectives and completed none (no completed sequence
-    number is exported before the first) has completed up to 0."""
+def _settle(facts: RankFacts, gone: bool, reasons: set[str]) -> None:
+    """Live: whether the rank is gone, how it ended (its snapshot ``reasons``), and a group in which it
+    issued collectives and completed none (no completed sequence number is exported before the first)
+    has completed up to 0."""
+    facts.gone, facts.lost, facts.stopped = gone, _lost(reasons), "signal" in reasons
     for group in facts.groups.values():
         if group.finished is None and group.issued > 0:
             group.finished = 0
@@ -132,11 +132,6 @@ def _none_completed(facts: RankFacts) -> None:
 def _lost(reasons: set[str]) -> bool:
     """Snapshot reasons of a rank that ended without a signal or an exception."""
     return "exit" in reasons and not reasons & {"signal", "exception"}
-
-
-def _ended(facts: RankFacts, reasons: set[str]) -> None:
-    """What a rank's snapshot reasons say of how it ended, live."""
-    facts.lost, facts.stopped = _lost(reasons), "signal" in reasons
 
 
 def from_endpoints(urls: list[str], window_s: float = 5.0, timeout_s: float = 5.0,
@@ -231,9 +226,7 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
         endings[(labels.get("job", ""), int(labels["rank"]))].add(labels["reason"])
     for name, ranks in jobs.items():
         for rank, facts in ranks.items():
-            facts.gone = (name, rank) not in live or (name, rank) in down
-            _ended(facts, endings[(name, rank)])
-            _none_completed(facts)
+            _settle(facts, (name, rank) not in live or (name, rank) in down, endings[(name, rank)])
     return {name: [ranks[r] for r in sorted(ranks)] for name, ranks in jobs.items()}
 
 
@@ -398,14 +391,14 @@ def _p2p_span_fact(ranks: dict[int, RankFacts], span: dict, a: dict) -> None:
     if not (a.get(names.SLOW) or a.get(names.HANG)):
         return
     facts = ranks.setdefault(int(a[names.RANK]), RankFacts(int(a[names.RANK])))
-    start = int(span["startTimeUnixNano"])
-    facts.waits.append((start, None if a.get(names.IN_FLIGHT) else int(span["endTimeUnixNano"])))
+    start, end = int(span["startTimeUnixNano"]), None if a.get(names.IN_FLIGHT) else int(span["endTimeUnixNano"])
+    facts.waits.append((start, end))
     if not a.get(names.HANG) or names.PEER not in a:
         return
     group = facts.group(str(a[names.PG_NAME]))
     op, peer = a[names.OP], int(a[names.PEER])
     group.p2p_waits_seen = [w for w in group.p2p_waits_seen if w[0] != start]  # its end replaces its in-flight span
-    group.p2p_waits_seen.append((start, None if a.get(names.IN_FLIGHT) else int(span["endTimeUnixNano"]), op, peer))
+    group.p2p_waits_seen.append((start, end, op, peer))
 
 
 def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[tuple[int, str, int]]) -> None:
@@ -428,10 +421,9 @@ def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[
         if not a.get(names.HANG) and end is not None:
             group.slow_waits[seq] = (op, start, end)
     if a.get(names.HANG):
-        in_flight = bool(a.get(names.IN_FLIGHT))
-        if seq not in group.hangs_seen or not in_flight:  # the span of its end, once there is one
-            group.hangs_seen[seq] = (int(span["startTimeUnixNano"]), None if in_flight else int(span["endTimeUnixNano"]))
-        if in_flight:
+        if seq not in group.hangs_seen or end is not None:  # the span of its end, once there is one
+            group.hangs_seen[seq] = (start, end)
+        if end is None:
             group.hung = (op, seq)
             age = float(a.get(names.AGE_S, 0.0))
             group.threshold_s = age if group.threshold_s is None else min(group.threshold_s, age)

@@ -46,8 +46,7 @@ class Agent:
         path = ring_file(config.ring_dir, config.local_rank) if config.ring_dir is not None else config.ring_path
         ring = process_ring.ring_at(path, config.ring_slots)
         self.pipeline: RankPipeline | None = None
-        self.sidecar = self.spans = self.server = self.collector = self.flight_recorder = None
-        self.metrics_pusher = None
+        self.sidecar = self.spans = self.server = self.collector = self.flight_recorder = self.metrics_pusher = None
         self._gpu_poller: threading.Thread | None = None
         self._stopping = threading.Event()
         if config.ring_dir is not None:
@@ -132,9 +131,8 @@ class Agent:
             self.collector.wait_for_scrape(max(0.0, deadline - time.monotonic()))
 
     def stop(self) -> None:
-        """Stop recording; drain the ring, flush spans and metrics, all within the snapshot timeout
-        whatever the collector does; stop serving; with a pod sidecar, mark the ring closed (the rank
-        ended cleanly)."""
+        """Stop recording and flush, within the snapshot timeout whatever the collector does; with a pod
+        sidecar, mark the ring closed (the rank ended cleanly)."""
         deadline = time.monotonic() + self.config.snapshot_timeout_s
 
         def left() -> float:

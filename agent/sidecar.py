@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Callable, NamedTuple, Sequence
 
-from commlens.exporters.telemetry import Collective, GroupInFlight
+from commlens.exporters.telemetry import HAND_OVER_S, Collective, GroupInFlight
 from commlens.hooks.ops import OPS
 from commlens.hooks.record import decode_group, decode_signature
 from commlens.hooks.ring import (END, FLAG_ASYNC, FLAG_LAST_BUCKET, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN,
@@ -34,9 +34,6 @@ AFTER_NAN = 8
 (an overflow storm's collectives each have one): the START and END come next, then folded reads again."""
 _BUILT_BETWEEN_HAND_OVERS = 32
 """Collectives a drain builds (~3 µs each: every span kept) between two hand-overs of the GIL."""
-HAND_OVER_S = 20e-6
-"""A sleep long enough for a thread waiting for the GIL to wake and take it (``time.sleep(0)``
-would take it straight back)."""
 
 _EWMA = 0.1
 _SLOW_AFTER = 20

@@ -181,9 +181,7 @@ def _flows(found: list[Slice], tids: dict[str, int], us) -> Iterator[dict]:
 
 
 def _steps(boundaries: dict[int, list[int]], ranks: set[int], found: list[Slice], us) -> Iterator[dict]:
-    first = {}
-    for s in found:
-        first.setdefault(s.rank, s.start_ns)
+    first = {s.rank: s.start_ns for s in reversed(found)}  # found is in order of start: each rank's earliest
     for rank in sorted(ranks & set(boundaries)):
         starts = [first[rank]] + boundaries[rank][:-1]
         for step, (start, end) in enumerate(zip(starts, boundaries[rank])):

@@ -33,7 +33,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from . import names
-from .telemetry import Collective
+from .telemetry import HAND_OVER_S, Collective
 
 SCOPE = InstrumentationScope(name="commlens", version="0.1.0")
 _LOW64 = (1 << 64) - 1
@@ -56,17 +56,17 @@ _JSON_VALUE: dict[type, Callable[[Any], dict]] = {
     bool: lambda v: {"boolValue": v}, int: lambda v: {"intValue": str(v)}, float: lambda v: {"doubleValue": _double(v)}}
 
 
-def attributes(mapping: Mapping[str, Any]) -> list[dict]:
+def attributes(mapping: Mapping[str, Any], values: dict[type, Callable[[Any], dict]] = _PROTO_VALUE,
+               string: str = "string_value") -> list[dict]:
     """OTLP ``KeyValue``s as the dicts protobuf's constructors take (``Span(attributes=...)``): half
     the time of building each message. Any value not a bool, int or float is a string."""
-    return [{"key": key, "value": _PROTO_VALUE[type(value)](value) if type(value) in _PROTO_VALUE
-             else {"string_value": str(value)}} for key, value in mapping.items()]
+    return [{"key": key, "value": values[type(value)](value) if type(value) in values else {string: str(value)}}
+            for key, value in mapping.items()]
 
 
 def json_attributes(mapping: Mapping[str, Any]) -> list[dict]:
     """The same in OTLP JSON (protobuf's JSON mapping: 64-bit integers as strings)."""
-    return [{"key": key, "value": _JSON_VALUE[type(value)](value) if type(value) in _JSON_VALUE
-             else {"stringValue": str(value)}} for key, value in mapping.items()]
+    return attributes(mapping, _JSON_VALUE, "stringValue")
 
 
 _KINDS_KEPT = 1024
@@ -163,8 +163,6 @@ def _span_id() -> bytes:
 
 _CHUNK = 8
 """Spans built between two hand-overs of the GIL."""
-_HAND_OVER_S = 20e-6
-"""A sleep long enough for a thread waiting for the GIL to wake and take it."""
 
 
 class BatchSpanProcessor:
@@ -189,7 +187,7 @@ class BatchSpanProcessor:
         self._window_start, self._offered, self._kept = time.monotonic(), 0, 0
         self._bases: dict[tuple[str, bool], int] = {}
         self.sample_none, self.queue_size, self.batch_size = sample_none, queue_size, batch_size
-        self._hand_over_s = _HAND_OVER_S if beside_training else 0.0
+        self._hand_over_s = HAND_OVER_S if beside_training else 0.0
         """``beside_training``: in the training process, where a long stretch holding the GIL delays training."""
         self.counts: collections.Counter[str] = collections.Counter()
         self._queue: collections.deque = collections.deque()

@@ -65,8 +65,7 @@ class MetricsPusher:
         """Build and send one export now; True if the receiver took it."""
         with self._exporting:
             try:
-                data = self.build(time.time_ns())
-                result = self.exporter.export(data, timeout_millis=timeout_s * 1000)
+                result = self.exporter.export(self.build(time.time_ns()), timeout_millis=timeout_s * 1000)
             except Exception:  # noqa: BLE001 — telemetry never fails the job: counted
                 result = MetricExportResult.FAILURE
             ok = result == MetricExportResult.SUCCESS

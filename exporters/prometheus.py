@@ -85,17 +85,13 @@ class MetricsCollector(_Scrapes):
     def families(self):
         source = self.source
         info = source.info()
-        rank, s = str(info["rank"]), source.stats_snapshot()
-        durations, completed, nbytes, bus, last_seq = s.durations, s.completed, s.bytes, s.bus_bytes, s.last_seq
-        hangs, nans, snapshots, first_nonfinite, failed = s.hangs, s.nans, s.snapshots, s.first_nonfinite, s.failed
-        gpu_queue, gpu_exec = s.gpu_queue, s.gpu_exec
-        inflight = source.inflight_by_group()
+        rank, s, inflight = str(info["rank"]), source.stats_snapshot(), source.inflight_by_group()
 
         family = HistogramMetricFamily(names.COLLECTIVE_DURATION,
                                        "Time from issue to completion of a collective",
                                        labels=("op", "pg", "size_class", "rank"))
         job = str(info["job"])
-        for (op, pg, size), (counts, exemplars, total) in sorted(durations.items()):
+        for (op, pg, size), (counts, exemplars, total) in sorted(s.durations.items()):
             cumulative, running = [], 0
             counts, exemplars = self._fold(counts, exemplars)
             for bound, count, exemplar in zip((*map(_bound, self.exposed), "+Inf"), counts, exemplars):
@@ -108,18 +104,16 @@ class MetricsCollector(_Scrapes):
             family.add_metric((op, pg, size, rank), cumulative, total)
         yield family
 
-        yield _counter(names.COLLECTIVES, "Completed collectives, by status", ("op", "pg", "status"),
-                       completed, rank)
+        yield _counter(names.COLLECTIVES, "Completed collectives, by status", ("op", "pg", "status"), s.completed, rank)
         yield _counter(names.GPU_QUEUE, "Collectives on CUDA tensors: seconds from issue to "
-                       "their start on the GPU (the GPU busy with earlier work)", ("op", "pg"), gpu_queue, rank)
+                       "their start on the GPU (the GPU busy with earlier work)", ("op", "pg"), s.gpu_queue, rank)
         yield _counter(names.GPU_EXEC, "Collectives on CUDA tensors: seconds from their start "
-                       "on the GPU to their end", ("op", "pg"), gpu_exec, rank)
-        yield _counter(names.COLLECTIVE_BYTES, "Payload bytes of completed collectives", ("op", "pg"),
-                       nbytes, rank)
+                       "on the GPU to their end", ("op", "pg"), s.gpu_exec, rank)
+        yield _counter(names.COLLECTIVE_BYTES, "Payload bytes of completed collectives", ("op", "pg"), s.bytes, rank)
         yield _counter(names.COLLECTIVE_BUS_BYTES,
                        "Payload bytes times the nccl-tests bus factor; busbw = rate(bus_bytes) / rate(duration_sum)",
-                       ("op", "pg"), bus, rank)
-        yield _gauge(names.LAST_SEQ, "Last collective sequence number by state", ("pg", "state"), last_seq, rank)
+                       ("op", "pg"), s.bus_bytes, rank)
+        yield _gauge(names.LAST_SEQ, "Last collective sequence number by state", ("pg", "state"), s.last_seq, rank)
         yield _gauge(names.INFLIGHT, "Collectives issued and not completed", ("pg",),
                      {(pg,): group.count for pg, group in inflight.items()}, rank)
         yield _gauge(names.INFLIGHT_OLDEST, "Age of the oldest in-flight collective, 0 when none", ("pg",),
@@ -132,18 +126,18 @@ class MetricsCollector(_Scrapes):
                      {(pg, g.p2p_hung[0], str(g.p2p_hung[1])): g.p2p_hung[2]
                       for pg, g in inflight.items() if g.p2p_hung is not None}, rank)
         yield _gauge(names.FAILED_SEQ, "Sequence number of the first collective that failed (error or timeout), "
-                     "by op; absent when none", ("pg", "op"), {(pg, op): seq for pg, (seq, op) in failed.items()}, rank)
-        seen = dict.fromkeys(nbytes, 0)
+                     "by op; absent when none", ("pg", "op"),
+                     {(pg, op): seq for pg, (seq, op) in s.failed.items()}, rank)
+        seen = dict.fromkeys(s.bytes, 0)
         yield _counter(names.HANGS, "In-flight collectives that crossed the hang threshold", ("op", "pg"),
-                       {**seen, **hangs}, rank)
+                       {**seen, **s.hangs}, rank)
         yield _counter(names.NAN_EVENTS, "Collectives whose input (or output) held NaN (kind nan) or Inf (kind inf)",
-                       ("op", "pg", "kind"), {**{(*key, kind): 0 for key in seen for kind in NONFINITE_KINDS}, **nans},
-                       rank)
+                       ("op", "pg", "kind"), {**{(*k, kind): 0 for k in seen for kind in NONFINITE_KINDS}, **s.nans}, rank)
         first = GaugeMetricFamily(names.NONFINITE_FIRST_SEQ,
                                   "Sequence number of the first collective whose input held NaN or Inf on this rank "
                                   "(outside steps a loss scaler skipped); the lowest across ranks is where the values "
                                   "entered", labels=("pg", "op", "kind", "rank"))
-        for (pg, kind), (seq, op) in sorted(first_nonfinite.items()):
+        for (pg, kind), (seq, op) in sorted(s.first_nonfinite.items()):
             first.add_metric((pg, op, kind, rank), seq)
         yield first
         if s.loss_scale_steps:  # a job with a loss scaler: both outcomes, from 0
@@ -152,7 +146,7 @@ class MetricsCollector(_Scrapes):
                            {(outcome,): s.loss_scale_steps.get(outcome, 0) for outcome in ("applied", "skipped")}, rank)
         yield _counter(names.ABORT_SNAPSHOTS, "Flight-recorder snapshots written on abort, hang, signal, exception, another rank's hang or abort (peer), "
                        "or the end of a rank's process that did not stop commlens (exit: killed, crashed; pod sidecar)",
-                       ("reason",), {(reason,): snapshots.get(reason, 0) for reason in REASONS}, rank)
+                       ("reason",), {(reason,): s.snapshots.get(reason, 0) for reason in REASONS}, rank)
         yield _counter(names.RING_RECORDS_DROPPED, "Ring records overwritten before the sidecar read them",
                        (), {(): source.dropped()}, rank)
         yield _counter(names.SPANS_EXPORTED, "Spans handed to OTLP, by result", ("result",),
@@ -180,10 +174,8 @@ class PodCollector(_Scrapes):
         merged: dict[str, Any] = {}
         for rank in self.ranks():
             for family in rank.families():
-                if family.name in merged:
-                    merged[family.name].samples.extend(family.samples)
-                else:
-                    merged[family.name] = family
+                if (kept := merged.setdefault(family.name, family)) is not family:
+                    kept.samples.extend(family.samples)
         yield from merged.values()
         family = GaugeMetricFamily(names.RANK_UP, "1 while the rank's process lives, 0 after it ended (killed, "
                                    "crashed or done); a frozen process counts as living", labels=("rank",))

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, NamedTuple, Protocol
 
+HAND_OVER_S = 20e-6
+"""A sleep long enough for a thread waiting for the GIL (training) to wake and take it (``time.sleep(0)``
+would take it straight back): the sidecar and the span processor sleep it between chunks of work."""
+
 
 class Collective(NamedTuple):
     """One collective on this rank as the exporters see it; times are Unix ns."""

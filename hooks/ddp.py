@@ -186,8 +186,7 @@ def allreduce_hook(process_group: Any, bucket: Any, flight: InFlight | None = No
     if flight is None:
         return then(dist.all_reduce(tensor, group=group, async_op=True).get_future(), lambda done: done.value()[0])
     flight.bucket.wire_bytes = flight.bucket.nbytes
-    all_reduce = getattr(dist.all_reduce, "__wrapped__", dist.all_reduce)
-    future = all_reduce(tensor, group=group, async_op=True).get_future()
+    future = getattr(dist.all_reduce, "__wrapped__", dist.all_reduce)(tensor, group=group, async_op=True).get_future()
     if flight.gpu is not None:
         return then(future, lambda done: done.value()[0])
 
@@ -198,9 +197,7 @@ def allreduce_hook(process_group: Any, bucket: Any, flight: InFlight | None = No
 
 
 def _process_group(state: Any) -> Any:
-    if isinstance(state, dist.ProcessGroup):
-        return state
-    return getattr(state, "process_group", None)
+    return state if isinstance(state, dist.ProcessGroup) else getattr(state, "process_group", None)
 
 
 _hooked: weakref.WeakSet = weakref.WeakSet()

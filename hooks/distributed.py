@@ -183,12 +183,9 @@ def _wrapper(op: OpName, original: Callable, describe: Callable, kind: str) -> C
 
 
 def _all_reduce_in_c(original: Callable, general: Callable) -> Callable:
-    """``all_reduce`` with its common case in C (``_all_reduce.c``): synchronous, one CPU tensor, a
-    known group, no hooks but the NaN check's, outside a DDP bucket. It records what
-    ``recorder.run_unhooked`` records, START and END, and every other case goes to ``general``
-    (``_instrumented``'s wrapper). On two ranks the training thread runs the wrapper's Python cold at
-    every collective, so each frame on this path costs several times what it costs alone
-    (docs/architecture.md)."""
+    """``all_reduce`` with its common case in C (``_all_reduce.c``; why: docs/architecture.md): synchronous,
+    one CPU tensor, a known group, no hooks but the NaN check's, outside a DDP bucket. It records what
+    ``recorder.run_unhooked`` records, START and END; every other case goes to ``general``."""
     parameters = inspect.signature(original).parameters
     if list(parameters) != ["tensor", "op", "group", "async_op"]:  # another torch's all_reduce: no shortcut
         return general

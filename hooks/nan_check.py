@@ -88,10 +88,9 @@ class NanCheckHook:
                 continue
             if self.mode == "raise" and not (which and call.async_op):
                 self.events += 1
-                side = "output" if which else "input"
                 raise RuntimeError(
                     f"commlens NaN check: {call.name.value} (op_id {call.op_id}, seq {call.seq}) on rank "
-                    f"{call.rank}, group {call.pg_name!r}: {side} tensor {index} holds {nans} NaN and {infs} "
+                    f"{call.rank}, group {call.pg_name!r}: {'output' if which else 'input'} tensor {index} holds {nans} NaN and {infs} "
                     f"Inf of {t.numel()} elements")
             self._found(call, index, which | (FLAG_NAN if nans else 0) | (FLAG_INF if infs else 0), nans + infs)
 

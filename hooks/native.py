@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import threading
@@ -189,10 +190,8 @@ def forget(pg: Any) -> None:
 def _unregister(pg: Any, hooks: _GroupHooks) -> None:
     _by_key.pop(hooks.key, None)
     for unregister in (pg.unregister_pre_hook, pg.unregister_post_hook, pg.unregister_abort_hook):
-        try:
+        with contextlib.suppress(Exception):  # never registered (gloo's abort hook), or the group is gone already
             unregister(HOOK_ID)
-        except Exception:  # never registered (gloo's abort hook), or the group is gone already
-            pass
 
 
 def _attach(pg: Any) -> None:
@@ -214,10 +213,8 @@ def _attach(pg: Any) -> None:
         return
     _attached[pg] = hooks
     if getattr(pg, "supports_abort_hooks", True):  # 2.15 says; 2.14's gloo refuses
-        try:
+        with contextlib.suppress(Exception):
             pg.register_abort_hook(HOOK_ID, hooks.abort)
-        except Exception:
-            pass
 
 
 def _registering(original: Callable) -> Callable:

@@ -32,10 +32,9 @@ def _trampoline_code(freevars: tuple[str, ...]) -> types.CodeType:
     ties a function's code to its closure: a closure's forwarding code needs the same free variables)."""
     code = _trampolines.get(freevars)
     if code is None:
-        names = ", ".join(freevars)
         source = (f"def _outer():\n    {' = '.join(freevars)} = None\n"
                   f"    def _trampoline(*args, _commlens_target=None, **kwargs):\n"
-                  f"        ({names},)\n        return _commlens_target(*args, **kwargs)\n"
+                  f"        ({', '.join(freevars)},)\n        return _commlens_target(*args, **kwargs)\n"
                   f"    return _trampoline\n")
         scope: dict = {}
         exec(compile(source, "<commlens trampoline>", "exec"), scope)

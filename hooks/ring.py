@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import mmap
@@ -105,10 +106,9 @@ def _check_power_of_two(name: str, value: int) -> None:
 class Ring:
     """The ring's memory plus its producer side. ``Ring.attach(path)`` maps another process's ring.
 
-    ``write(kind, op, flags, pg, op_id, seq, nbytes, sig, peer, aux, where=0, t_ns=now) -> t_ns``
-    publishes one record, stamped with ``time.monotonic_ns()`` unless ``t_ns`` is given, and returns
-    the stamp; ``where`` is ``(module string id << 8) | phase`` (``attribution.py``). It never blocks; when the ring is full it overwrites the oldest record.
-    """
+    ``write`` (arguments: ``record.Write``) publishes one record, stamped with ``time.monotonic_ns()``
+    unless ``t_ns`` is given, and returns the stamp. It never blocks: a full ring's oldest record is
+    overwritten."""
 
     def __init__(self, slots: int = DEFAULT_SLOTS, path: str | None = None, string_bytes: int = DEFAULT_STRING_BYTES):
         _check_power_of_two("slots", slots)
@@ -343,18 +343,14 @@ class Wakeup:
         """Sleep until the ring has filled a quarter since the last wait, ``set()``, or ``timeout_s``."""
         woken = bool(select.select([self._read_fd], [], [], timeout_s)[0])
         if woken:
-            try:
+            with contextlib.suppress(BlockingIOError):
                 os.read(self._read_fd, 4096)
-            except BlockingIOError:
-                pass
         return woken
 
     def set(self) -> None:
         """Wake the waiter now."""
-        try:
+        with contextlib.suppress(BlockingIOError):  # a full pipe wakes it already
             os.write(self._write_fd, b"\1")
-        except BlockingIOError:  # a full pipe wakes it already
-            pass
 
     def close(self) -> None:
         """Detach from the producers, then close the pipe (producers write only while holding the GIL,
