@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"commlens demo: {error}", file=sys.stderr)
         return 2
     print(f"commlens demo: {args.world_size} ranks x {args.steps} steps of DDP on gloo/CPU; metrics on "
-          f"127.0.0.1:{environment['COMMLENS_METRICS_PORT']}+rank; traces and flight-recorder dumps in {out}", flush=True)
+          f"127.0.0.1:{environment['COMMLENS_METRICS_PORT']}+rank; traces and flight-recorder dumps in {out}",
+          flush=True)
     try:
         outcome = run(args.world_size, args.steps, out, tuple(args.inject), args.keep_serving, environment)
     except ConfigError as error:

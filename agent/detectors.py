@@ -75,7 +75,8 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
     found = _slow_node(found, facts) if any(f.kind != "straggler" for f in found) else _node_last(found, facts)
     if not found:
         found = _network_slow(facts)
-    order = ("nan_origin", "node_unreachable", "node_slow", "network_slow", "lost_rank", "desync", "size_mismatch", "late_rank", "deadlock", "hang", "stall", "straggler")
+    order = ("nan_origin", "node_unreachable", "node_slow", "network_slow", "lost_rank", "desync", "size_mismatch",
+             "late_rank", "deadlock", "hang", "stall", "straggler")
     return sorted(found, key=lambda f: order.index(f.kind))
 
 

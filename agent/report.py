@@ -110,8 +110,9 @@ def _timeline(found: list[Slice], ranks: list[int], verdict: list) -> str:
                 x, y = 60 + (at - t0) * scale, lane[rank] * LANE
                 out.append(f"<path d='M{x:.1f},{y + 1} l5,8 l-10,0 z' fill=#d62728><title>{_e(finding.line())}</title></path>")
     out.append(f"<text x=60 y={height - 8}>0 s</text><text x={WIDTH - 60} y={height - 8}>{(t1 - t0) / 1e9:.2f} s</text>")
-    caption = f"<p class=meta>{len(others[::step]) + len(anomalies):,} of {len(found):,} spans drawn; grey: collectives, purple: NaN/Inf, " \
-              "red: hangs and failures, red triangles: the ranks the verdict names. Hover for each span.</p>"
+    caption = (f"<p class=meta>{len(others[::step]) + len(anomalies):,} of {len(found):,} spans drawn; grey: "
+               "collectives, purple: NaN/Inf, red: hangs and failures, red triangles: the ranks the verdict names. "
+               "Hover for each span.</p>")
     return "".join(out) + "</svg>" + caption
 
 

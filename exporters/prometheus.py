@@ -132,7 +132,8 @@ class MetricsCollector(_Scrapes):
         yield _counter(names.HANGS, "In-flight collectives that crossed the hang threshold", ("op", "pg"),
                        {**seen, **s.hangs}, rank)
         yield _counter(names.NAN_EVENTS, "Collectives whose input (or output) held NaN (kind nan) or Inf (kind inf)",
-                       ("op", "pg", "kind"), {**{(*k, kind): 0 for k in seen for kind in NONFINITE_KINDS}, **s.nans}, rank)
+                       ("op", "pg", "kind"), {**{(*k, kind): 0 for k in seen for kind in NONFINITE_KINDS}, **s.nans},
+                       rank)
         first = GaugeMetricFamily(names.NONFINITE_FIRST_SEQ,
                                   "Sequence number of the first collective whose input held NaN or Inf on this rank "
                                   "(outside steps a loss scaler skipped); the lowest across ranks is where the values "

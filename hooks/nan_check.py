@@ -90,8 +90,8 @@ class NanCheckHook:
                 self.events += 1
                 raise RuntimeError(
                     f"commlens NaN check: {call.name.value} (op_id {call.op_id}, seq {call.seq}) on rank "
-                    f"{call.rank}, group {call.pg_name!r}: {'output' if which else 'input'} tensor {index} holds {nans} NaN and {infs} "
-                    f"Inf of {t.numel()} elements")
+                    f"{call.rank}, group {call.pg_name!r}: {'output' if which else 'input'} tensor {index} holds "
+                    f"{nans} NaN and {infs} Inf of {t.numel()} elements")
             self._found(call, index, which | (FLAG_NAN if nans else 0) | (FLAG_INF if infs else 0), nans + infs)
 
     def _reported(self, t: torch.Tensor) -> tuple[int, int] | None:
