@@ -227,9 +227,10 @@ def main() -> int:
             collectives = statistics.median(w["collectives"] for w in with_) or 1
             added = {key: statistics.median((w[key] - n[key]) / collectives * 1e6 for w, n in zip(with_, none))
                      for key in ("cpu", "gpu")}
-            print(f"{name:<20}{config:<13}{statistics.median(n['wall'] for n in none) * 1e3:>10.3f}"
-                  f"{_spread([w['wall'] / n['wall'] for w, n in zip(with_, none)]):>26}{collectives:>9.1f}"
-                  f"{added['cpu']:>14.1f}{added['gpu']:>14.1f}")
+            # a space before each figure: a column wider than its heading (a ratio of 100 or more) stays apart
+            print(f"{name:<20}{config:<13}{statistics.median(n['wall'] for n in none) * 1e3:>10.3f} "
+                  f"{_spread([w['wall'] / n['wall'] for w, n in zip(with_, none)]):>25} {collectives:>8.1f} "
+                  f"{added['cpu']:>13.1f} {added['gpu']:>13.1f}")
     for config, found in jobs.items():
         check = found["check"]
         if check["on"]:
