@@ -98,9 +98,11 @@ def _hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[
     every rank behind waits itself in another group (``findings`` follows the chain)."""
     stop = _waits_of_the_stop(pg, members)
     live = {f.rank: state for f in members if pg in f.groups and (state := next(
-        (s for s in (f.groups[pg].hung, f.groups[pg].failed) if s is not None and s[1] not in stop), None))}
+        (s for s in (f.groups[pg].hung if _still_hung(f.groups[pg]) else None, f.groups[pg].failed)
+         if s is not None and s[1] not in stop), None))}
     # live: a killed rank is named in the collective it died in, the one it had in flight; the waits in
-    # another group (one that resolved, say) are not its death's
+    # another group (one that resolved, say) are not its death's, nor is a wait it has since come out of
+    # (at start-up, for a rank still building its model) a hang
     lost = sorted(f.rank for f in members if f.lost and pg in (_in_flight(f) or {pg}))
     if not lost and any(f.lost for f in members):
         return []
@@ -469,7 +471,7 @@ def _network_slow(facts: list[RankFacts]) -> list[Finding]:
 
 def _waiting(facts: Iterable[RankFacts]) -> bool:
     """Whether any of these ranks waits past the hang threshold, or saw an op fail, in any group."""
-    return any(g.hung or g.p2p_hung or g.failed for f in facts for g in f.groups.values())
+    return any(_still_hung(g) or g.p2p_hung or g.failed for f in facts for g in f.groups.values())
 
 
 def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:
