@@ -21,7 +21,10 @@ site=$(mktemp -d)
 mkdir "$site/commlens"
 for part in hooks agent exporters dashboards deploy; do ln -s "$PWD/$part" "$site/commlens/$part"; done
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-echo "== tests/test_gpu.py"
+echo "== the GPU extension (hooks/_gpu.cpp), built against this torch"
+SECONDS=0
+python3 -c "from commlens.hooks import cuda; assert cuda.native() is not None" || exit 1
+echo "== built: $SECONDS s; tests/test_gpu.py"
 SECONDS=0
 timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_gpu.py
 echo "== tests: $SECONDS s; bench/gpu.py --rounds $rounds"

@@ -104,7 +104,26 @@ def recorded_allreduce(state: Any, bucket: Any):
     """``allreduce_hook`` recording its bucket: what a hookless model runs under ``instrument()``. It
     issues torch's own all_reduce (the bucket's collective is this record), asks c10d for nothing more
     (each call lets go of the GIL, which gloo's thread, running a callback, may then hold), and on a
-    CPU writes END in the one callback that hands DDP its bucket."""
+    CPU writes END in the one callback that hands DDP its bucket. On a CUDA device all of it (the
+    record's events, the NaN check's sum, the all_reduce's issue) goes on a side stream that waits for
+    the current one: the backward pass goes on while the check reads the bucket, and the all_reduce,
+    whose stream waits for the side stream, starts once it has."""
+    buffer = bucket.buffer()
+    if buffer.is_cuda:
+        current = torch.cuda.current_stream(buffer.device)
+        side = _side_streams.get(buffer.device)
+        if side is None:
+            side = _side_streams[buffer.device] = torch.cuda.Stream(buffer.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            return _recorded_allreduce(state, bucket)
+    return _recorded_allreduce(state, bucket)
+
+
+_side_streams: dict[torch.device, Any] = {}
+
+
+def _recorded_allreduce(state: Any, bucket: Any):
     flight = _start(state, bucket)
     if flight is None:
         return allreduce_hook(state, bucket)
@@ -179,14 +198,21 @@ def _record_buckets(model: DistributedDataParallel, reducer: Any) -> None:
 def allreduce_hook(process_group: Any, bucket: Any, flight: InFlight | None = None) -> torch.futures.Future:
     """PyTorch's ``allreduce_hook`` — the bucket divided by the group's size, then all-reduced — with
     its callback, which runs on the backend's thread, followed so that the process waits for it at exit.
-    With ``flight`` (``recorded_allreduce``) it issues torch's all_reduce, not our wrapper, and on a CPU
-    that callback completes ``flight`` first."""
+    On NCCL the division is the all_reduce's own (a pre-multiplied sum, as DDP without a hook multiplies
+    by 1 / size in its copy into the bucket), not a pass of its own over the bucket; in a group of one
+    there is none. With ``flight`` (``recorded_allreduce``) it issues torch's all_reduce, not our
+    wrapper, and on a CPU that callback completes ``flight`` first."""
     group = process_group if process_group is not None else dist.group.WORLD
-    tensor = bucket.buffer().div_(group.size())
+    tensor, op, size = bucket.buffer(), dist.ReduceOp.SUM, group.size()
+    if size > 1 and tensor.is_cuda and dist.get_backend(group) == "nccl":
+        op = dist._make_nccl_premul_sum(1.0 / size)
+    elif size > 1:
+        tensor.div_(size)
     if flight is None:
-        return then(dist.all_reduce(tensor, group=group, async_op=True).get_future(), lambda done: done.value()[0])
+        return then(dist.all_reduce(tensor, op, group=group, async_op=True).get_future(), lambda done: done.value()[0])
     flight.bucket.wire_bytes = flight.bucket.nbytes
-    future = getattr(dist.all_reduce, "__wrapped__", dist.all_reduce)(tensor, group=group, async_op=True).get_future()
+    future = getattr(dist.all_reduce, "__wrapped__", dist.all_reduce)(tensor, op, group=group,
+                                                                      async_op=True).get_future()
     if flight.gpu is not None:
         return then(future, lambda done: done.value()[0])
 

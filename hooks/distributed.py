@@ -17,9 +17,10 @@ import inspect
 import threading
 from typing import Callable
 
+import torch
 import torch.distributed.distributed_c10d as c10d
 
-from . import ddp, extension, finite, functional, futures, groups, issuing, native, poller, process_ring, record, recorder, registry, signatures
+from . import cuda, ddp, extension, finite, functional, futures, groups, issuing, native, poller, process_ring, record, recorder, registry, signatures
 from ._all_reduce import AllReduce
 from .issuing import set_issuing
 from .ops import CODE, OpName
@@ -239,7 +240,8 @@ def build_extensions() -> None:
     """Load commlens' C++ extensions for this torch, building them on first use (about 25 s each):
     before a job's ranks start, which would otherwise each build them while their peers' hang
     clocks run (``commlens run``, ``commlens demo``); marked ready where every one loads."""
-    if (native.forwarder() is not None or not native.AVAILABLE) and ddp.cpp_hook() is not None:
+    if (native.forwarder() is not None or not native.AVAILABLE) and ddp.cpp_hook() is not None and \
+            (cuda.native() is not None or not torch.cuda.is_available()):
         extension.mark_ready()
 
 

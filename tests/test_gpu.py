@@ -38,15 +38,16 @@ def group(request):
     dist.destroy_process_group()
 
 
-def _until(sidecar, seen, count, timeout_s=30.0):
-    """Drain until ``count`` collectives have completed (the GPU finishes them on its own time)."""
+def _until(sidecar, seen, count, timeout_s=30.0, which=lambda c: True):
+    """Drain until ``count`` collectives (of ``which``) have completed (the GPU finishes them on its own
+    time); those."""
     ready = threading.Event()
     for _ in range(int(timeout_s * 1000)):
         sidecar.drain()
-        if len(seen) >= count:
-            return seen
+        if len(done := [c for c in seen if which(c)]) >= count:
+            return done
         ready.wait(0.001)
-    raise AssertionError(f"only {len(seen)} of {count} collectives completed")
+    raise AssertionError(f"only {len(done)} of {count} collectives completed")
 
 
 @pytest.mark.parametrize("group", ["nccl", "gloo"], indirect=True)
@@ -134,3 +135,48 @@ def test_a_ddp_training_step_under_commlens_adds_no_synchronisation(group):
     check.unregister()
     assert all(c.gpu_start_ns > 0 for c in done if c.op == "all_reduce")
     assert not any(c.nan or c.inf for c in done)
+
+
+def test_a_collective_captured_in_a_cuda_graph_leaves_the_capture_whole_and_replays_right(group):
+    """An all_reduce captured in a CUDA graph under commlens (hooks, NaN check): the capture completes,
+    each replay gives the collective's result, and the collective is recorded once, at capture."""
+    sidecar, seen = group
+    check = ch.NanCheckHook(mode="report").register_with_comm()
+    x = torch.ones(1024, device="cuda")
+    dist.all_reduce(x)  # NCCL's communicator set up before the capture, as CUDA graphs need
+    torch.cuda.synchronize()
+    _until(sidecar, seen, 1)
+    seen.clear()
+    graph, out = torch.cuda.CUDAGraph(), None
+    with torch.cuda.graph(graph):
+        out = x * 3
+        dist.all_reduce(out)
+    for value in (1.0, 5.0):
+        x.fill_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch.full_like(x, 3 * value))
+    check.unregister()
+    assert [c.op for c in _until(sidecar, seen, 1)] == ["all_reduce"]
+
+
+def test_a_nan_in_a_ddp_gradient_is_reported_on_its_bucket_timed_on_the_gpu(group):
+    """DDP's buckets are checked and timed on a side stream, off the backward pass's: a NaN in the
+    input of the second step reaches every gradient, and that step's bucket, and only it, reports it;
+    the gradients are what DDP gives without commlens."""
+    sidecar, seen = group
+    check = ch.NanCheckHook(mode="report").register_with_comm()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(256, 256).cuda())
+    x = torch.randn(8, 256, device="cuda")
+    model(x).square().sum().backward()
+    expected = 2 * (model.module(x).T @ x).detach()  # d/dW of sum((xW^T + b)^2), in a world of one
+    assert torch.allclose(model.module.weight.grad, expected, rtol=1e-4, atol=1e-3)
+    model.zero_grad()
+    x[0, 0] = float("nan")
+    model(x).square().sum().backward()
+    torch.cuda.synchronize()
+    done = sorted(_until(sidecar, seen, 2, which=lambda c: c.bucket >= 0), key=lambda c: c.seq)
+    check.unregister()
+    assert [c.nan for c in done] == [False, True], done
+    assert all(c.gpu_start_ns > 0 for c in done)
