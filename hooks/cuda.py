@@ -41,6 +41,7 @@ class GpuTracker:
         """Record ``start`` on the current stream; None when the pool is empty, or a CUDA graph is being
         captured (the op is timed on the CPU: at capture, not at its replays)."""
         if torch._C._cuda_isCurrentStreamCapturing():
+            process_ring.count_error("gpu_captured")  # its replays will not be seen
             return None
         pair = -1 if self._gpu is None else self._gpu.start(
             device.index if device.index is not None else torch.cuda.current_device())

@@ -30,7 +30,7 @@ writer asks its reader for a flight-recorder snapshot (``flags``: the reason's i
 a loss scaler began or ended a step (``flags``: the index in ``LOSS_SCALE_EVENTS``)."""
 REASONS = ("abort", "hang", "signal", "exception", "peer", "exit")
 """Why a snapshot was written (each one's meaning: ``commlens_abort_snapshots_total`` in docs/metrics.md)."""
-ERRORS = ("hook", "recorder", "string_dropped", "work_unjudged", "gpu_pool_exhausted")
+ERRORS = ("hook", "recorder", "string_dropped", "work_unjudged", "gpu_pool_exhausted", "gpu_captured")
 """What the writer lost, counted in the header (``commlens_telemetry_errors_total`` in docs/metrics.md)."""
 LOSS_SCALE_EVENTS = ("scaled", "applied", "skipped")
 """A loss scaler (``torch.amp.GradScaler``) scaled a loss: the step's gradients follow; it ended the

@@ -139,7 +139,8 @@ def test_a_ddp_training_step_under_commlens_adds_no_synchronisation(group):
 
 def test_a_collective_captured_in_a_cuda_graph_leaves_the_capture_whole_and_replays_right(group):
     """An all_reduce captured in a CUDA graph under commlens (hooks, NaN check): the capture completes,
-    each replay gives the collective's result, and the collective is recorded once, at capture."""
+    each replay gives the collective's result, and the collective is recorded once, at capture, and
+    counted as captured (its replays are not seen)."""
     sidecar, seen = group
     check = ch.NanCheckHook(mode="report").register_with_comm()
     x = torch.ones(1024, device="cuda")
@@ -147,7 +148,7 @@ def test_a_collective_captured_in_a_cuda_graph_leaves_the_capture_whole_and_repl
     torch.cuda.synchronize()
     _until(sidecar, seen, 1)
     seen.clear()
-    graph, out = torch.cuda.CUDAGraph(), None
+    graph, out, captured = torch.cuda.CUDAGraph(), None, ch.ring().errors()["gpu_captured"]
     with torch.cuda.graph(graph):
         out = x * 3
         dist.all_reduce(out)
@@ -158,6 +159,7 @@ def test_a_collective_captured_in_a_cuda_graph_leaves_the_capture_whole_and_repl
         assert torch.equal(out, torch.full_like(x, 3 * value))
     check.unregister()
     assert [c.op for c in _until(sidecar, seen, 1)] == ["all_reduce"]
+    assert ch.ring().errors()["gpu_captured"] - captured == 1
 
 
 def test_a_nan_in_a_ddp_gradient_is_reported_on_its_bucket_timed_on_the_gpu(group):
