@@ -526,15 +526,17 @@ def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> 
 
 def _stalls(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:
     """One-off stalls, after the fact: a collective of the group that some members waited in long (a
-    slow outlier of at least ``STALL_MIN_S``, under the hang threshold) and others not at all. Those
+    slow outlier of at least ``STALL_MIN_S``, under the hang threshold) and others did not. Those
     arrived late, and are named, unless they waited themselves in another group or on a peer
-    meanwhile: held up there, they are links of a chain whose end is named in that group."""
+    meanwhile: held up there, they are links of a chain whose end is named in that group. (The late
+    rank's own part may be a slow outlier too, on a loaded host: tens of ms where it takes one.)"""
     groups = {f.rank: f.groups[pg] for f in members if pg in f.groups}
     found = []
-    for seq, waiting in sorted(_by_seq(pg, members, "slow_waits").items()):
-        waited_s = min(end - start for _, start, end in waiting.values()) / 1e9
-        if waited_s < STALL_MIN_S:
+    for seq, slow in sorted(_by_seq(pg, members, "slow_waits").items()):
+        waiting = {rank: wait for rank, wait in slow.items() if (wait[2] - wait[1]) / 1e9 >= STALL_MIN_S}
+        if not waiting:
             continue
+        waited_s = min(end - start for _, start, end in waiting.values()) / 1e9
         since, until = max(start for _, start, _ in waiting.values()), min(end for _, _, end in waiting.values())
         late = [f.rank for f in members if f.rank in groups and f.rank not in waiting and seq <= groups[f.rank].issued
                 and not _waited_within(f, since, until)]

@@ -242,6 +242,22 @@ def test_a_pipeline_stage_late_on_its_send_is_named_and_the_stages_waiting_in_re
     assert "late or missing: rank 1 " in offline and culprits(offline) == {1}, offline
 
 
+def test_a_stall_is_named_where_the_late_ranks_own_part_was_a_slow_outlier_too():
+    """Facts of a CI run on a loaded host: rank 0 waited 1.5 s in its pair's all_reduce for rank 1, whose
+    own part took 29 ms, several times its usual and so flagged slow too. Rank 1 is named, rank 0 not."""
+    facts = [RankFacts(rank) for rank in range(2)]
+    start = 10**12
+    for f in facts:
+        group = f.group("1")
+        group.issued = 40
+        group.arrivals = {seq: ("all_reduce", start + seq * 10**7) for seq in range(1, 41)}
+    facts[0].group("1").slow_waits[31] = ("all_reduce", start, start + 1_504_000_000)
+    facts[1].group("1").slow_waits[31] = ("all_reduce", start + 1_475_000_000, start + 1_504_000_000)
+    found = findings(facts)
+    assert [(f.kind, f.ranks, f.seq) for f in found] == [("stall", (1,), 31)], found
+    assert found[0].evidence.startswith("ranks [0] waited 1.5 s in it, ")
+
+
 def test_a_one_off_stall_under_the_hang_threshold_is_named_after_the_fact_and_only_its_rank(tmp_path):
     """Rank 1 stalls 1.5 s once (a GC pause, a checkpoint write), under the 3 s hang threshold, before
     its pair's all_reduce (``tests/parallel_train.py``): rank 0 waits for it there, ranks 2 and 3 in
