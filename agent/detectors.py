@@ -210,8 +210,9 @@ def _slow_node(found: list[Finding], facts: list[RankFacts]) -> list[Finding]:
 
 
 def _waits(f: RankFacts) -> bool:
-    """It waits itself: past the hang threshold in a collective or on a peer, or an op failed on it."""
-    return f.aborted or any(g.failed or g.p2p_hung or _still_hung(g) for g in f.groups.values())
+    """It waits itself: past the hang threshold in a collective or on a peer, or an op failed on it (or
+    its abort snapshot says one did)."""
+    return f.aborted or _waiting([f])
 
 
 def _still_hung(g: GroupFacts) -> bool:
@@ -441,7 +442,7 @@ def _node_last(found: list[Finding], facts: list[RankFacts]) -> list[Finding]:
     slow = [node for node, ranks in last.items() if ranks == {r for r, n in nodes.items() if n == node}]
     # it computes while the others wait: each of its ranks spends less time in collectives than any
     # other node's (behind a slow link, the ranks that send across it arrive last and wait as long)
-    waited = {f.rank: sum(g.waited_s or 0.0 for g in f.groups.values()) for f in facts}
+    waited = {f.rank: _in_collectives(f) for f in facts}
     if len(slow) != 1 or max(waited[r] for r in last[slow[0]]) + NODE_SLOW_MARGIN >= \
             min(w for r, w in waited.items() if nodes[r] != slow[0]):
         return _slow_node(found, facts)
@@ -459,7 +460,7 @@ def _network_slow(facts: list[RankFacts]) -> list[Finding]:
     take longer on every rank while nobody computes more — they wait on the network, not on a rank."""
     if len({f.node for f in facts}) < 2 or _waiting(facts) or any(f.gone or f.least_waited is None for f in facts):
         return []
-    now = {f.rank: sum(g.waited_s or 0.0 for g in f.groups.values()) for f in facts}
+    now = {f.rank: _in_collectives(f) for f in facts}
     if not all(1 - now[f.rank] < 0.5 * (1 - f.least_waited) for f in facts):
         return []
     return [Finding("network_slow", tuple(sorted(now)), "", "", None,
@@ -467,6 +468,11 @@ def _network_slow(facts: list[RankFacts]) -> list[Finding]:
                     f"where it spent as little as {min(f.least_waited for f in facts):.0%}–"
                     f"{max(f.least_waited for f in facts):.0%} in the last 5 min, and no rank or node is what the "
                     "others wait for: the collectives are slow — look at the links between the nodes")]
+
+
+def _in_collectives(f: RankFacts) -> float:
+    """The share of its time the rank spends in collectives now, all its groups together (live)."""
+    return sum(g.waited_s or 0.0 for g in f.groups.values())
 
 
 def _waiting(facts: Iterable[RankFacts]) -> bool:
@@ -486,7 +492,7 @@ def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> 
         # arriving last in this group because it waited in another is not straggling: a straggler
         # waits less than the others in all its groups together, its own compute holds them up; and
         # one that waits now past the hang threshold is a link of a chain that another finding names
-        waited = {f.rank: sum(g.waited_s or 0.0 for g in f.groups.values()) for f in everyone if f.rank in groups}
+        waited = {f.rank: _in_collectives(f) for f in everyone if f.rank in groups}
         if _waiting(f for f in everyone if f.rank == rank) or waited[rank] >= STRAGGLER_RATIO * max(waited.values()):
             return []
         # its cost: the others' time in the group's collectives beyond its own, which they spend

@@ -110,17 +110,17 @@ def recorded_allreduce(state: Any, bucket: Any):
     whose stream waits for the side stream, starts once it has."""
     buffer = bucket.buffer()
     if buffer.is_cuda:
-        current = torch.cuda.current_stream(buffer.device)
-        side = _side_streams.get(buffer.device)
-        if side is None:
-            side = _side_streams[buffer.device] = torch.cuda.Stream(buffer.device)
-        side.wait_stream(current)
+        side = _side_stream(buffer.device)
+        side.wait_stream(torch.cuda.current_stream(buffer.device))
         with torch.cuda.stream(side):
             return _recorded_allreduce(state, bucket)
     return _recorded_allreduce(state, bucket)
 
 
-_side_streams: dict[torch.device, Any] = {}
+@functools.cache
+def _side_stream(device: torch.device) -> Any:
+    """DDP's buckets' stream on ``device`` (not ``cuda.py``'s, which waits for collectives to end)."""
+    return torch.cuda.Stream(device)
 
 
 def _recorded_allreduce(state: Any, bucket: Any):
