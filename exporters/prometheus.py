@@ -34,23 +34,29 @@ NONFINITE_KINDS = ("nan", "inf")
 
 
 class _Scrapes:
-    """Counts scrapes, so that the way down can wait for the next one."""
+    """Numbers scrapes as they start, so that the way down can wait for one that started after it."""
 
     def __init__(self) -> None:
-        self.scrapes = 0
+        self.started = 0
+        self.done = 0
+        """The number of the latest scrape done (each one's number is its place in starting order)."""
         self.scraped = threading.Condition()
 
     def wait_for_scrape(self, timeout_s: float) -> bool:
-        """Wait until the next scrape has read the metrics (on the way down: the final values reach
-        Prometheus); False after ``timeout_s``, or at once when nothing has ever scraped."""
+        """Wait until a scrape that starts after this call has read the metrics (on the way down: the
+        final values reach Prometheus; one under way when called read earlier ones); False after
+        ``timeout_s``, or at once when nothing has ever scraped."""
         with self.scraped:
-            seen = self.scrapes
-            return seen > 0 and self.scraped.wait_for(lambda: self.scrapes > seen, timeout_s)
+            after = self.started
+            return after > 0 and self.scraped.wait_for(lambda: self.done > after, timeout_s)
 
     def collect(self):
+        with self.scraped:
+            self.started += 1
+            number = self.started
         yield from self.families()
         with self.scraped:
-            self.scrapes += 1
+            self.done = max(self.done, number)
             self.scraped.notify_all()
 
 

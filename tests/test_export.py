@@ -239,3 +239,32 @@ def test_a_metrics_port_in_use_fails_at_start_up(tmp_path):
         taken.close()
     assert "COMMLENS_METRICS_PORT" in str(refused.value) and f"127.0.0.1:{port}" in str(refused.value)
     assert commlens.agent.current() is None
+
+
+def test_the_way_down_waits_for_a_scrape_that_starts_after_it_not_one_under_way():
+    """A scrape under way when a sidecar begins its way down read the values before its last drain (CI:
+    a pod sidecar stopped on that scrape, and the killed rank's last collectives never reached
+    Prometheus): ``wait_for_scrape`` returns on a scrape that starts after it is called."""
+    import threading
+
+    from commlens.exporters.prometheus import _Scrapes
+
+    class Metrics(_Scrapes):
+        def families(self):
+            yield "a family"
+
+    metrics = Metrics()
+    list(metrics.collect())  # scraped before
+    under_way = metrics.collect()
+    next(under_way)  # a scrape started, its values read, its response not yet sent
+    waited = []
+    way_down = threading.Thread(target=lambda: waited.append(metrics.wait_for_scrape(30)))
+    way_down.start()
+    while not metrics.scraped._waiters:  # until the way down waits: a condition polled, not a sleep
+        threading.Event().wait(0.001)
+    list(under_way)
+    way_down.join(0.5)
+    assert way_down.is_alive() and waited == []  # the scrape under way does not count
+    list(metrics.collect())
+    way_down.join(30)
+    assert waited == [True]
