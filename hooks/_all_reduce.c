@@ -1,15 +1,19 @@
 /* all_reduce's common case recorded and issued in one C call, with no Python frame of commlens' own
- * (but the NaN check's report of an input holding NaN or Inf): synchronous, one CPU tensor, a known group, no pre- or post-hook but the NaN check's (which the scan
- * of _nonfinite.c stands in for, and, in report mode, its NAN record where the scan finds NaN or Inf:
- * ``registry.reporting``), outside a DDP bucket and outside another wrapper's collective. It
- * writes START and END through the ring's producer, as recorder.run_unhooked does, sets the issuing
- * flag around the call as issuing.issue does, and hands every other call, unchanged, to ``general``
- * (distributed.py's wrapper). On two ranks the training thread meets the wrapper's code with cold
- * caches at every collective, so each frame left out there saves several times its isolated cost.
+ * (but the NaN check's report of an input holding NaN or Inf): synchronous, one tensor, a known group, no
+ * pre- or post-hook but the NaN check's (which the scan of _nonfinite.c stands in for, and, in report
+ * mode, its NAN record where the scan finds NaN or Inf: ``registry.reporting``), outside a DDP bucket
+ * and outside another wrapper's collective. It writes START and END through the ring's producer, as
+ * recorder.run_unhooked does, sets the issuing flag around the call as issuing.issue does, and hands
+ * every other call, unchanged, to ``general`` (distributed.py's wrapper). On two ranks the training
+ * thread meets the wrapper's code with cold caches at every collective, so each frame left out there
+ * saves several times its isolated cost. On a CUDA tensor (``gpu``: _gpu.h's API, and what tells a
+ * graph capture and a dense tensor; None: general's) the check is the device's sum and END is written
+ * by the GPU's poll at the GPU's times, as cuda.py does for the other ops; a capture is general's.
  *
  *     all_reduce = AllReduce(original, general, default_op, code, steps_aside, known, not_member, in_place,
  *                            describe_in_place, scanned, new_op_id, failed, internal_error, registry, ddp,
- *                            record, process_ring, kinds=(START, END, OK, NAN))
+ *                            record, process_ring, kinds=(START, END, OK, NAN),
+ *                            gpu=(api_capsule, torch._C._cuda_isCurrentStreamCapturing, torch.strided))
  *     all_reduce(tensor, op=default_op, group=None, async_op=False)   # torch.distributed.all_reduce's
  *
  * ``registry``, ``ddp``, ``record`` and ``process_ring`` are those modules' namespaces, read at each
@@ -21,12 +25,15 @@
 #include <stdint.h>
 #include <structmember.h>
 
+#include "_gpu.h"
+
 static int (*issuing_now)(void);
 static int (*issuing_set)(int);
 static uint64_t (*write_record)(PyObject *, const unsigned long long *);
 
 static PyObject *s_hooked, *s_checking_inputs, *s_reporting, *s_active, *s_where, *s_current, *s_producer, *s_is_cuda, *s_shape,
-    *s_dtype, *s_sid, *s_next_collective_seq, *s_start;
+    *s_dtype, *s_sid, *s_next_collective_seq, *s_start, *s_reporting_found, *s_get_device, *s_layout, *s_count_error,
+    *s_pool_exhausted, *s_gpu_check;
 static PyObject *s_parameters[4]; /* tensor, op, group, async_op */
 
 typedef struct {
@@ -37,13 +44,17 @@ typedef struct {
     unsigned long long code, start, end, ok, nan;
     int steps_aside;
     PyObject *ring, *producer; /* the ring last written to, and its producer */
+    const commlens_gpu_api *gpu; /* NULL: CUDA tensors are general's */
+    PyObject *capturing, *strided;
 } AllReduce;
 
-/* What the common case found: new references to the group and the producer, START's fields, and the
- * NaN check's NAN record (flags 0: none). */
+/* What the common case found: new references to the group and the producer, START's fields, the
+ * NaN check's NAN record (flags 0: none), and for a CUDA tensor its device (-1: a CPU tensor) and the
+ * check's ``found`` (NULL: no check). */
 typedef struct {
-    PyObject *info, *producer;
+    PyObject *info, *producer, *found;
     unsigned long long sig, nbytes, where, nan_flags, nan_count;
+    int device;
 } Common;
 
 /* After a failed test of the common case: 1 when ``general`` decides (an Exception: a caller's mistake
@@ -78,28 +89,38 @@ static int reported(AllReduce *self, PyObject *tensor, Common *c) {
     return PyErr_Occurred() ? -1 : known;
 }
 
-/* The op's signature, payload and scan (signatures.in_place's entry), and the NaN check's scan of its
- * input: 1 when commlens may record it without the check's hook, 0 when not, -1 on error. */
-static int described(AllReduce *self, PyObject *tensor, Common *c) {
-    c->nan_flags = 0;
-    PyObject *cuda = PyObject_GetAttr(tensor, s_is_cuda);
-    if (cuda == NULL)
-        return -1;
-    Py_DECREF(cuda);
-    if (cuda != Py_False)
-        return 0;
+/* signatures.in_place's entry for ``tensor`` (a new reference), made on first use; NULL on error. */
+static PyObject *lookup_in_place(AllReduce *self, PyObject *tensor) {
     PyObject *shape = PyObject_GetAttr(tensor, s_shape), *dtype = shape ? PyObject_GetAttr(tensor, s_dtype) : NULL;
     PyObject *key = dtype ? PyTuple_Pack(2, shape, dtype) : NULL;
     Py_XDECREF(shape);
     Py_XDECREF(dtype);
     if (key == NULL)
-        return -1;
+        return NULL;
     PyObject *entry = PyDict_GetItemWithError(self->in_place, key);
     if (entry != NULL)
         Py_INCREF(entry);
     else if (!PyErr_Occurred())
         entry = PyObject_CallFunctionObjArgs(self->describe_in_place, tensor, key, NULL);
     Py_DECREF(key);
+    return entry;
+}
+
+static int on_gpu(AllReduce *self, PyObject *tensor, Common *c);
+
+/* The op's signature, payload and scan (signatures.in_place's entry), and the NaN check's scan of its
+ * input: 1 when commlens may record it without the check's hook, 0 when not, -1 on error. */
+static int described(AllReduce *self, PyObject *tensor, Common *c) {
+    c->nan_flags = 0;
+    c->device = -1;
+    c->found = NULL;
+    PyObject *cuda = PyObject_GetAttr(tensor, s_is_cuda);
+    if (cuda == NULL)
+        return -1;
+    Py_DECREF(cuda);
+    if (cuda != Py_False)
+        return self->gpu == NULL ? 0 : on_gpu(self, tensor, c);
+    PyObject *entry = lookup_in_place(self, tensor);
     if (entry == NULL)
         return -1;
     PyObject *scan = NULL;
@@ -118,8 +139,43 @@ static int described(AllReduce *self, PyObject *tensor, Common *c) {
     return checking < 0 ? -1 : found;
 }
 
+/* described() for a CUDA tensor: its device, and the NaN check's sum where a check is registered. */
+static int on_gpu(AllReduce *self, PyObject *tensor, Common *c) {
+    PyObject *layout = PyObject_GetAttr(tensor, s_layout);
+    Py_XDECREF(layout);
+    if (layout != self->strided) /* a sparse tensor: general's */
+        return layout == NULL ? -1 : 0;
+    PyObject *capturing = PyObject_CallNoArgs(self->capturing);
+    Py_XDECREF(capturing);
+    if (capturing != Py_False) /* a CUDA graph: general's, which counts it */
+        return capturing == NULL ? -1 : 0;
+    PyObject *entry = lookup_in_place(self, tensor);
+    PyObject *scan = NULL;
+    int found = entry == NULL ? -1 : PyArg_ParseTuple(entry, "KKO", &c->sig, &c->nbytes, &scan) ? 1 : -1;
+    int checking = found < 0 ? -1 : flag_in(self->registry, s_checking_inputs);
+    if (checking > 0 && !(PyTuple_Check(scan) && PyTuple_GET_SIZE(scan) == 2 &&
+                          PyLong_AsLong(PyTuple_GET_ITEM(scan, 0)) == 0)) { /* it holds floats to check */
+        PyObject *check = PyDict_GetItemWithError(self->registry, s_reporting_found);
+        if (check == NULL || check == Py_None) /* not the NaN check in report mode alone: general's */
+            found = PyErr_Occurred() ? -1 : 0;
+        else
+            c->found = check;
+    }
+    Py_XDECREF(entry);
+    PyObject *device = found > 0 && checking >= 0 ? PyObject_CallMethodNoArgs(tensor, s_get_device) : NULL;
+    if (device != NULL) {
+        c->device = (int)PyLong_AsLong(device);
+        Py_DECREF(device);
+    }
+    if (c->found != NULL) /* held until issued: another thread may unregister the check meanwhile */
+        Py_INCREF(c->found);
+    return checking < 0 || PyErr_Occurred() ? -1 : found > 0 && c->device >= 0;
+}
+
 /* Whether this call is the common case (1: ``c`` filled), general's (0), or an error to raise (-1). */
 static int common_case(AllReduce *self, PyObject *const a[4], Common *c) {
+    c->found = NULL;
+    c->device = -1;
     PyObject *info = PyDict_GetItemWithError(self->known, a[2]);
     if (info == NULL || info == self->not_member)
         return PyErr_Occurred() ? (general_decides() ? 0 : -1) : 0;
@@ -160,12 +216,54 @@ static int common_case(AllReduce *self, PyObject *const a[4], Common *c) {
         common = reported(self, a[0], c);
     if (common <= 0) {
         Py_DECREF(info);
+        Py_CLEAR(c->found);
         return common < 0 ? (general_decides() ? 0 : -1) : 0;
     }
     Py_INCREF(self->producer);
     c->info = info;
     c->producer = self->producer;
     return 1;
+}
+
+/* The exception set, counted as commlens' own (process_ring.internal_error) under ``label``: 0, or -1
+ * where the error must propagate (not an Exception) or counting it failed. */
+static int counted(AllReduce *self, PyObject *label) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return -1;
+    PyObject *type, *error, *traceback;
+    PyErr_Fetch(&type, &error, &traceback);
+    PyErr_NormalizeException(&type, &error, &traceback);
+    PyObject *result = PyObject_CallFunctionObjArgs(self->internal_error, label, error, NULL);
+    Py_XDECREF(type);
+    Py_XDECREF(error);
+    Py_XDECREF(traceback);
+    Py_XDECREF(result);
+    return result == NULL ? -1 : 0;
+}
+
+/* process_ring.count_error("gpu_pool_exhausted"): the op goes untimed on the GPU, or unchecked. */
+static int pool_exhausted(AllReduce *self) {
+    PyObject *count = PyDict_GetItemWithError(self->process_ring, s_count_error);
+    PyObject *result = count == NULL ? NULL : PyObject_CallOneArg(count, s_pool_exhausted);
+    Py_XDECREF(result);
+    return result == NULL ? -1 : 0;
+}
+
+/* On a CUDA tensor, the NaN check's sum (before START, as the check's hook issues it), then ``start``
+ * after START: the pair, -1 where there is none (timed on the CPU), -2 on an error to raise. */
+static int64_t gpu_started(AllReduce *self, PyObject *tensor, Common *c, const unsigned long long *start) {
+    if (c->found != NULL) {
+        unsigned long long n[11] = {self->nan, self->code, 0, start[3], start[4], start[5], 0, c->sig,
+                                    (unsigned long long)-1LL, 0, 0};
+        int issued = self->gpu->check(tensor, c->producer, n, c->found);
+        if ((issued < 0 && counted(self, s_gpu_check) < 0) || (issued == 0 && pool_exhausted(self) < 0))
+            return -2;
+    }
+    write_record(c->producer, start);
+    int64_t pair = self->gpu->start(c->device);
+    if ((pair == -2 && counted(self, s_start) < 0) || (pair == -1 && pool_exhausted(self) < 0))
+        return -2;
+    return pair < 0 ? -1 : pair;
 }
 
 static int unsigned_of(PyObject *number, unsigned long long *out) {
@@ -180,18 +278,8 @@ static PyObject *issue(AllReduce *self, PyObject *const a[4], Common *c) {
     if (!unsigned_of(PyObject_CallNoArgs(self->new_op_id), &op_id) ||
         !unsigned_of(PyObject_CallMethodNoArgs(c->info, s_next_collective_seq), &seq) ||
         !unsigned_of(PyObject_GetAttr(c->info, s_sid), &sid)) {
-        if (!PyErr_ExceptionMatches(PyExc_Exception))
+        if (counted(self, s_start) < 0)  /* a failing ring: the collective goes on unrecorded, counted */
             return NULL;
-        PyObject *type, *error, *traceback; /* a failing ring: the collective goes on unrecorded, counted */
-        PyErr_Fetch(&type, &error, &traceback);
-        PyErr_NormalizeException(&type, &error, &traceback);
-        PyObject *counted = PyObject_CallFunctionObjArgs(self->internal_error, s_start, error, NULL);
-        Py_XDECREF(type);
-        Py_XDECREF(error);
-        Py_XDECREF(traceback);
-        if (counted == NULL)
-            return NULL;
-        Py_DECREF(counted);
         return PyObject_Vectorcall(self->original, a, 4, NULL);
     }
     if (c->nan_flags) { /* before START, as the check's hook writes it: tensor 0 held nan_count of them */
@@ -201,9 +289,15 @@ static PyObject *issue(AllReduce *self, PyObject *const a[4], Common *c) {
     }
     unsigned long long v[11] = {self->start, self->code, 0, sid, op_id, seq, c->nbytes, c->sig,
                                 (unsigned long long)-1LL, 0, c->where};
-    write_record(c->producer, v);
+    int64_t pair = -1;
+    if (c->device < 0)
+        write_record(c->producer, v);
+    else if ((pair = gpu_started(self, a[0], c, v)) == -2)
+        return NULL;
     PyObject *result = PyObject_Vectorcall(self->original, a, 4, NULL);
     if (result == NULL) {
+        if (pair >= 0)
+            self->gpu->release(pair);
         PyObject *type, *error, *traceback, *tensors = PyTuple_Pack(1, a[0]);
         PyErr_Fetch(&type, &error, &traceback);
         PyErr_NormalizeException(&type, &error, &traceback);
@@ -221,6 +315,15 @@ static PyObject *issue(AllReduce *self, PyObject *const a[4], Common *c) {
     v[0] = self->end;
     v[2] = self->ok;
     v[10] = 0;
+    if (pair >= 0 && self->gpu->end(pair, c->producer, v) == 0)
+        return result;  /* the GPU's poll writes GPU_START and END */
+    if (pair >= 0) {
+        self->gpu->release(pair);
+        if (counted(self, s_start) < 0) {
+            Py_DECREF(result);
+            return NULL;
+        }
+    }
     write_record(c->producer, v);
     return result;
 }
@@ -254,24 +357,36 @@ static PyObject *all_reduce_call(PyObject *callable, PyObject *const *args, size
         issuing_set(0);
     Py_DECREF(c.info);
     Py_DECREF(c.producer);
+    Py_XDECREF(c.found);
     return result;
 }
 
 static int all_reduce_init(AllReduce *self, PyObject *args, PyObject *kwds) {
     static char *names[] = {"original", "general", "default_op", "code", "steps_aside", "known", "not_member",
                             "in_place", "describe_in_place", "scanned", "new_op_id", "failed", "internal_error",
-                            "registry", "ddp", "record", "process_ring", "kinds", NULL};
-    PyObject *o[15];
+                            "registry", "ddp", "record", "process_ring", "kinds", "gpu", NULL};
+    PyObject *o[15], *gpu = Py_None;
     if (self->original != NULL) {
         PyErr_SetString(PyExc_TypeError, "an AllReduce is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOKpO!OO!OOOOOO!O!O!O!(KKKK)", names, &o[0], &o[1], &o[2],
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOKpO!OO!OOOOOO!O!O!O!(KKKK)|O", names, &o[0], &o[1], &o[2],
                                      &self->code, &self->steps_aside, &PyDict_Type, &o[3], &o[4], &PyDict_Type,
                                      &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &PyDict_Type, &o[11], &PyDict_Type,
                                      &o[12], &PyDict_Type, &o[13], &PyDict_Type, &o[14], &self->start, &self->end,
-                                     &self->ok, &self->nan))
+                                     &self->ok, &self->nan, &gpu))
         return -1;
+    if (gpu != Py_None) {
+        PyObject *api;
+        if (!PyArg_ParseTuple(gpu, "OOO;gpu must be (api capsule, capturing, strided) or None", &api, &self->capturing,
+                              &self->strided) ||
+            (self->gpu = (const commlens_gpu_api *)PyCapsule_GetPointer(api, COMMLENS_GPU_API)) == NULL) {
+            self->capturing = self->strided = NULL;
+            return -1;
+        }
+        Py_INCREF(self->capturing);
+        Py_INCREF(self->strided);
+    }
     PyObject **fields[] = {&self->original, &self->general, &self->default_op, &self->known, &self->not_member,
                            &self->in_place, &self->describe_in_place, &self->scanned, &self->new_op_id,
                            &self->failed, &self->internal_error, &self->registry, &self->ddp, &self->record,
@@ -288,7 +403,7 @@ static void all_reduce_dealloc(AllReduce *self) {
     PyObject *held[] = {self->original, self->general, self->default_op, self->known, self->not_member,
                         self->in_place, self->describe_in_place, self->scanned, self->new_op_id, self->failed,
                         self->internal_error, self->registry, self->ddp, self->record, self->process_ring,
-                        self->ring, self->producer};
+                        self->ring, self->producer, self->capturing, self->strided};
     for (size_t i = 0; i < sizeof(held) / sizeof(held[0]); i++)
         Py_XDECREF(held[i]);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -344,10 +459,13 @@ PyMODINIT_FUNC PyInit__all_reduce(void) {
         return NULL;
     const char *strings[] = {"hooked", "checking_inputs", "reporting", "active", "where", "current", "producer", "is_cuda",
                              "shape", "dtype", "sid", "next_collective_seq", "START", "tensor", "op", "group",
-                             "async_op"};
+                             "async_op", "reporting_found", "get_device", "layout", "count_error",
+                             "gpu_pool_exhausted", "GPU check"};
     PyObject **interned[] = {&s_hooked, &s_checking_inputs, &s_reporting, &s_active, &s_where, &s_current, &s_producer,
                              &s_is_cuda, &s_shape, &s_dtype, &s_sid, &s_next_collective_seq, &s_start,
-                             &s_parameters[0], &s_parameters[1], &s_parameters[2], &s_parameters[3]};
+                             &s_parameters[0], &s_parameters[1], &s_parameters[2], &s_parameters[3],
+                             &s_reporting_found, &s_get_device, &s_layout, &s_count_error, &s_pool_exhausted,
+                             &s_gpu_check};
     for (size_t i = 0; i < sizeof(strings) / sizeof(strings[0]); i++)
         if ((*interned[i] = PyUnicode_InternFromString(strings[i])) == NULL)
             return NULL;

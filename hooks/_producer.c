@@ -12,7 +12,8 @@
  * It never waits, takes no lock and allocates nothing but the returned int. With ``wake_fd`` set (a
  * non-blocking pipe's write end, -1 by default), each quarter of the ring it claims also writes one
  * byte there: the reader's signal to drain before the ring laps (ring.py, ``Ring.wake_reader``).
- * The capsule ``write_record`` is the same write for C++ callers, without the GIL (_ddp_hook.cpp).
+ * The capsule ``write_record`` is the same write for C++ callers, without the GIL (_ddp_hook.cpp), and
+ * ``write_record_at`` the same at a given time (the GPU's, on this clock: _gpu.cpp).
  * The sidecar's fold of what a reader copied is _fold.c's.
  */
 #define PY_SSIZE_T_CLEAN
@@ -120,6 +121,11 @@ static uint64_t write_record(PyObject *producer, const unsigned long long *v) {
     uint64_t t_ns = now_ns();
     put((Producer *)producer, v, t_ns);
     return t_ns;
+}
+
+/* write_record at the time t_ns: a time the caller converted to CLOCK_MONOTONIC (a GPU event's). */
+static void write_record_at(PyObject *producer, const unsigned long long *v, uint64_t t_ns) {
+    put((Producer *)producer, v, t_ns);
 }
 
 static PyObject *producer_write(Producer *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -301,6 +307,12 @@ PyMODINIT_FUNC PyInit__producer(void) {
     }
     PyObject *capsule = PyCapsule_New((void *)write_record, "commlens.hooks._producer.write_record", NULL);
     if (capsule == NULL || PyModule_AddObject(m, "write_record", capsule) < 0) {
+        Py_XDECREF(capsule);
+        Py_DECREF(m);
+        return NULL;
+    }
+    capsule = PyCapsule_New((void *)write_record_at, "commlens.hooks._producer.write_record_at", NULL);
+    if (capsule == NULL || PyModule_AddObject(m, "write_record_at", capsule) < 0) {
         Py_XDECREF(capsule);
         Py_DECREF(m);
         return NULL;

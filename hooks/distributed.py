@@ -185,15 +185,23 @@ def _wrapper(op: OpName, original: Callable, describe: Callable, kind: str) -> C
 
 def _all_reduce_in_c(original: Callable, general: Callable) -> Callable:
     """``all_reduce`` with its common case in C (``_all_reduce.c``; why: docs/architecture.md): synchronous,
-    one CPU tensor, a known group, no hooks but the NaN check's, outside a DDP bucket. It records what
-    ``recorder.run_unhooked`` records, START and END; every other case goes to ``general``."""
+    one tensor (on a GPU where the GPU extension is built), a known group, no hooks but the NaN check's,
+    outside a DDP bucket. It records what ``recorder.run_unhooked`` records, START and END; every other
+    case goes to ``general``."""
     parameters = inspect.signature(original).parameters
     if list(parameters) != ["tensor", "op", "group", "async_op"]:  # another torch's all_reduce: no shortcut
         return general
     return AllReduce(original, general, parameters["op"].default, CODE[OpName.all_reduce], native.AVAILABLE,
                      groups.known, groups.NOT_MEMBER, signatures.in_place, signatures.describe_in_place,
                      finite.scanned, record.new_op_id, recorder.failed_unhooked, process_ring.internal_error,
-                     vars(registry), vars(ddp), vars(record), vars(process_ring), kinds=(START, END, OK, NAN))
+                     vars(registry), vars(ddp), vars(record), vars(process_ring), kinds=(START, END, OK, NAN),
+                     gpu=_gpu_api())
+
+
+def _gpu_api() -> tuple | None:
+    """The C all_reduce's way to CUDA tensors (``_gpu.h``), where the GPU extension is built."""
+    gpu = cuda.native() if torch.cuda.is_available() else None
+    return None if gpu is None else (gpu.api, torch._C._cuda_isCurrentStreamCapturing, torch.strided)
 
 
 def _destroy_process_group(original: Callable) -> Callable:

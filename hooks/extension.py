@@ -1,4 +1,4 @@
-"""commlens' C++ extensions (``_pg_hooks.cpp``, ``_ddp_hook.cpp``), built against the installed torch.
+"""commlens' C++ extensions (``_pg_hooks.cpp``, ``_ddp_hook.cpp``, ``_gpu.cpp``), built against the installed torch.
 
 ``load(source)`` returns the module built from ``source`` (a file next to this one), from the cache or
 built into it under a file lock (docs/install.md); a failure raises with the compiler's output.
@@ -40,9 +40,10 @@ def _torch_build() -> bytes:
 
 
 def _digest(*paths: str) -> str:
-    """A name's suffix for ``paths`` (C++ sources) built with ``CFLAGS`` against the installed torch."""
+    """A name's suffix for ``paths`` (C++ sources), with the headers next to them, built with ``CFLAGS``
+    against the installed torch."""
     digest = hashlib.sha256(_torch_build())
-    for path in paths:
+    for path in (*paths, *sorted(glob.glob(os.path.join(HERE, "*.h")))):
         with open(path, "rb") as text:
             digest.update(text.read())
     return digest.hexdigest()[:16]

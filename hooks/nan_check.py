@@ -46,8 +46,8 @@ class NanCheckHook:
         """Check the collectives of ``comm``: a torchcomms communicator, or torch.distributed when None."""
         if comm is None:
             raising = self.mode == "raise"
-            self._handles.append(register_input_check(self._pre, propagate=raising,
-                                                      report=None if raising else self._reported))
+            report = None if raising else (self._reported, self._found_on_device)
+            self._handles.append(register_input_check(self._pre, propagate=raising, report=report))
             if self.check_outputs:
                 self._handles.append(register_post_hook(self._post, propagate=raising))
         else:
@@ -76,7 +76,7 @@ class NanCheckHook:
             if not (t.is_floating_point() or t.is_complex()):
                 continue
             if t.is_cuda and self.mode == "report":  # on the device, read when ready: no host sync
-                cuda.tracker().check(t, lambda flags, index=index: self._found(call, index, which | flags, 0))
+                cuda.tracker().check(t, call.nan_args(index, which), self._found_on_device)
                 continue
             counts = None if t.is_cuda else finite.counted(t)  # one pass in C: found finite or counted
             if counts is None:
@@ -103,6 +103,10 @@ class NanCheckHook:
         nans, infs = counts
         self.events += 1
         return (FLAG_NAN if nans else 0) | (FLAG_INF if infs else 0), nans + infs
+
+    def _found_on_device(self, flags: int) -> None:
+        """A CUDA tensor held NaN or Inf (``flags``); the GPU's poll wrote its NAN record."""
+        self.events += 1
 
     def _found(self, call: PreHookArgs, index: int, flags: int, count: int) -> None:
         """A NAN record: tensor ``index`` of ``call`` held ``count`` non-finite elements (0: not counted)."""

@@ -42,6 +42,11 @@ def writer() -> Write:
     return (process_ring.current or process_ring.ring()).write
 
 
+def producer() -> Any:
+    """This process's ring's producer, for writers in C and C++ (``_producer.write_record``)."""
+    return (process_ring.current or process_ring.ring()).producer
+
+
 def start(write: Write, op: int, pg: int, op_id: int, seq: int, nbytes: int, sig: int, peer: int,
           flags: int = 0, bucket: int = 0, t_ns: int | None = None) -> int:
     """START: the op is about to be issued (``flags``: ``FLAG_*``; ``bucket``: a DDP bucket's index + 1);
@@ -76,7 +81,13 @@ def end_on_gpu(write: Write, op: int, pg: int, op_id: int, seq: int, nbytes: int
 def nan(write: Write, op: int, pg: int, op_id: int, seq: int, sig: int, peer: int, index: int, flags: int,
         count: int) -> int:
     """NAN: tensor ``index`` of the op held ``count`` non-finite elements (``flags``: ``NAN_*``)."""
-    return write(NAN, op, flags, pg, op_id, seq, count, sig, peer, index)
+    return write(*nan_args(op, pg, op_id, seq, sig, peer, index, flags, count))
+
+
+def nan_args(op: int, pg: int, op_id: int, seq: int, sig: int, peer: int, index: int, flags: int,
+             count: int) -> tuple[int, ...]:
+    """NAN's arguments to ``Ring.write`` (``where`` included), for a writer in C++ (``_gpu.cpp``)."""
+    return NAN, op, flags, pg, op_id, seq, count, sig, peer, index, 0
 
 
 def snapshot(write: Write, reason: str) -> int:

@@ -105,13 +105,19 @@ class InFlight(PreHookArgs):
         return record.end_args(self.code, self.sid, self.op_id, self.seq, self.nbytes, self.sig, self.wire_peer, OK,
                                self._wire_bytes())
 
+    def nan_args(self, index: int, flags: int) -> tuple[int, ...]:
+        """NAN's arguments to ``Ring.write`` for tensor ``index`` of this op (count 0: not counted), for a
+        writer in C++ (the GPU's poll, which adds the finding's bit to ``flags``)."""
+        return record.nan_args(self.code, self.sid, self.op_id, self.seq, self.sig, self.wire_peer, index, flags, 0)
+
     def _wire_bytes(self) -> int:
         """END's aux: a DDP bucket's bytes on the wire (0 for any other op)."""
         return 0 if self.bucket is None else min(self.bucket.wire_bytes, 0xFFFFFFFF)
 
     def gpu_end(self, future: Any) -> None:
         """Complete this op on a CUDA device when the GPU has finished it (``future``: an async op's)."""
-        cuda.tracker().end(self.gpu, future, self._gpu_done, lambda error: self.complete(status_of(error), error))
+        done = self._gpu_done if post_hooks.entries else (record.producer(), self.end_args())  # no Python at the end
+        cuda.tracker().end(self.gpu, future, done, lambda error: self.complete(status_of(error), error))
 
     def _gpu_done(self, start_ns: int, end_ns: int) -> None:
         try:
@@ -220,8 +226,8 @@ def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple,
         failed_unhooked(code, group, op_id, seq, nbytes, sig, wire_peer, tensors, output_tensors, error)
         raise
     if pair is not None:  # completes when the GPU has finished it (hooks/cuda.py)
-        cuda.tracker().end(pair, None, lambda start_ns, end_ns: record.end_on_gpu(
-            write, code, sid, op_id, seq, nbytes, sig, wire_peer, OK, 0, start_ns, end_ns), None)
+        end = record.end_args(code, sid, op_id, seq, nbytes, sig, wire_peer)
+        cuda.tracker().end(pair, None, (record.producer(), end), None)
     else:
         record.end(write, code, sid, op_id, seq, nbytes, sig, wire_peer)
     return result

@@ -22,6 +22,8 @@ Hook = Callable[..., None]
 Reporter = Callable[[Any], "tuple[int, int] | None"]
 """An input check's findings in a CPU tensor whose scan found NaN or Inf: its NAN record's (flags,
 count), or None where the check must run itself."""
+Found = Callable[[int], None]
+"""An input check told of a finding on a CUDA tensor (its NAN_HAS_* bit) whose NAN record the GPU's poll wrote."""
 
 
 class _Hooks:
@@ -33,11 +35,11 @@ class _Hooks:
         self.entries: tuple[tuple[Hook, bool], ...] = ()
         self.input_checks: tuple[Hook, ...] = ()
         """The entries' hooks registered as input checks (``register_input_check``)."""
-        self.reporters: tuple[tuple[Hook, Reporter], ...] = ()
-        """The input checks' ``report``, by hook (``register_input_check``)."""
+        self.reporters: tuple[tuple[Hook, Reporter, Found], ...] = ()
+        """The input checks' ``report`` and ``found``, by hook (``register_input_check``)."""
 
     def add(self, hook: Hook, propagate: bool, input_check: bool = False,
-            report: Reporter | None = None) -> RemovableHandle:
+            report: tuple[Reporter, Found] | None = None) -> RemovableHandle:
         if not callable(hook):
             raise TypeError(f"register_{self.kind}_hook() takes a callable; got {type(hook).__name__} {hook!r}")
         if any(existing is hook for existing, _ in self.entries):
@@ -46,7 +48,7 @@ class _Hooks:
         if input_check:
             self.input_checks = self.input_checks + (hook,)
         if report is not None:
-            self.reporters = self.reporters + ((hook, report),)
+            self.reporters = self.reporters + ((hook, *report),)
         self.entries = self.entries + ((hook, propagate),)
         _update_hooked()
         return RemovableHandle(self, hook)
@@ -114,14 +116,17 @@ checking_inputs = False
 reporting: Reporter | None = None
 """The one input check's ``report``, where it is the only one and has one: a collective whose inputs
 hold NaN or Inf then needs no frame of the check's, only the NAN record (the C all_reduce writes it)."""
+reporting_found: Found | None = None
+"""The same check's ``found``, with ``reporting``: on a CUDA tensor, the GPU's poll writes the NAN record."""
 
 
 def _update_hooked() -> None:
-    global hooked, checking_inputs, reporting
+    global hooked, checking_inputs, reporting, reporting_found
     hooked = bool(post_hooks.entries) or len(pre_hooks.entries) > len(pre_hooks.input_checks)
     checking_inputs = bool(pre_hooks.input_checks)
     checks = pre_hooks.input_checks
-    reporting = next((report for hook, report in pre_hooks.reporters if len(checks) == 1 and hook is checks[0]), None)
+    reporting, reporting_found = next(((report, found) for hook, report, found in pre_hooks.reporters
+                                       if len(checks) == 1 and hook is checks[0]), (None, None))
 
 
 def register_pre_hook(hook: Hook, *, propagate: bool = False) -> RemovableHandle:
@@ -133,11 +138,13 @@ def register_pre_hook(hook: Hook, *, propagate: bool = False) -> RemovableHandle
     return pre_hooks.add(hook, propagate)
 
 
-def register_input_check(hook: Hook, *, propagate: bool = False, report: Reporter | None = None) -> RemovableHandle:
+def register_input_check(hook: Hook, *, propagate: bool = False,
+                         report: tuple[Reporter, Found] | None = None) -> RemovableHandle:
     """A pre-hook that does nothing when every input tensor is finite (``NanCheckHook``'s): the hot
     path may skip it for a collective whose inputs its own scan found finite (hooks/nan_check.py).
     ``report``: where all the hook does with a tensor holding NaN or Inf is one NAN record (the
-    NaN check in report mode), that record's (flags, count), for the hot path to write itself."""
+    NaN check in report mode), (that record's (flags, count) for a CPU tensor, for the hot path to
+    write itself; what to tell the hook of a finding on a CUDA tensor, whose record the GPU's poll wrote)."""
     return pre_hooks.add(hook, propagate, input_check=True, report=report)
 
 
