@@ -33,7 +33,7 @@ static uint64_t (*write_record)(PyObject *, const unsigned long long *);
 
 static PyObject *s_hooked, *s_checking_inputs, *s_reporting, *s_active, *s_where, *s_current, *s_producer, *s_is_cuda, *s_shape,
     *s_dtype, *s_sid, *s_next_collective_seq, *s_start, *s_reporting_found, *s_get_device, *s_layout, *s_count_error,
-    *s_pool_exhausted, *s_gpu_check;
+    *s_pool_exhausted, *s_gpu_check, *s_end;
 static PyObject *s_parameters[4]; /* tensor, op, group, async_op */
 
 typedef struct {
@@ -319,7 +319,7 @@ static PyObject *issue(AllReduce *self, PyObject *const a[4], Common *c) {
         return result;  /* the GPU's poll writes GPU_START and END */
     if (pair >= 0) {
         self->gpu->release(pair);
-        if (counted(self, s_start) < 0) {
+        if (counted(self, s_end) < 0) {
             Py_DECREF(result);
             return NULL;
         }
@@ -460,12 +460,12 @@ PyMODINIT_FUNC PyInit__all_reduce(void) {
     const char *strings[] = {"hooked", "checking_inputs", "reporting", "active", "where", "current", "producer", "is_cuda",
                              "shape", "dtype", "sid", "next_collective_seq", "START", "tensor", "op", "group",
                              "async_op", "reporting_found", "get_device", "layout", "count_error",
-                             "gpu_pool_exhausted", "GPU check"};
+                             "gpu_pool_exhausted", "GPU check", "END"};
     PyObject **interned[] = {&s_hooked, &s_checking_inputs, &s_reporting, &s_active, &s_where, &s_current, &s_producer,
                              &s_is_cuda, &s_shape, &s_dtype, &s_sid, &s_next_collective_seq, &s_start,
                              &s_parameters[0], &s_parameters[1], &s_parameters[2], &s_parameters[3],
                              &s_reporting_found, &s_get_device, &s_layout, &s_count_error, &s_pool_exhausted,
-                             &s_gpu_check};
+                             &s_gpu_check, &s_end};
     for (size_t i = 0; i < sizeof(strings) / sizeof(strings[0]); i++)
         if ((*interned[i] = PyUnicode_InternFromString(strings[i])) == NULL)
             return NULL;
