@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(f".{argv[0]}", __package__).main(argv[1:])
     args = parser.parse_args(argv)
 
-    from .config import ConfigError
+    from .config import Config, ConfigError
 
     if args.command == "run":
         return _run(parser, args)
@@ -171,7 +171,6 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as error:
             print(f"commlens sidecar: {error}", file=sys.stderr)
             return 2
-    from .config import Config
     from .demo import demo_environment, demo_job_id, run
     from .launch import OUT_ROOT, conclude, make_job_folder
     from .ports import refuse_taken

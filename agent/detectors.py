@@ -576,6 +576,3 @@ def _trimmed_mean(values: list[float]) -> float:
     values = sorted(values)
     cut = len(values) // 10
     return statistics.fmean(values[cut:len(values) - cut])
-
-
-# -- sources: metrics endpoints ---------------------------------------------------------------------

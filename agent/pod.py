@@ -42,17 +42,16 @@ class RankFeed:
     def __init__(self, config: Config, info: dict, on_hang: Callable[[RankFeed], None]):
         self.config, self.info = config, info
         self.pipeline = RankPipeline(config, self._info, lambda: on_hang(self), on_snapshot=self.dump)
-        self.inode = 0
         self.alive = False
 
     @property
     def sidecar(self) -> Sidecar | None:
         return self.pipeline.sidecar
 
-    def follow(self, ring: Ring, inode: int) -> None:
+    def follow(self, ring: Ring) -> None:
         """Read ``ring`` from now on (the rank's first, or a restarted rank's new one)."""
         sidecar = self.pipeline.follow(ring)
-        self.inode, self.alive = inode, ring.writer_alive()
+        self.alive = ring.writer_alive()
         if not self.alive and not ring.closed:  # found killed (before this sidecar started, or saw it)
             sidecar.drain()
             self.dump("exit")
@@ -88,8 +87,8 @@ class PodSidecar:
         self.config, self.ring_dir = config, ring_dir
         self.feeds: dict[int, RankFeed] = {}
         """Rank -> its feed, for every rank seen."""
-        self._paths: dict[str, tuple[int, int]] = {}
-        """Ring file -> (inode, rank) of the ring read from it."""
+        self._paths: dict[str, int] = {}
+        """Ring file -> the inode of the ring read from it."""
         self._unreadable: set[tuple[str, int]] = set()
         self.errors = 0
         """Drains that failed (the loop went on)."""
@@ -143,7 +142,7 @@ class PodSidecar:
                 inode = os.stat(path).st_ino
             except FileNotFoundError:
                 continue
-            if self._paths.get(path, (None,))[0] == inode or (path, inode) in self._unreadable:
+            if self._paths.get(path) == inode or (path, inode) in self._unreadable:
                 continue
             try:
                 ring = Ring.attach(path)
@@ -160,8 +159,8 @@ class PodSidecar:
                                              world_size=info.get("world_size", 1), job=info.get("job", self.config.job))
                 feed = self.feeds[info["rank"]] = RankFeed(config, info, self._hang)
             feed.info = info
-            feed.follow(ring, inode)
-            self._paths[path] = (inode, info["rank"])
+            feed.follow(ring)
+            self._paths[path] = inode
 
     def _hang(self, feed: RankFeed) -> None:
         """A rank's collective crossed the hang threshold: its dump, and every other local rank's."""

@@ -402,10 +402,11 @@ class Sidecar:
             op, (pg, size) = OPS[record.op], self._group(record.pg)
             label = op.value if self.detail != "group" else ALL  # the op label at this detail level
             sized = size_class(record.nbytes) if self.detail == "full" else ALL
+            dtype = decode_signature(self.ring.string(record.sig)).dtype
             found = self._shapes[key] = Shape(op.value, op.is_p2p, pg, size, record.nbytes,
-                                              record.nbytes * bus_factor(op.value, size), self._dtype(record.sig),
-                                              (label, pg), (label, pg, sized), (label, pg, "ok"), (pg, "enqueued"),
-                                              (pg, "completed"), (op.value, pg, size_class(record.nbytes)))
+                                              record.nbytes * bus_factor(op.value, size), dtype, (label, pg),
+                                              (label, pg, sized), (label, pg, "ok"), (pg, "enqueued"), (pg, "completed"),
+                                              (op.value, pg, size_class(record.nbytes)))
         return found
 
     # -- what exporters see -------------------------------------------------------------------------
@@ -445,14 +446,11 @@ class Sidecar:
         members = self._members.get(sid, [])
         return members[group_rank] if 0 <= group_rank < len(members) else group_rank
 
-    def _dtype(self, sig: int) -> str:
-        return decode_signature(self.ring.string(sig)).dtype
-
     # -- scrape-time values -------------------------------------------------------------------------
 
-    def inflight_by_group(self, now_ns: int | None = None) -> dict[str, GroupInFlight]:
+    def inflight_by_group(self) -> dict[str, GroupInFlight]:
         """Group name -> its collectives in flight, computed now."""
-        now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        now_ns = time.monotonic_ns()
         counts: dict[str, int] = {name: 0 for name, _ in self._groups.values()}
         oldest: dict[str, int] = {}
         oldest_collective: dict[str, tuple[int, Record]] = {}

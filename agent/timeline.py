@@ -53,7 +53,7 @@ def _slice(span: dict, a: dict) -> Slice | None:
         return None
     markers = tuple(name for key, name in _MARKERS if a.get(key))
     if a.get(names.STATUS) in ("error", "timeout"):
-        markers += (f"collective {a['commlens.status']}",)
+        markers += (f"collective {a[names.STATUS]}",)
     return Slice(int(a[names.RANK]), str(a[names.PG_NAME]), int(a[names.SEQ]), a[names.OP],
                  int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"]), bool(a.get(names.P2P)),
                  bool(a.get(names.IN_FLIGHT)), bool(a.get(names.DDP_IS_LAST)),

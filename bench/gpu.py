@@ -5,7 +5,8 @@ workload without commlens and with it, interleaved round after round (the first 
 not counted): without = no agent and the hooks off, on models built before the agent started; with =
 ``commlens.agent.start()`` under the configuration, on the same models built again from the same seed.
 
-Configurations: ``default`` (NaN/Inf check on the device, span budget, spans to a file), ``every-span``
+Configurations: ``default`` (NaN/Inf check on the device, span budget, spans to a file),
+``no-nan-check`` (the default without it: what the timing alone costs), ``every-span``
 (``OTEL_TRACES_SAMPLER=always_on``), ``pod-sidecar`` (the rank writes its ring only; ``commlens
 sidecar``, a process of its own, drains it). Workloads: all_reduce of 4 KiB and of 64 MiB; a DDP step
 and an FSDP2 step of ``LAYERS`` Linear(``WIDTH``) layers on a batch of ``BATCH`` (TF32 matmuls),
@@ -19,7 +20,7 @@ launches CUDA holds bounds the iterations per slice. Then the NaN/Inf check's GP
 64 MiB payload (the check on against off, same job) beside one ``torch.sum`` over it: the goal is at
 most 1.2x.
 
-    python bench/gpu.py [--rounds 5] [--configs default every-span pod-sidecar] [--workloads ...]
+    python bench/gpu.py [--rounds 5] [--configs default no-nan-check every-span pod-sidecar] [--workloads ...]
     python bench/gpu.py --device cpu --rounds 1   # gloo on the CPU: every path, no figure of worth
 """
 
@@ -42,7 +43,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from ports import free_port  # noqa: E402
 
-CONFIGS = {"default": {}, "every-span": {"OTEL_TRACES_SAMPLER": "always_on"}, "pod-sidecar": {}}
+CONFIGS = {"default": {}, "no-nan-check": {"COMMLENS_NAN_CHECK": "off"},
+           "every-span": {"OTEL_TRACES_SAMPLER": "always_on"}, "pod-sidecar": {}}
 LAYERS, WIDTH, BATCH = 8, 4096, 2048
 WORKLOADS = {"all_reduce 4 KiB": (1 << 10, 100), "all_reduce 64 MiB": (1 << 24, 40),
              "DDP step": (None, 10), "FSDP2 step": (None, 10)}

@@ -100,7 +100,7 @@ class MetricsCollector(_Scrapes):
         for (op, pg, size), (counts, exemplars, total) in sorted(s.durations.items()):
             cumulative, running = [], 0
             counts, exemplars = self._fold(counts, exemplars)
-            for bound, count, exemplar in zip((*map(_bound, self.exposed), "+Inf"), counts, exemplars):
+            for bound, count, exemplar in zip((*(repr(float(b)) for b in self.exposed), "+Inf"), counts, exemplars):
                 running += count
                 if exemplar is None:
                     cumulative.append((bound, running))
@@ -189,10 +189,6 @@ class PodCollector(_Scrapes):
         for rank, alive in sorted(self.up().items(), key=lambda item: int(item[0])):
             family.add_metric((rank,), 1 if alive else 0)
         yield family
-
-
-def _bound(value: float) -> str:
-    return repr(float(value))
 
 
 def _counter(name: str, documentation: str, labels: tuple[str, ...], values: Mapping[tuple, float], rank: str,

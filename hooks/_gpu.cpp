@@ -23,6 +23,8 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/extension.h>
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -221,11 +223,45 @@ bool check(const at::Tensor& tensor, py::object producer, Fields fields, py::obj
   return issue_check(tensor, Then{found.is_none() ? py::object() : std::move(found), std::move(producer), fields});
 }
 
+// The polling thread's CUDA graph capture mode, relaxed while it polls: under the default (global) mode
+// of a capture begun on another thread, an event query here would be an unsafe call that invalidates
+// that capture (PyTorch's NCCL watchdog relaxes its own thread for the same reason). The runtime's call
+// is found where torch loaded it (no CUDA headers here); without it, nothing changes.
+class RelaxedCapture {
+ public:
+  RelaxedCapture() {
+    if (exchange() != nullptr) {
+      exchange()(&mode_);
+    }
+  }
+  ~RelaxedCapture() {
+    if (exchange() != nullptr) {
+      exchange()(&mode_);  // the thread's mode back
+    }
+  }
+
+ private:
+  using Exchange = int (*)(int*);  // cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode*)
+  static Exchange exchange() {
+    static const Exchange found = [] {
+      void* symbol = dlsym(RTLD_DEFAULT, "cudaThreadExchangeStreamCaptureMode");
+      for (const char* library : {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"}) {
+        void* loaded = symbol == nullptr ? dlopen(library, RTLD_LAZY | RTLD_NOLOAD) : nullptr;
+        symbol = loaded == nullptr ? symbol : dlsym(loaded, "cudaThreadExchangeStreamCaptureMode");
+      }
+      return reinterpret_cast<Exchange>(symbol);
+    }();
+    return found;
+  }
+  int mode_ = 2;  // cudaStreamCaptureModeRelaxed
+};
+
 py::tuple poll() {
   std::vector<std::tuple<int64_t, int64_t, int64_t>> done;  // (pair, start_ns, end_ns)
   std::vector<std::tuple<int64_t, int64_t, unsigned long long>> sums;  // (slot, mark, NAN_HAS_* bit or 0)
   {
     py::gil_scoped_release released;  // the training thread issues meanwhile
+    RelaxedCapture relaxed;
     std::lock_guard<std::mutex> guard(lock);
     size_t ended = 0;  // the ends first: every mark before them has then been passed too
     while (ended < timed.size() && pairs[timed[ended]]->end.query()) {

@@ -119,6 +119,8 @@ _DESCRIBE: dict[str, tuple[OpName, Callable[..., tuple]]] = {
 
 _BEFORE_2_13 = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
 """Before PyTorch 2.13 the ``*_single`` functions were not there, and their aliases were the functions."""
+_KINDS = {"send": "sync_p2p", "recv": "sync_p2p", "isend": "async_p2p", "irecv": "async_p2p"}
+"""How a wrapped function issues (issuing.py); any other is a collective."""
 
 _sync_p2p = threading.local()
 """``active`` is set while a sync ``send``/``recv`` runs: they call ``isend``/``irecv`` inside,
@@ -228,8 +230,7 @@ def instrument() -> None:
             return
         try:
             for name, (op, describe) in _DESCRIBE.items():
-                kind = {"send": "sync_p2p", "recv": "sync_p2p", "isend": "async_p2p", "irecv": "async_p2p"}.get(
-                    name, "collective")
+                kind = _KINDS.get(name, "collective")
                 name = name if hasattr(c10d, name) else _BEFORE_2_13[name]
                 _patches.add(getattr(c10d, name), lambda original, op=op, describe=describe, kind=kind:
                              _wrapper(op, original, describe, kind), f"torch.distributed.{name}")

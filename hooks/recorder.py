@@ -84,12 +84,9 @@ class InFlight(PreHookArgs):
         if gpu_ns is None and self.gpu is not None:  # completed without its GPU events (failed, or functional)
             cuda.tracker().release(self.gpu)
             self.gpu = None
-        if gpu_ns is None:
-            end = record.end(record.writer(), self.code, self.sid, self.op_id, self.seq, self.nbytes, self.sig,
-                             self.wire_peer, status, self._wire_bytes())
-        else:
-            end = record.end_on_gpu(record.writer(), self.code, self.sid, self.op_id, self.seq, self.nbytes, self.sig,
-                                    self.wire_peer, status, self._wire_bytes(), *gpu_ns)
+        fields = (record.writer(), self.code, self.sid, self.op_id, self.seq, self.nbytes, self.sig, self.wire_peer,
+                  status, self._wire_bytes())
+        end = record.end(*fields) if gpu_ns is None else record.end_on_gpu(*fields, *gpu_ns)
         if error is not None and abort_hooks.entries:
             abort_hooks.call(AbortHookArgs(self, error, STATUS[status]))
         if post_hooks.entries:

@@ -98,11 +98,6 @@ def ring_file(folder: str, local_rank: int) -> str:
 RING_FILES = "local-rank-*.ring"
 
 
-def _check_power_of_two(name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 2 or value & (value - 1):
-        raise ValueError(f"{name}={value!r} is not accepted: it must be a power of two >= 2")
-
-
 class Ring:
     """The ring's memory plus its producer side. ``Ring.attach(path)`` maps another process's ring.
 
@@ -111,7 +106,8 @@ class Ring:
     overwritten."""
 
     def __init__(self, slots: int = DEFAULT_SLOTS, path: str | None = None, string_bytes: int = DEFAULT_STRING_BYTES):
-        _check_power_of_two("slots", slots)
+        if not isinstance(slots, int) or slots < 2 or slots & (slots - 1):
+            raise ValueError(f"slots={slots!r} is not accepted: it must be a power of two >= 2")
         if not isinstance(string_bytes, int) or string_bytes < _STRING_ALIGN or string_bytes % _STRING_ALIGN:
             raise ValueError(f"string_bytes={string_bytes!r} is not accepted: it must be a multiple of 8, >= 8")
         size = _HEADER_SIZE + slots * RECORD.size + string_bytes

@@ -48,10 +48,7 @@ def signature(tensors: tuple, output_tensors: tuple) -> tuple[int, int]:
         key = (t.shape, t.dtype)
         return (in_place.get(key) or describe_in_place(t, key))[:2]
     key = (_meta(tensors), _meta(output_tensors))
-    found = _signatures.get(key)
-    if found is None:
-        found = _signatures.setdefault(key, _new_signature(tensors, output_tensors))
-    return found
+    return _signatures.get(key) or _signatures.setdefault(key, _new_signature(tensors, output_tensors))
 
 
 def _new_signature(tensors: tuple, outs: tuple) -> tuple[int, int]:

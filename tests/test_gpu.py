@@ -183,3 +183,45 @@ def test_a_nan_in_a_ddp_gradient_is_reported_on_its_bucket_timed_on_the_gpu(grou
     check.unregister()
     assert [c.nan for c in done] == [False, True], done
     assert all(c.gpu_start_ns > 0 for c in done)
+
+
+def test_a_capture_stays_whole_while_the_sidecar_polls_collectives_still_running(group):
+    """The sidecar's thread polls the events of an all_reduce still running on another stream while the
+    training thread captures a CUDA graph (CUDA's default, global capture mode, in which another thread's
+    event query would invalidate the capture): the capture completes, the graph replays right, and the
+    earlier all_reduce is recorded with its GPU times."""
+    sidecar, seen = group
+    x, y = torch.ones(1024, device="cuda"), torch.ones(1024, device="cuda")
+    dist.all_reduce(y)  # NCCL's communicator set up before the capture
+    torch.cuda.synchronize()
+    _until(sidecar, seen, 1)
+    seen.clear()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        torch.cuda._sleep(400_000_000)  # ~0.2 s: its all_reduce's end event stays pending through the capture
+        dist.all_reduce(y)
+    capturing, polled, stop = threading.Event(), threading.Event(), threading.Event()
+
+    def poll():
+        during = 0
+        while not stop.is_set():
+            cuda.poll()
+            during += capturing.is_set()
+            if during >= 3:
+                polled.set()
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            out = x * 3
+            capturing.set()
+            assert polled.wait(30)  # three polls while the capture is under way
+    finally:
+        stop.set()
+        poller.join()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.full_like(x, 3.0))
+    [c] = _until(sidecar, seen, 1)
+    assert c.op == "all_reduce" and c.end_ns > c.gpu_start_ns > 0
