@@ -6,7 +6,9 @@ not counted): without = no agent and the hooks off, on models built before the a
 ``commlens.agent.start()`` under the configuration, on the same models built again from the same seed.
 
 Configurations: ``default`` (NaN/Inf check on the device, span budget, spans to a file),
-``no-nan-check`` (the default without it: what the timing alone costs), ``every-span``
+``no-nan-check`` (the default without it: what the timing alone costs), ``hooks-only`` (the hooks and
+the NaN check, no agent and so no thread of commlens': the bench polls the GPU's events between slices;
+the hot path's cost without the agent's threads competing for the GIL), ``every-span``
 (``OTEL_TRACES_SAMPLER=always_on``), ``pod-sidecar`` (the rank writes its ring only; ``commlens
 sidecar``, a process of its own, drains it). Workloads: all_reduce of 4 KiB and of 64 MiB; a DDP step
 and an FSDP2 step of ``LAYERS`` Linear(``WIDTH``) layers on a batch of ``BATCH`` (TF32 matmuls),
@@ -20,7 +22,7 @@ launches CUDA holds bounds the iterations per slice. Then the NaN/Inf check's GP
 64 MiB payload (the check on against off, same job) beside one ``torch.sum`` over it: the goal is at
 most 1.2x.
 
-    python bench/gpu.py [--rounds 5] [--configs default no-nan-check every-span pod-sidecar] [--workloads ...]
+    python bench/gpu.py [--rounds 5] [--configs default no-nan-check hooks-only every-span pod-sidecar] [--workloads ...]
     python bench/gpu.py --device cpu --rounds 1   # gloo on the CPU: every path, no figure of worth
 """
 
@@ -36,14 +38,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+import commlens.agent
+import commlens.hooks as ch
+from commlens.hooks import cuda
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from ports import free_port  # noqa: E402
 
-CONFIGS = {"default": {}, "no-nan-check": {"COMMLENS_NAN_CHECK": "off"},
+CONFIGS = {"default": {}, "no-nan-check": {"COMMLENS_NAN_CHECK": "off"}, "hooks-only": {},
            "every-span": {"OTEL_TRACES_SAMPLER": "always_on"}, "pod-sidecar": {}}
 LAYERS, WIDTH, BATCH = 8, 4096, 2048
 WORKLOADS = {"all_reduce 4 KiB": (1 << 10, 100), "all_reduce 64 MiB": (1 << 24, 40),
@@ -138,9 +145,6 @@ def _median_slice(step, iterations: int, device: torch.device) -> dict:
 
 def job(config: str, rounds: int, workloads: list[str], device_name: str) -> dict:
     """Every workload without and with commlens under ``config``, ``rounds`` + 1 interleaved rounds."""
-    import commlens.agent
-    import commlens.hooks as ch
-
     device = torch.device(device_name, 0) if device_name == "cuda" else torch.device("cpu")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
                       WORLD_SIZE="1")
@@ -164,34 +168,51 @@ def job(config: str, rounds: int, workloads: list[str], device_name: str) -> dic
             if line.startswith("commlens sidecar:"):
                 break
     plain = {name: _step(name, device) for name in workloads}
-    commlens.agent.start()
+    nan_check = _start(config)
     traced = {name: _step(name, device) for name in workloads}
     results: dict[str, dict[str, list[dict]]] = {name: {"none": [], "commlens": []} for name in workloads}
     check = {"on": [], "off": [], "sum": []}
     for round_ in range(rounds + 1):
         for name in workloads:
             iterations = WORKLOADS[name][1] if device.type == "cuda" else 2
-            commlens.agent.stop()
-            ch.uninstrument()
+            _stop(config, nan_check)
             none = _median_slice(plain[name], iterations, device)
-            agent = commlens.agent.start()
+            nan_check = _start(config)
             with_ = _median_slice(traced[name], iterations, device)
             if round_:
                 results[name]["none"].append(none)
                 results[name]["commlens"].append(with_)
-            if round_ and name == "all_reduce 64 MiB" and agent.nan_check is not None and device.type == "cuda":
+            if round_ and name == "all_reduce 64 MiB" and nan_check is not None and device.type == "cuda":
                 check["on"].append(with_["gpu"])
-                agent.nan_check.unregister()
+                nan_check.unregister()
                 check["off"].append(_median_slice(traced[name], iterations, device)["gpu"])
-                agent.nan_check.register_with_comm()
+                nan_check.register_with_comm()
                 payload = torch.zeros(WORKLOADS[name][0], device=device)
                 check["sum"].append(_gpu_busy_s(lambda: torch.sum(payload), iterations, with_["wall"] * iterations))
-    commlens.agent.stop()
+    _stop(config, nan_check)
     if sidecar is not None:
         sidecar.terminate()
         sidecar.wait(30)
     dist.destroy_process_group()
     return {"results": results, "check": check}
+
+
+def _start(config: str) -> Any:
+    """commlens under ``config``: the agent, or (``hooks-only``) the hooks and a NaN check of its own;
+    returns the NaN check (None where it is off)."""
+    if config != "hooks-only":
+        return commlens.agent.start().nan_check
+    ch.instrument()
+    return ch.NanCheckHook().register_with_comm()
+
+
+def _stop(config: str, nan_check: Any) -> None:
+    """commlens stopped, as ``_start`` started it: the hooks off, the GPU's finished events given back."""
+    if config == "hooks-only" and nan_check is not None:
+        nan_check.unregister()
+    commlens.agent.stop()  # none under hooks-only: nothing to stop
+    ch.uninstrument()
+    cuda.poll()
 
 
 def _spread(values: list[float]) -> str:
