@@ -158,8 +158,10 @@ static int on_gpu(AllReduce *self, PyObject *tensor, Common *c) {
         PyObject *check = PyDict_GetItemWithError(self->registry, s_reporting_found);
         if (check == NULL || check == Py_None) /* not the NaN check in report mode alone: general's */
             found = PyErr_Occurred() ? -1 : 0;
-        else
+        else {  /* held until issued: the calls below may run Python, and another thread unregister the check */
+            Py_INCREF(check);
             c->found = check;
+        }
     }
     Py_XDECREF(entry);
     PyObject *device = found > 0 && checking >= 0 ? PyObject_CallMethodNoArgs(tensor, s_get_device) : NULL;
@@ -167,8 +169,6 @@ static int on_gpu(AllReduce *self, PyObject *tensor, Common *c) {
         c->device = (int)PyLong_AsLong(device);
         Py_DECREF(device);
     }
-    if (c->found != NULL) /* held until issued: another thread may unregister the check meanwhile */
-        Py_INCREF(c->found);
     return checking < 0 || PyErr_Occurred() ? -1 : found > 0 && c->device >= 0;
 }
 
@@ -244,25 +244,33 @@ static int counted(AllReduce *self, PyObject *label) {
 /* process_ring.count_error("gpu_pool_exhausted"): the op goes untimed on the GPU, or unchecked. */
 static int pool_exhausted(AllReduce *self) {
     PyObject *count = PyDict_GetItemWithError(self->process_ring, s_count_error);
-    PyObject *result = count == NULL ? NULL : PyObject_CallOneArg(count, s_pool_exhausted);
+    if (count == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "process_ring.count_error is gone");
+        return -1;
+    }
+    Py_INCREF(count);
+    PyObject *result = PyObject_CallOneArg(count, s_pool_exhausted);
+    Py_DECREF(count);
     Py_XDECREF(result);
     return result == NULL ? -1 : 0;
 }
 
 /* On a CUDA tensor, the NaN check's sum (before START, as the check's hook issues it), then ``start``
- * after START: the pair, -1 where there is none (timed on the CPU), -2 on an error to raise. */
+ * after START: the pair, -1 where there is none (timed on the CPU); -2 on an error to raise before START
+ * was written, -3 after it (the caller ends the op as failed). Errors of commlens' own are counted. */
 static int64_t gpu_started(AllReduce *self, PyObject *tensor, Common *c, const unsigned long long *start) {
     if (c->found != NULL) {
         unsigned long long n[11] = {self->nan, self->code, 0, start[3], start[4], start[5], 0, c->sig,
                                     (unsigned long long)-1LL, 0, 0};
         int issued = self->gpu->check(tensor, c->producer, n, c->found);
-        if ((issued < 0 && counted(self, s_gpu_check) < 0) || (issued == 0 && pool_exhausted(self) < 0))
+        if ((issued < 0 || (issued == 0 && pool_exhausted(self) < 0)) && counted(self, s_gpu_check) < 0)
             return -2;
     }
     write_record(c->producer, start);
     int64_t pair = self->gpu->start(c->device);
-    if ((pair == -2 && counted(self, s_start) < 0) || (pair == -1 && pool_exhausted(self) < 0))
-        return -2;
+    if ((pair == -2 || (pair == -1 && pool_exhausted(self) < 0)) && counted(self, s_start) < 0)
+        return -3;
     return pair < 0 ? -1 : pair;
 }
 
@@ -294,7 +302,7 @@ static PyObject *issue(AllReduce *self, PyObject *const a[4], Common *c) {
         write_record(c->producer, v);
     else if ((pair = gpu_started(self, a[0], c, v)) == -2)
         return NULL;
-    PyObject *result = PyObject_Vectorcall(self->original, a, 4, NULL);
+    PyObject *result = pair == -3 ? NULL : PyObject_Vectorcall(self->original, a, 4, NULL);
     if (result == NULL) {
         if (pair >= 0)
             self->gpu->release(pair);
@@ -317,6 +325,7 @@ static PyObject *issue(AllReduce *self, PyObject *const a[4], Common *c) {
     v[10] = 0;
     if (pair >= 0 && self->gpu->end(pair, c->producer, v) == 0)
         return result;  /* the GPU's poll writes GPU_START and END */
+    write_record(c->producer, v);
     if (pair >= 0) {
         self->gpu->release(pair);
         if (counted(self, s_end) < 0) {
@@ -324,7 +333,6 @@ static PyObject *issue(AllReduce *self, PyObject *const a[4], Common *c) {
             return NULL;
         }
     }
-    write_record(c->producer, v);
     return result;
 }
 

@@ -17,7 +17,8 @@
 //     poll() -> ([(complete, start_ns, end_ns)], [(found, NAN_HAS_* bit)])   // findings only
 //
 // A NAN record comes before its op's END: a check's mark is recorded before the op's `end`, on the same
-// stream or one that waits for it, and poll() queries the ends before the marks.
+// stream or one that waits for it; poll() queries the ends before the marks, and holds back the ends
+// issued after a check still pending (another stream's, say) until it has been read.
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -29,6 +30,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <deque>
 #include <map>
 #include <memory>
@@ -71,6 +73,7 @@ struct Pair {
   c10::Event end{c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT};
   c10::DeviceIndex device;
   Then then;
+  int64_t order = 0;  // of issue of `end`, with the checks
 };
 
 struct Reference {  // an event the GPU passed at a known CPU time: converts events' times to the CPU's clock
@@ -86,6 +89,7 @@ struct Slot {
 struct Check {
   int64_t mark;
   int64_t slot;
+  int64_t order;  // of issue, with the pairs' ends
 };
 
 // The state lives as long as the process and is never destroyed: at exit, CUDA and Python may be gone
@@ -103,6 +107,7 @@ std::vector<int64_t>& free_slots = *new std::vector<int64_t>;
 std::vector<std::unique_ptr<c10::Event>>& marks = *new std::vector<std::unique_ptr<c10::Event>>;
 std::vector<int64_t>& free_marks = *new std::vector<int64_t>;
 std::deque<Check>& checks = *new std::deque<Check>;
+int64_t issued = 0;  // ends and checks so far: their order
 
 void init(int64_t size, py::capsule write_at,
           std::tuple<unsigned long long, unsigned long long, unsigned long long> kinds) {
@@ -152,7 +157,12 @@ int64_t start(c10::DeviceIndex device) {
     pairs.push_back(std::make_unique<Pair>());
     pairs.back()->device = device;
   }
-  pairs[pair]->start.record(current(device));
+  try {
+    pairs[pair]->start.record(current(device));
+  } catch (...) {
+    free_pairs.push_back(pair);
+    throw;
+  }
   return pair;
 }
 
@@ -161,6 +171,7 @@ void finish(int64_t pair, Then then) {
   Pair& p = *pairs.at(pair);
   p.end.record(current(p.device));
   p.then = std::move(then);  // empty until now: taken by poll() or never set
+  p.order = issued++;
   timed.push_back(pair);
 }
 
@@ -185,26 +196,41 @@ void release(int64_t pair) {
 bool issue_check(const at::Tensor& tensor, Then then) {
   at::Tensor values = tensor.is_complex() ? at::view_as_real(tensor) : tensor;  // no temporary of its size
   c10::DeviceIndex device = tensor.device().index();
-  std::lock_guard<std::mutex> guard(lock);
-  if (!pinned.defined()) {
-    pinned = at::empty({pool}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
-    for (int64_t slot = pool; slot-- > 0;) {
-      free_slots.push_back(slot);
+  int64_t slot;
+  at::Tensor sum;
+  {
+    std::lock_guard<std::mutex> guard(lock);
+    if (!pinned.defined()) {
+      pinned = at::empty({pool}, at::TensorOptions().dtype(at::kFloat).pinned_memory(true));
+      for (int64_t free = pool; free-- > 0;) {
+        free_slots.push_back(free);
+      }
+      slots.resize(pool);
     }
-    slots.resize(pool);
+    if (free_slots.empty()) {
+      return false;
+    }
+    slot = free_slots.back();
+    free_slots.pop_back();
+    Slot& s = slots[slot];
+    if (!s.sum.defined() || s.sum.device().index() != device) {
+      // the slot's pinned float, as the device sees it (unified addressing): the sum's kernel writes it
+      s.sum = at::from_blob(pinned.data_ptr<float>() + slot, {},
+                            at::TensorOptions().dtype(at::kFloat).device(tensor.device()));
+    }
+    sum = s.sum;
   }
-  if (free_slots.empty()) {
-    return false;
+  try {  // not under the lock: under a dispatch mode or a tensor subclass the sum runs Python, which may
+         // hand the GIL to a thread that then waits for the lock
+    c10::NoGradGuard no_grad;  // an input that requires grad takes no out= otherwise
+    at::sum_out(sum, values, at::kFloat);
+  } catch (...) {
+    std::lock_guard<std::mutex> guard(lock);
+    free_slots.push_back(slot);
+    throw;
   }
-  int64_t slot = free_slots.back();
-  free_slots.pop_back();
+  std::lock_guard<std::mutex> guard(lock);
   Slot& s = slots[slot];
-  if (!s.sum.defined() || s.sum.device().index() != device) {
-    // the slot's pinned float, as the device sees it (unified addressing): the sum's kernel writes it
-    s.sum = at::from_blob(pinned.data_ptr<float>() + slot, {},
-                          at::TensorOptions().dtype(at::kFloat).device(tensor.device()));
-  }
-  at::sum_out(s.sum, values, at::kFloat);
   int64_t mark;
   if (free_marks.empty()) {
     mark = marks.size();
@@ -215,7 +241,7 @@ bool issue_check(const at::Tensor& tensor, Then then) {
   }
   marks[mark]->record(current(device));
   s.then = std::move(then);
-  checks.push_back(Check{mark, slot});
+  checks.push_back(Check{mark, slot, issued++});
   return true;
 }
 
@@ -229,13 +255,9 @@ bool check(const at::Tensor& tensor, py::object producer, Fields fields, py::obj
 // is found where torch loaded it (no CUDA headers here); without it, nothing changes.
 class RelaxedCapture {
  public:
-  RelaxedCapture() {
-    if (exchange() != nullptr) {
-      exchange()(&mode_);
-    }
-  }
+  RelaxedCapture() : relaxed_(exchange() != nullptr && exchange()(&mode_) == 0) {}
   ~RelaxedCapture() {
-    if (exchange() != nullptr) {
+    if (relaxed_) {
       exchange()(&mode_);  // the thread's mode back
     }
   }
@@ -254,6 +276,7 @@ class RelaxedCapture {
     return found;
   }
   int mode_ = 2;  // cudaStreamCaptureModeRelaxed
+  bool relaxed_;
 };
 
 py::tuple poll() {
@@ -280,7 +303,9 @@ py::tuple poll() {
       }
       sums.emplace_back(c.slot, c.mark, bit);
     }
-    for (; ended > 0; ended--) {
+    // an op's check is issued before its end: no end issued after a check still pending is written yet
+    int64_t pending = checks.empty() ? INT64_MAX : checks.front().order;
+    for (; ended > 0 && pairs[timed.front()]->order < pending; ended--) {
       int64_t pair = timed.front();
       timed.pop_front();
       Pair& p = *pairs[pair];
@@ -376,7 +401,12 @@ const commlens_gpu_api api = {
                             fields_of(v), py::reinterpret_borrow<py::object>(found)) ? 1 : 0;
       });
     },
-    [](int64_t pair) { release(pair); },
+    [](int64_t pair) {
+      try {
+        release(pair);
+      } catch (...) {  // out of memory growing the free list: the pair is lost, nothing else
+      }
+    },
 };
 
 }  // namespace

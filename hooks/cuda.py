@@ -57,7 +57,7 @@ class GpuTracker:
     def end(self, pair: int, future: Any, done: Done, failed: Callable[[BaseException], None] | None) -> None:
         """Record ``end`` after the op; ``future`` is an async op's (or a DDP hook's) future, None for a
         synchronous op. ``done`` completes it once the GPU has finished it; ``failed(error)`` where its
-        future failed."""
+        future failed (the pair given back already)."""
         if future is None:
             self._end(pair, done)
         elif future.done():  # NCCL's future: done at once, its CUDA events mark the collective's end

@@ -114,7 +114,11 @@ class InFlight(PreHookArgs):
     def gpu_end(self, future: Any) -> None:
         """Complete this op on a CUDA device when the GPU has finished it (``future``: an async op's)."""
         done = self._gpu_done if post_hooks.entries else (record.producer(), self.end_args())  # no Python at the end
-        cuda.tracker().end(self.gpu, future, done, lambda error: self.complete(status_of(error), error))
+        cuda.tracker().end(self.gpu, future, done, self._gpu_failed)
+
+    def _gpu_failed(self, error: BaseException) -> None:
+        self.gpu = None  # the tracker gave its events back
+        self.complete(status_of(error), error)
 
     def _gpu_done(self, start_ns: int, end_ns: int) -> None:
         try:
