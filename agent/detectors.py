@@ -62,7 +62,7 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
     if unreachable:  # the node is the fault: the ranks behind it, or waiting on it unseen, are not
         theirs = {rank for f in unreachable for rank in f.ranks}
         found = unreachable + [f for f in found if f.kind not in ("late_rank", "hang")
-                               and not (f.kind == "lost_rank" and set(f.ranks) <= theirs)]
+                               and not (f.kind in ("lost_rank", "straggler") and set(f.ranks) <= theirs)]
         links = []
     if links and not any(f.kind in ("lost_rank", "desync", "size_mismatch", "late_rank") for f in found):
         found.append(Finding("deadlock", tuple(sorted({r for f in links for r in f.ranks})), links[0].pg,

@@ -149,13 +149,17 @@ def test_a_healthy_job_across_nodes_fires_nothing_and_sends_every_nodes_spans_to
 def test_an_unreachable_node_is_named_only_while_others_wait_and_its_own_ranks_do_not():
     """Facts as ``--prometheus`` reads them: node 1 unreachable while rank 0 waits in seq 40 names node
     1; a node torn down after it, whose rank saw its op fail, is not named; nor is an unreachable node
-    while nobody waits."""
+    while nobody waits; nor is rank 2, whose numbers froze when its node went, a straggler in group 6
+    where its peer's waits on it grew."""
     facts = [RankFacts(rank, node=f"node-{rank // 2}") for rank in range(6)]
     for f in facts[2:4]:
         f.unreachable = True
     facts[0].group("4").failed = ("all_reduce", 40)
     facts[4].unreachable = facts[5].unreachable = facts[5].aborted = True
     facts[2].group("4").hung, facts[2].group("4").finished = ("all_gather", 1), 39  # a wait at start-up, over
+    for rank, (wait_s, waited_s) in ((1, (0.2, 0.5)), (2, (0.001, 0.05))):
+        group = facts[rank].group("6")
+        group.wait_s, group.waited_s, group.completed = wait_s, waited_s, 50
     found = findings(facts)
     assert [(f.kind, f.node, f.ranks, f.pg, f.seq) for f in found] == [("node_unreachable", "node-1", (2, 3), "4", 40)]
     assert found[0].line().startswith("unreachable: node node-1 (ranks 2, 3) in all_reduce (group 4, seq 40) — ")
