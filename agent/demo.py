@@ -60,12 +60,10 @@ class Fault:
             raise ValueError(usage)
         return cls(kind, **values)
 
-    def hits(self, kind: str, rank: int, step: int) -> bool:
-        return (self.kind, self.rank) == (kind, rank) and (kind == "slow" or self.step == step)
-
 
 def _hit(faults: tuple[Fault, ...], kind: str, rank: int, step: int) -> Fault | None:
-    return next((fault for fault in faults if fault.hits(kind, rank, step)), None)
+    return next((fault for fault in faults
+                 if (fault.kind, fault.rank) == (kind, rank) and (kind == "slow" or fault.step == step)), None)
 
 
 def demo_job_id() -> str:
@@ -84,10 +82,6 @@ def demo_environment(out_dir: str, world_size: int, job: str) -> dict[str, str]:
     return {**defaults, **{k: v for k, v in os.environ.items() if k in defaults}}
 
 
-class _Stopped(Exception):
-    """The injected ``skip`` fault: this rank stops issuing collectives."""
-
-
 def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faults: tuple[Fault, ...],
            serving: multiprocessing.synchronize.Event | None, environment: dict[str, str], launcher: int) -> None:
     """One rank, forked from a server that imported torch once (not once per rank), with the
@@ -100,9 +94,8 @@ def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faul
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     threshold = float(os.environ["COMMLENS_HANG_THRESHOLD_S"])
-    kinds = {fault.kind for fault in faults}
-    timeout = datetime.timedelta(seconds=threshold + 10 if kinds & {"desync", "size", "skip"}
-                                 else max([300] + [fault.s + 60 for fault in faults]))
+    timeout = datetime.timedelta(seconds=threshold + 10 if {f.kind for f in faults} & {"desync", "size", "skip"}
+                                 else max([300] + [f.s + 60 for f in faults]))
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
     agent = commlens.agent.start()  # with the NaN/Inf check, on by default
     _wait_for_all("started", rank, world_size, timeout)
@@ -117,7 +110,7 @@ def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faul
         for step in range(steps):
             step_seqs.append(pg._get_sequence_number_for_group())
             if _hit(faults, "skip", rank, step):
-                raise _Stopped
+                break  # the injected fault: this rank stops issuing collectives
             if hang := _hit(faults, "hang", rank, step):
                 time.sleep(hang.s or threshold + 2)  # the injected fault: this rank is late past the threshold
             if slow := _hit(faults, "slow", rank, step):
@@ -138,9 +131,8 @@ def _train(rank: int, world_size: int, steps: int, out_dir: str, port: int, faul
                 dist.all_reduce(loss.detach())
             if rank == 0:
                 _progress(step + 1, steps)
-        dist.barrier()
-    except _Stopped:
-        pass
+        else:
+            dist.barrier()
     except RuntimeError as error:  # an injected fault timed out; the abort hook already took a snapshot
         print(f"rank {rank}: {str(error).splitlines()[0]}", file=sys.stderr)
     step_seqs.append(pg._get_sequence_number_for_group())
@@ -279,9 +271,8 @@ def summarize(results: list[dict], out_dir: str, faults: tuple[Fault, ...] = ())
         lines.append(f"{op:<16}{sum(seen['buckets']):>8}{_quantile(seen['buckets'], 0.5) * 1e3:>10.3f}"
                      f"{_quantile(seen['buckets'], 0.99) * 1e3:>10.3f}{busbw:>12.1f}")
     lines.append(f"{'rank':<6}{'nan events':>12}{'hangs':>8}{'in collectives s':>18}")
-    for result in results:
-        lines.append(f"{result['rank']:<6}{result['nan_events']:>12}{result['hangs']:>8}"
-                     f"{result['collective_seconds']:>18.3f}")
+    lines += [f"{result['rank']:<6}{result['nan_events']:>12}{result['hangs']:>8}{result['collective_seconds']:>18.3f}"
+              for result in results]
     verdict = findings(from_files(out_dir))
     for finding in verdict:
         step = f" (step {_step(results[0], finding.seq)})" if finding.seq is not None and results else ""
@@ -301,14 +292,12 @@ def _quantile(buckets: list[int], q: float) -> float:
     if not total:
         return 0.0
     rank, running = q * total, 0
-    for index, count in enumerate(buckets):
+    for index, count in enumerate(buckets[:len(DURATION_BUCKETS)]):
         if count and running + count >= rank:
-            if index == len(DURATION_BUCKETS):  # +Inf: the largest finite bound, as Prometheus answers
-                return DURATION_BUCKETS[-1]
             low = DURATION_BUCKETS[index - 1] if index else 0.0
             return low + (DURATION_BUCKETS[index] - low) * (rank - running) / count
         running += count
-    return DURATION_BUCKETS[-1]
+    return DURATION_BUCKETS[-1]  # in +Inf: the largest finite bound, as Prometheus answers
 
 
 def _step(result: dict, seq: int) -> int:
