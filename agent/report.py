@@ -62,13 +62,13 @@ def page(folder: str, found: list[Slice], facts: list[RankFacts], unread: list[s
     lines = verdict_lines(verdict, unseen)
     ranks, groups = sorted({s.rank for s in found} or {f.rank for f in facts}), len({s.pg for s in found})
     seconds = (max(s.end_ns for s in found) - found[0].start_ns) / 1e9 if found else 0.0
-    spans = [f"{groups} group{'s' * (groups > 1)} · {len(found):,} spans kept over {seconds:.1f} s" if found else
+    spans = (f"{groups} group{'s' * (groups > 1)} · {len(found):,} spans kept over {seconds:.1f} s" if found else
              "no spans in the folder (a collector took them, or the trace files went elsewhere): the verdict is of the "
-             "dumps and notes alone"]
+             "dumps and notes alone")
     parts = [f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>commlens report: "
              f"{_e(os.path.basename(os.path.abspath(folder)))}</title><style>{_STYLE}</style></head><body>",
              "<h1>commlens report</h1>",
-             f"<p class=meta>{_e(os.path.abspath(folder))} · {len(ranks)} rank{'s' * (len(ranks) > 1)} · {spans[0]}</p>",
+             f"<p class=meta>{_e(os.path.abspath(folder))} · {len(ranks)} rank{'s' * (len(ranks) > 1)} · {spans}</p>",
              "<h2>Verdict</h2>",
              *(f"<div class='verdict {'bad' if verdict else 'ok'}' id=verdict>{_e(line)}</div>" for line in lines),
              *(f"<div class='verdict note'>{_e(line)}</div>" for line in notes(facts)),
@@ -127,8 +127,7 @@ def _ranks(found: list[Slice], ranks: list[int]) -> str:
     for s in found:
         spans[s.rank] += 1
         seconds[s.rank] += (s.end_ns - s.start_ns) / 1e9
-        for marker in s.markers:
-            marked[s.rank][marker] += 1
+        marked[s.rank].update(s.markers)
         if not s.p2p:
             members[s.pg].add(s.rank)
             if not s.in_flight:

@@ -61,17 +61,10 @@ def _slice(span: dict, a: dict) -> Slice | None:
                  markers)
 
 
-def read(folder: str) -> tuple[list[Slice], list]:
-    """The collectives in ``folder``'s trace files, one per rank and collective (a hung one's completed
-    span replaces the in-flight one of its hang snapshot), and ``commlens diagnose``'s findings on
-    the folder: both from one pass over the files."""
-    found, facts = read_facts(folder)
-    return found, findings(facts)
-
-
 def read_facts(folder: str, on_problem: Callable[[str], None] = say_skipped) -> tuple[list[Slice], list[RankFacts]]:
-    """``read``'s collectives, and the facts the findings are drawn from; ``on_problem`` as
-    ``readers.from_files``'."""
+    """The collectives in ``folder``'s trace files, one per rank and collective (a hung one's completed
+    span replaces the in-flight one of its hang snapshot), and the facts ``commlens diagnose``'s
+    findings are drawn from: both from one pass over the files; ``on_problem`` as ``readers.from_files``'."""
     found: dict[tuple, Slice] = {}
 
     def keep(span: dict, a: dict) -> None:
@@ -118,9 +111,12 @@ def _window(found: list[Slice], last_s: float | None, steps: tuple[int, int] | N
 
 def events(folder: str, last_s: float | None = None, steps: tuple[int, int] | None = None,
            read_as: tuple[list[Slice], list] | None = None) -> tuple[Iterator[dict], dict]:
-    """The trace events of the job in ``folder`` (docs/timeline.md), as they are made,
-    and the document's ``otherData``; ``read_as``: ``read(folder)``'s result, where the caller has it."""
-    found, verdicts = read_as or read(folder)
+    """The trace events of the job in ``folder`` (docs/timeline.md), as they are made, and the
+    document's ``otherData``; ``read_as``: its collectives and findings, where the caller has them."""
+    if read_as is None:
+        found, facts = read_facts(folder)
+        read_as = found, findings(facts)
+    found, verdicts = read_as
     if not found:
         raise ValueError(f"no telemetry in {folder}: no trace file (*.jsonl) with commlens spans")
     offsets = clock_offsets(found)
@@ -173,11 +169,8 @@ def _flows(found: list[Slice], tids: dict[str, int], us) -> Iterator[dict]:
         flow_id += 1
         for i, s in enumerate(members):
             phase = "s" if i == 0 else "f" if i == len(members) - 1 else "t"
-            event = {"ph": phase, "id": flow_id, "name": f"{s.op} seq {seq}", "cat": "arrival", "pid": s.rank,
-                     "tid": tids[pg], "ts": us(s.start_ns)}
-            if phase == "f":
-                event["bp"] = "e"
-            yield event
+            yield {"ph": phase, "id": flow_id, "name": f"{s.op} seq {seq}", "cat": "arrival", "pid": s.rank,
+                   "tid": tids[pg], "ts": us(s.start_ns), **({"bp": "e"} if phase == "f" else {})}
 
 
 def _steps(boundaries: dict[int, list[int]], ranks: set[int], found: list[Slice], us) -> Iterator[dict]:
