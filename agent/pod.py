@@ -119,8 +119,7 @@ class PodSidecar:
         stop_serving(self.server)
 
     def _run(self) -> None:
-        config = self.config
-        while not self._stop.wait(min(config.drain_interval_s, POD_DRAIN_S, config.hang_threshold_s / 4)):
+        while not self._stop.wait(min(self.config.drain_interval_s, POD_DRAIN_S, self.config.hang_threshold_s / 4)):
             try:
                 self.poll()
             except Exception as error:  # noqa: BLE001 — the loop goes on: a frozen sidecar hides every hang

@@ -114,21 +114,17 @@ class Agent:
         if not owner and blocking:
             if reason == "exception":  # beside another snapshot (a failed collective's abort): scraped all the same
                 self.sidecar.drain()
-                self._wait_for_scrape(deadline)
+                self.collector.wait_for_scrape(max(0.0, deadline - time.monotonic()))
             return None
         try:
             path = self.pipeline.write_dump(reason, self.flight_recorder.dump, drain=owner, blocking=blocking)
             self.spans.flush(max(0.0, deadline - time.monotonic()))
             if reason in ("exception", "signal"):
-                self._wait_for_scrape(deadline)
+                self.collector.wait_for_scrape(max(0.0, deadline - time.monotonic()))
             return path
         finally:
             if owner:
                 self._snapshot_lock.release()
-
-    def _wait_for_scrape(self, deadline: float) -> None:
-        if self.collector is not None:
-            self.collector.wait_for_scrape(max(0.0, deadline - time.monotonic()))
 
     def stop(self) -> None:
         """Stop recording and flush, within the snapshot timeout whatever the collector does; with a pod

@@ -143,7 +143,7 @@ class Stats:
         """Collectives of ``shape`` issued and completed ok between two drains (``seqs`` in the order
         they ended, ``seconds`` their durations): ``enqueued`` and ``finished`` of each, at once."""
         self._count(shape, shape.ok_key, len(seqs))
-        self._durations(shape, seconds, None if shape.is_p2p else seqs)
+        self.durations[shape.duration_key].observe(seconds, None if shape.is_p2p else seqs)
         if not shape.is_p2p:
             last, top = self.last_seq, max(seqs)
             for which in (shape.enqueued_key, shape.completed_key):
@@ -154,7 +154,7 @@ class Stats:
         """One collective of ``shape`` (the sidecar's ``Shape``) completed with ``status``."""
         self._count(shape, shape.ok_key if status == "ok" else (*shape.counter_key, status), 1)
         if seconds is not None:
-            self._durations(shape, (seconds,), None if seq is None else (seq,))
+            self.durations[shape.duration_key].observe((seconds,), None if seq is None else (seq,))
         if seq is not None and seq > self.last_seq.get(shape.completed_key, -1):
             self.last_seq[shape.completed_key] = seq
         if seq is not None and status != "ok" and seq < self.failed.get(shape.pg, (seq + 1,))[0]:
@@ -166,7 +166,3 @@ class Stats:
         self.completed[completed_key] += count
         self.bytes[key] += shape.nbytes * count
         self.bus_bytes[key] += shape.bus_bytes * count
-
-    def _durations(self, shape, seconds: Sequence[float], seqs: Sequence[int] | None) -> None:
-        """Durations of collectives of ``shape`` (``seqs``: their exemplars) into the histogram."""
-        self.durations[shape.duration_key].observe(seconds, seqs)

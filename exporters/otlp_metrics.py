@@ -78,9 +78,8 @@ class MetricsPusher:
         metrics = []
         for family in self.families():
             if family.type == "counter":
-                points = [NumberDataPoint(attrs, start_ns, now_ns, self._change((family.name, key), value))
-                          for key, attrs, value in _values(family, "_total")]
-                data = Sum(points, self.temporality, is_monotonic=True)
+                data = Sum([NumberDataPoint(attrs, start_ns, now_ns, self._change((family.name, key), value))
+                            for key, attrs, value in _values(family, "_total")], self.temporality, is_monotonic=True)
             elif family.type == "gauge":
                 data = Gauge([NumberDataPoint(attrs, start_ns, now_ns, value)
                               for _, attrs, value in _values(family, "")])

@@ -140,13 +140,10 @@ class MetricsCollector(_Scrapes):
         yield _counter(names.NAN_EVENTS, "Collectives whose input (or output) held NaN (kind nan) or Inf (kind inf)",
                        ("op", "pg", "kind"), {**{(*k, kind): 0 for k in seen for kind in NONFINITE_KINDS}, **s.nans},
                        rank)
-        first = GaugeMetricFamily(names.NONFINITE_FIRST_SEQ,
-                                  "Sequence number of the first collective whose input held NaN or Inf on this rank "
-                                  "(outside steps a loss scaler skipped); the lowest across ranks is where the values "
-                                  "entered", labels=("pg", "op", "kind", "rank"))
-        for (pg, kind), (seq, op) in sorted(s.first_nonfinite.items()):
-            first.add_metric((pg, op, kind, rank), seq)
-        yield first
+        yield _gauge(names.NONFINITE_FIRST_SEQ, "Sequence number of the first collective whose input held NaN or Inf "
+                     "on this rank (outside steps a loss scaler skipped); the lowest across ranks is where the values "
+                     "entered", ("pg", "op", "kind"),
+                     {(pg, op, kind): seq for (pg, kind), (seq, op) in s.first_nonfinite.items()}, rank)
         if s.loss_scale_steps:  # a job with a loss scaler: both outcomes, from 0
             yield _counter(names.LOSS_SCALE_STEPS, "Steps a loss scaler (torch.amp.GradScaler) applied, or skipped "
                            "for Inf or NaN in the gradients (their non-finite values were its overflow)", ("outcome",),
