@@ -55,9 +55,6 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str], window_s: fl
     that no longer answers is gone."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    def samples(text: str):
-        return [s for family in text_string_to_metric_families(text) for s in family.samples]
-
     ranks: dict[int, RankFacts] = {}
     totals: dict[tuple[int, str], list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
     reporting: list[set[int]] = [set(), set()]
@@ -66,7 +63,7 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str], window_s: fl
     world_size = 0
     for index, texts in enumerate((first, second)):
         for text in texts:
-            for s in samples(text):
+            for s in (sample for family in text_string_to_metric_families(text) for sample in family.samples):
                 rank = int(s.labels.get("rank", -1))
                 if rank < 0:
                     continue
@@ -182,18 +179,14 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
             yield facts, labels, value
 
     enqueued = f'{names.LAST_SEQ}{{state="enqueued"{"," + selector if selector else ""}}}'
-    hung = f"{names.HUNG_SEQ}{{{selector}}}"
-    for facts, labels, value in each(f"last_over_time({enqueued}[15m])"):
-        facts.group(labels["pg"]).issued = int(value)
     completed = f'{names.LAST_SEQ}{{state="completed"{"," + selector if selector else ""}}}'
-    for facts, labels, value in each(f"last_over_time({completed}[15m])"):
-        facts.group(labels["pg"]).finished = int(value)
-    # while a group had a hang in the last minute: what each rank had issued (a late rank may have
-    # caught up since), and the hang itself
-    for facts, labels, value in each(f"min_over_time(({enqueued} and on (job, pg) {hung})[1m:1s])"):
-        facts.group(labels["pg"]).issued = int(value)
-    live = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(enqueued)}
-    for name, expr in ((names.HUNG_SEQ, f"max_over_time({hung}[1m])"),
+    hung = f"{names.HUNG_SEQ}{{{selector}}}"
+    # the last issued and completed (by their state label); then, while a group had a hang in the last
+    # minute: what each rank had issued (a late rank may have caught up since), and the hang itself
+    for name, expr in ((names.LAST_SEQ, f"last_over_time({enqueued}[15m])"),
+                       (names.LAST_SEQ, f"last_over_time({completed}[15m])"),
+                       (names.LAST_SEQ, f"min_over_time(({enqueued} and on (job, pg) {hung})[1m:1s])"),
+                       (names.HUNG_SEQ, f"max_over_time({hung}[1m])"),
                        (names.P2P_HUNG, f"{names.P2P_HUNG}{{{selector}}}"),
                        (names.NONFINITE_FIRST_SEQ, f"{names.NONFINITE_FIRST_SEQ}{{{selector}}}"),
                        (names.total(names.LOSS_SCALE_STEPS), f"{names.total(names.LOSS_SCALE_STEPS)}{{{selector}}}"),
@@ -219,6 +212,7 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
     aborts = f'{names.total(names.ABORT_SNAPSHOTS)}{{reason="abort"{"," + selector if selector else ""}}}'
     for facts, _, _ in each(f"increase({aborts}[5m]) > 0"):
         facts.aborted = True
+    live = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(enqueued)}
     down = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(f"{names.RANK_UP}{{{selector}}} == 0")}
     endings: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
     # over the job: a pod sidecar's counts end with it, and a killed rank stays the evidence after
@@ -289,7 +283,7 @@ def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = Non
             on_problem(f"{path}: not a note of a rank commlens did not start in ({error})")
     for path in sorted(glob.glob(os.path.join(folder, "*"))):
         digits = len(path) - len(path.rstrip("0123456789"))
-        if not digits or os.path.isdir(path) or path.endswith((".json", ".jsonl")):
+        if not digits or os.path.isdir(path):
             continue
         try:
             dump = load_dump(path)
