@@ -53,20 +53,6 @@ def _settings(args: argparse.Namespace) -> dict[str, str]:
             if getattr(args, option.replace("-", "_")) is not None}
 
 
-def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from .config import ConfigError
-    from .launch import run
-
-    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
-    if not command:
-        parser.error("run needs a command: commlens run [options] -- COMMAND [ARGS...]")
-    try:
-        return run(command, _settings(args), args.sidecar, args.out)
-    except ConfigError as error:
-        print(f"commlens run: {error}", file=sys.stderr)
-        return 2
-
-
 def _version() -> str:
     """The installed distribution's version; a source tree on PYTHONPATH has none, and still runs."""
     try:
@@ -137,8 +123,19 @@ def main(argv: list[str] | None = None) -> int:
 
     from .config import Config, ConfigError
 
-    if args.command == "run":
-        return _run(parser, args)
+    if args.command in ("run", "sidecar"):
+        from .launch import run as run_command, serve_pod
+
+        try:
+            if args.command == "sidecar":
+                return serve_pod(_settings(args))
+            command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+            if not command:
+                parser.error("run needs a command: commlens run [options] -- COMMAND [ARGS...]")
+            return run_command(command, _settings(args), args.sidecar, args.out)
+        except ConfigError as error:
+            print(f"commlens {args.command}: {error}", file=sys.stderr)
+            return 2
     if args.command == "assets":
         import pathlib
 
@@ -163,14 +160,6 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"commlens dump: asked every rank of job {args.job_id!r} for its flight-recorder dump")
         return 0
-    if args.command == "sidecar":
-        from .launch import serve_pod
-
-        try:
-            return serve_pod(_settings(args))
-        except ConfigError as error:
-            print(f"commlens sidecar: {error}", file=sys.stderr)
-            return 2
     from .demo import demo_environment, demo_job_id, run
     from .launch import OUT_ROOT, conclude, make_job_folder
     from .ports import refuse_taken
@@ -186,13 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         refuse_taken(config.metrics_addr, config.metrics_port or 0, args.world_size, "rank",
                      "choose another base port, or leave it unset for free ones")
         make_job_folder(out)
-    except ConfigError as error:
-        print(f"commlens demo: {error}", file=sys.stderr)
-        return 2
-    print(f"commlens demo: {args.world_size} ranks x {args.steps} steps of DDP on gloo/CPU; metrics on "
-          f"127.0.0.1:{environment['COMMLENS_METRICS_PORT']}+rank; traces and flight-recorder dumps in {out}",
-          flush=True)
-    try:
+        print(f"commlens demo: {args.world_size} ranks x {args.steps} steps of DDP on gloo/CPU; metrics on "
+              f"127.0.0.1:{environment['COMMLENS_METRICS_PORT']}+rank; traces and flight-recorder dumps in {out}",
+              flush=True)
         outcome = run(args.world_size, args.steps, out, tuple(args.inject), args.keep_serving, environment)
     except ConfigError as error:
         print(f"commlens demo: {error}", file=sys.stderr)
