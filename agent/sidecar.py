@@ -98,10 +98,9 @@ class Sidecar:
         """``beside_training``: in the training process, where a long stretch holding the GIL delays training."""
         self.reader = RingReader(ring, ring.cursor if resume else 0)
         self.stats = stats or Stats()
-        self.on_snapshot = on_snapshot
         self.hang_threshold_ns = int(hang_threshold_s * 1e9)
         self.slow_factor = slow_factor
-        self.on_collective, self.on_hang, self.sample = on_collective, on_hang, sample
+        self.on_collective, self.on_hang, self.on_snapshot, self.sample = on_collective, on_hang, on_snapshot, sample
         self.inflight: dict[int, Record] = {}
         self.pollers: list[Callable[[], None]] = []
         """Called before each drain: what completes collectives from outside the ring (the GPU's events)."""
@@ -178,7 +177,7 @@ class Sidecar:
         finally:
             self._draining.release()
 
-    def _drain(self, blocking: bool = True) -> int:
+    def _drain(self, blocking: bool) -> int:
         if blocking:
             for poll in self.pollers:
                 poll()
@@ -355,16 +354,13 @@ class Sidecar:
         """A loss scaler began a step ("scaled": the step's gradients follow), or ended it: the
         non-finite values of a step it skipped were its overflow, marked so on their spans."""
         if event == "scaled":
-            if self._scaled_step is None:
-                self._scaled_step = []
+            self._scaled_step = self._scaled_step or []  # a step already begun keeps what it holds
             return
         self.stats.loss_scale_step(event)
         self._release(self.stats.loss_scale_steps["skipped"] if event == "skipped" else 0)
 
     def _release(self, skipped_step: int) -> None:
-        if self._scaled_step is None:
-            return
-        held, self._scaled_step = self._scaled_step, None
+        held, self._scaled_step = self._scaled_step or [], None
         for collective in held:
             self.on_collective(collective._replace(loss_scale_skipped=skipped_step))
 
