@@ -97,8 +97,6 @@ class Config:
         metrics_protocol = env.choice("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", None, PROTOCOLS) or \
             env.choice("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf", PROTOCOLS)
         exporters = env.names("OTEL_METRICS_EXPORTER", ("prometheus",), METRICS_EXPORTERS)
-        if "prometheus" not in exporters:
-            port = None
         metrics_endpoint = _endpoint(env, metrics_protocol, "metrics")  # checked even when not used
         if "otlp" not in exporters:
             metrics_endpoint = None
@@ -117,7 +115,8 @@ class Config:
             drain_interval_s=env.number("COMMLENS_DRAIN_INTERVAL_MS", 500, minimum=1, maximum=1000) / 1000,
             hang_threshold_s=env.number("COMMLENS_HANG_THRESHOLD_S", 300, minimum=0.1),
             slow_factor=env.number("COMMLENS_SLOW_FACTOR", 5, minimum=1),
-            metrics_addr=env.get("COMMLENS_METRICS_ADDR") or "0.0.0.0", metrics_port=port,
+            metrics_addr=env.get("COMMLENS_METRICS_ADDR") or "0.0.0.0",
+            metrics_port=port if "prometheus" in exporters else None,
             otlp_protocol=protocol, otlp_endpoint=endpoint,
             otlp_headers=_pairs("OTEL_EXPORTER_OTLP_HEADERS", headers, lower_keys=True),
             service_name=env.get("OTEL_SERVICE_NAME"),
@@ -151,8 +150,7 @@ class _Env:
         self.environ = environ
 
     def get(self, name: str) -> str | None:
-        value = self.environ.get(name)
-        return value.strip() if value is not None and value.strip() else None
+        return self.environ.get(name, "").strip() or None
 
     def number(self, name: str, default: float | None, minimum: float | None = None,
                maximum: float | None = None, kind: type = float) -> float | None:

@@ -71,8 +71,7 @@ IN_WHAT_WAS_SEEN = ", in what commlens saw"
 
 
 def report(facts: list[RankFacts], unread: list[str] = ()) -> list[str]:
-    """The verdict as lines: one per finding, or ``NOTHING_WRONG`` (", in what commlens saw" where there
-    are caveats); then what was seen that is no fault; then what the verdict could not see (``caveats``)."""
+    """The verdict as lines: ``verdict``'s, then ``notes``' (what is no fault), then ``caveats``'."""
     unseen = caveats(facts, unread)
     return verdict(findings(facts), unseen) + notes(facts) + unseen
 

@@ -23,7 +23,7 @@ import time
 from commlens.hooks import extension
 from .config import Config, ConfigError
 from .ports import refuse_taken
-from .readers import NO_TELEMETRY, NOT_STARTED
+from .readers import NO_TELEMETRY, NOT_STARTED, kept_and_said
 
 OUT_ROOT = "commlens-out"
 """Where each job's folder goes, under the current folder, unless ``--out`` says."""
@@ -33,9 +33,8 @@ MARKER = "COMMLENS_AUTOSTART"
 
 def environment(base: dict[str, str], settings: dict[str, str]) -> dict[str, str]:
     """``base`` with the options applied, the marker set and our ``sitecustomize`` first on the path."""
-    env = {**base, **settings, MARKER: "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [AUTOSTART, base.get("PYTHONPATH")]))
-    return env
+    return {**base, **settings, MARKER: "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [AUTOSTART, base.get("PYTHONPATH")]))}
 
 
 def job_folder(env: dict[str, str], out: str | None) -> str | None:
@@ -75,18 +74,16 @@ def conclude(folder: str) -> tuple[list[str], list[str]]:
     read is named on stderr and in the verdict."""
     from . import diagnose, report, timeline
     from .detectors import findings
-    from .readers import kept_and_said
 
     unread: list[str] = []
     found, facts = timeline.read_facts(folder, kept_and_said(unread))
     if not facts:
         return [f"no telemetry in {folder}: {NO_TELEMETRY}"], []
     lines = diagnose.report(facts, unread)
-    written = [os.path.join(folder, "verdict.txt")]
+    written = [os.path.join(folder, "verdict.txt"), os.path.join(folder, "report.html")]
     with open(written[0], "w", encoding="utf-8", errors="backslashreplace") as f:
         f.write("".join(line + "\n" for line in lines))
-    written.append(os.path.join(folder, "report.html"))
-    with open(written[-1], "w", encoding="utf-8", errors="backslashreplace") as f:
+    with open(written[1], "w", encoding="utf-8", errors="backslashreplace") as f:
         f.write(report.page(folder, found, facts, unread))
     if found:
         written.append(timeline.write(folder, read=(found, findings(facts))))
@@ -133,8 +130,7 @@ def run(command: list[str], settings: dict[str, str], sidecar: bool | None = Non
             return 127
         finally:
             if pod is not None:
-                ended = pod.poll()
-                if ended is not None:
+                if (ended := pod.poll()) is not None:
                     print(f"commlens run: the pod sidecar ended during the job (exit status {ended}): what the "
                           "ranks did after that was not exported", file=sys.stderr)
                 pod.send_signal(signal.SIGTERM)
