@@ -309,22 +309,24 @@ def _waiting_elsewhere(f: RankFacts, pg: str, live: bool, first_wait_ns: int | N
 
 
 def _lost_unseen(facts: list[RankFacts], found: list[Finding]) -> list[Finding]:
-    """Live: a killed rank that no other finding names, because no rank was seen waiting on it yet (the
-    job torn down within a scrape): named in the collective it had in flight, whose op the metrics do
-    not hold."""
+    """A killed rank that no other finding names, because no rank was seen waiting on it (live: the job
+    torn down within a scrape; after the fact: its peers completed the collective it died in): named in
+    the collective it had in flight, whose op its dump holds and the metrics do not."""
     named = {rank for f in found if f.kind == "lost_rank" for rank in f.ranks}
     unseen = []
     for f in facts:
         if f.lost and f.rank not in named and (in_flight := _in_flight(f)):
             pg = min(in_flight, key=lambda group: (len(group), group))
-            unseen.append(Finding("lost_rank", (f.rank,), pg, "a collective", f.groups[pg].issued,
+            group = f.groups[pg]
+            op = group.inputs.get(group.issued, ("a collective",))[0]
+            unseen.append(Finding("lost_rank", (f.rank,), pg, op, group.issued,
                                   "its process ended without a signal or an exception (SIGKILL, the OOM killer, "
                                   "a crash) inside it"))
     return unseen
 
 
 def _in_flight(f: RankFacts) -> set[str]:
-    """Live: the groups in which rank ``f`` had a collective issued and not completed."""
+    """The groups in which rank ``f`` had a collective issued and not completed (live, or a killed rank's dump)."""
     return {pg for pg, g in f.groups.items() if g.finished is not None and g.issued > g.finished}
 
 

@@ -16,7 +16,7 @@ class GroupFacts:
     issued: int = 0
     """The last collective sequence number it issued."""
     finished: int | None = None
-    """The last collective sequence number it completed (live; None: not known)."""
+    """The last collective sequence number it completed (live, or from a killed rank's dump; None: not known)."""
     hung: tuple[str, int] | None = None
     """(op, seq) of its oldest collective in flight past the hang threshold."""
     p2p_hung: tuple[str, int, float] | None = None

@@ -441,9 +441,9 @@ def _ranges(ranks: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _collectives(path: str, entries: list) -> list[tuple[str, int, str, str]]:
-    """(group, seq, op, inputs) of each collective entry of a dump's (point-to-point ones left out);
-    ValueError naming ``path`` and the entry for one of another shape."""
+def _collectives(path: str, entries: list) -> list[tuple[str, int, str, str, bool]]:
+    """(group, seq, op, inputs, completed) of each collective entry of a dump's (point-to-point ones left
+    out); ValueError naming ``path`` and the entry for one of another shape."""
     found = []
     for number, entry in enumerate(entries):
         try:
@@ -452,19 +452,22 @@ def _collectives(path: str, entries: list) -> list[tuple[str, int, str, str]]:
             tensors = zip(entry.get("input_dtypes") or (), entry.get("input_sizes") or ())
             found.append((str(entry["process_group"][0]), int(entry["collective_seq_id"]),
                           str(entry.get("profiling_name", "")).rpartition(":")[2],
-                          ", ".join(f"{dtype}{list(size)}" for dtype, size in tensors)))
+                          ", ".join(f"{dtype}{list(size)}" for dtype, size in tensors),
+                          entry.get("state") == "completed"))
         except (AttributeError, IndexError, KeyError, TypeError, ValueError) as error:
             raise ValueError(f"{path} is not a flight-recorder dump: entry {number} is not a collective's "
                              f"({type(error).__name__}: {str(error)[:100]})") from None
     return found
 
 
-def _dump_fact(facts: RankFacts, dump: dict, collectives: list[tuple[str, int, str, str]]) -> None:
+def _dump_fact(facts: RankFacts, dump: dict, collectives: list[tuple[str, int, str, str, bool]]) -> None:
     if isinstance(dump.get(DUMP_SIGNALLED), int):
         facts.signalled_ns = dump[DUMP_SIGNALLED]
     if isinstance(dump.get(DUMP_REASONS), list):  # the pod sidecar's dump of a rank whose process was killed
         facts.lost = _lost(set(map(str, dump[DUMP_REASONS])))
-    for pg, seq, op, inputs in collectives:
+    for pg, seq, op, inputs, completed in collectives:
         group = facts.group(pg)
         group.issued = max(group.issued, seq)
         group.inputs[seq] = (op, inputs)
+        if facts.lost:  # its ring at its death: what it had completed, and so what it died in
+            group.finished = max(group.finished or 0, seq if completed else 0)

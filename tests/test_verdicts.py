@@ -18,7 +18,7 @@ import pytest
 
 from commlens.agent.detectors import findings
 from commlens.agent.facts import RankFacts
-from commlens.agent.readers import from_metrics_texts
+from commlens.agent.readers import from_files, from_metrics_texts
 from commlens.exporters import names
 from monitoring import PARALLEL_SCRIPT, Alertmanager, Prometheus, TrainingJob, Webhook, culprits, wait_for
 
@@ -169,6 +169,24 @@ def test_a_killed_rank_is_named_once_in_the_collective_it_had_in_flight(partner_
     assert len(lines) == 1 and lines[0].startswith(verdict), lines
 
 
+def test_a_killed_rank_is_named_from_its_files_in_the_collective_its_dump_has_in_flight(tmp_path):
+    """A CI run named rank 1, killed inside group 1's seq 31, in group 0's seq 3: rank 0 had completed seq 31
+    (rank 1 sent its part before it died) and failed next in group 0, the one wait the files held. The pod
+    sidecar's dump of a killed rank has the collective it died in, started and not completed."""
+    def entry(pg: str, seq: int, state: str) -> dict:
+        return {"process_group": (pg, "undefined"), "collective_seq_id": seq, "profiling_name": "gloo:all_reduce",
+                "input_sizes": [[32, 64]], "input_dtypes": ["Float"], "state": state, "is_p2p": False}
+
+    dumps = {0: ([entry("0", 3, "completed"), entry("1", 31, "completed"), entry("0", 4, "started")],
+                 ["exception", "signal", "exit"]),
+             1: ([entry("0", 3, "completed"), entry("1", 30, "completed"), entry("1", 31, "started")], ["exit"])}
+    for rank, (entries, reasons) in dumps.items():
+        (tmp_path / f"rank_{rank}").write_bytes(pickle.dumps({"version": "2.10", "entries": entries,
+                                                              "commlens_reasons": reasons}))
+    lines = [f.line() for f in findings(from_files(str(tmp_path), on_problem=lambda problem: None))]
+    assert len(lines) == 1 and lines[0].startswith("killed or crashed: rank 1 in all_reduce (group 1, seq 31)"), lines
+
+
 @pytest.mark.parametrize("still_running, verdict", [
     (False, "late or missing: rank 1 in all_reduce (group 0, seq 25)"),
     (True, "late or missing: ranks 1, 3 in all_reduce (group 0, seq 25)"),
@@ -292,8 +310,10 @@ def test_a_rank_killed_inside_its_pairs_all_reduce_is_named_alive_and_after_the_
                  or a["labels"]["alertname"] == "CommlensRankKilled"}
     assert named == {"1"}, webhook.alerts
     offline = _diagnose(str(training.out))
-    for report in (live, offline):
-        assert "killed or crashed: rank 1 in all_reduce (group 1, seq " in report and culprits(report) == {1}, report
+    # live, the op is known only where rank 0's failure in it was scraped before the teardown
+    assert re.search(r"killed or crashed: rank 1 in (all_reduce|a collective) \(group 1, seq ", live) \
+        and culprits(live) == {1}, live
+    assert "killed or crashed: rank 1 in all_reduce (group 1, seq " in offline and culprits(offline) == {1}, offline
 
 
 def test_a_rank_whose_input_size_differs_is_named_live_and_from_the_dumps_and_no_other_rank_is(tmp_path):
