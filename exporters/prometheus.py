@@ -201,9 +201,17 @@ def _gauge(name: str, documentation: str, labels: tuple[str, ...], values: Mappi
     return _counter(name, documentation, labels, values, rank, GaugeMetricFamily)
 
 
+SCRAPE_IDLE_S = 10.0
+"""A scrape's connection idle this long is dropped: how long ``server_close()`` may wait for one."""
+
+
 def serve(collector: MetricsCollector | PodCollector, addr: str, port: int):
-    """Serve ``collector`` on ``addr:port``; returns the server (``shutdown()`` stops it)."""
+    """Serve ``collector`` on ``addr:port``; returns the server (``shutdown()`` stops it, ``server_close()``
+    returns once every scrape under way has its whole response sent: the final scrape, which a rank's
+    ``wait_for_scrape`` counts once ``collect`` has run, is not cut off by the process' exit)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     server, _thread = start_http_server(port, addr=addr, registry=registry)
+    server.daemon_threads = False  # prometheus_client's are, and are then neither tracked nor joined
+    server.RequestHandlerClass = type("Handler", (server.RequestHandlerClass,), {"timeout": SCRAPE_IDLE_S})
     return server

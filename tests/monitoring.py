@@ -115,10 +115,12 @@ class TrainingJob:
     ``out``; the wall time of the fault in ``out/fault_time``."""
 
     def __init__(self, tmp_path, world: int, fault: str, rank: int = 1, step: int = 100, steps: int = 1000,
-                 hang_threshold_s: float = 3, extra=(), pod: bool = False, ring_dir=None, script: str = SCRIPT):
+                 hang_threshold_s: float = 3, extra=(), pod: bool = False, ring_dir=None, script: str = SCRIPT,
+                 start_now: bool = True):
         """``pod``: with ``commlens run --sidecar`` (one metrics target); ``ring_dir``: the ranks write
         their rings there for a ``PodSidecar`` the test runs (and serve no metrics themselves);
-        ``script``: another training script that takes the same options (``tests/parallel_train.py``)."""
+        ``script``: another training script that takes the same options (``tests/parallel_train.py``);
+        ``start_now``: False to ``start()`` it later (once a Prometheus scrapes its targets)."""
         self.world, self.base, self.out = world, free_ports(world), tmp_path / "job"
         self.store = f"127.0.0.1:{free_ports(1)}"
         """The job's store (torchrun's), as ``commlens dump`` takes it."""
@@ -134,11 +136,16 @@ class TrainingJob:
                    "--trace-file", str(self.out / "traces-{rank}.jsonl"), *options, "--",
                    torchrun, "--nproc-per-node", str(world), "--master-port", self.store.split(":")[1], script,
                    "--fault", fault, "--rank", str(rank), "--step", str(step), "--steps", str(steps), *extra]
-        self.process = subprocess.Popen(
-            command, env={**os.environ, "TORCHCOMM_FR_DUMP_TEMP_FILE": str(self.out / "rank_"),
-                          "FAULT_TIME_FILE": str(self.fault_time)},
-            stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        self._command, self.process = command, None
         self.targets = [f"127.0.0.1:{self.base + rank}" for rank in range(1 if pod else world)]
+        if start_now:
+            self.start()
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            self._command, env={**os.environ, "TORCHCOMM_FR_DUMP_TEMP_FILE": str(self.out / "rank_"),
+                                "FAULT_TIME_FILE": str(self.fault_time)},
+            stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def fault_at(self) -> float | None:
         """The wall time at which the fault happened, once it has."""
@@ -151,7 +158,8 @@ class TrainingJob:
         return self
 
     def __exit__(self, *exc) -> None:
-        end_session(self.process, 30)
+        if self.process is not None:
+            end_session(self.process, 30)
 
 
 class PodSidecar:

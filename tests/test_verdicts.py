@@ -30,9 +30,13 @@ CULPRIT_ALERTS = ("CommlensNaNOrigin", "CommlensRankLate", "CommlensCollectiveDe
 
 @contextlib.contextmanager
 def _stack(tmp_path, fault, world=WORLD, **job):
+    """The job started once Prometheus scrapes its targets, as a cluster's Prometheus runs before a job
+    does: a fault in the job's first second (a rank killed at step 30) has its endpoint scraped."""
     with Webhook() as webhook, Alertmanager(tmp_path, webhook.url) as alertmanager, \
-            TrainingJob(tmp_path, world, fault, rank=CULPRIT, **job) as training, \
+            TrainingJob(tmp_path, world, fault, rank=CULPRIT, start_now=False, **job) as training, \
             Prometheus(tmp_path, training, [RULES], alertmanager.address) as prometheus:
+        wait_for(lambda: len(prometheus.query("up")) == len(training.targets), "Prometheus' first scrapes")
+        training.start()
         yield webhook, training, prometheus
 
 
