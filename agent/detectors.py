@@ -142,10 +142,11 @@ def _hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[
         next(f for f in everyone if f.rank == rank), pg, bool(live), first_wait)) is not None}
     waits_in = tuple(sorted({group for group, _ in elsewhere.values()}))
     elsewhere = {rank: why for rank, (_, why) in elsewhere.items()}
+    elsewhere.update(_waiting_earlier(pg, members, late, seq))
     how = "failed in" if live and all(not f.groups[pg].hung for f in members if f.rank in ops) else \
         "waited past the hang threshold in"
     waits = f"ranks {waiting} {how} {majority} (group {pg}) seq {seq}"
-    if elsewhere and len(elsewhere) == len(late):  # held up by another group: its finding names the culprit
+    if elsewhere and len(elsewhere) == len(late) and waits_in:  # held up by another group: its finding names the culprit
         return found + [Finding("deadlock", tuple(sorted(elsewhere)), pg, majority, seq, "; ".join(
             [waits, *(f"rank {rank} {where}" for rank, where in sorted(elsewhere.items()))]), waits_in)]
     if late:
@@ -306,6 +307,22 @@ def _waiting_elsewhere(f: RankFacts, pg: str, live: bool, first_wait_ns: int | N
             if first_wait_ns is not None and (end is None or end > first_wait_ns):
                 return other, f"waited itself on rank {peer} in {op} (group {other})"
     return None
+
+
+def _waiting_earlier(pg: str, members: list[RankFacts], late: dict[int, str], seq: int) -> dict[int, str]:
+    """The ranks behind in ``seq`` of group ``pg`` that wait themselves in an earlier collective of the
+    same group, past the hang threshold, which a rank further behind has not issued: held up by it (a
+    broadcast that gloo relays through a missing rank), they are links of the chain, not its end."""
+    issued = {f.rank: f.groups[pg].issued if pg in f.groups else 0 for f in members}
+    held = {}
+    for f in members:
+        group = f.groups.get(pg)
+        if f.rank in late and group is not None and _still_hung(group) and group.hung[1] < seq:
+            op, earlier = group.hung
+            behind = sorted(rank for rank in late if rank != f.rank and issued[rank] < earlier)
+            if behind:
+                held[f.rank] = f"waits itself in {op} (group {pg}) seq {earlier}, which {_who(behind)} has not issued"
+    return held
 
 
 def _lost_unseen(facts: list[RankFacts], found: list[Finding]) -> list[Finding]:

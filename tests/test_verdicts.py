@@ -466,3 +466,18 @@ def test_a_healthy_run_fires_nothing_and_leaves_nothing_pending(tmp_path, pod):
         assert notes[0].endswith("(ranks 0, 1, 2, 3): its overflow"), report
     for dump in dumps:  # written while the job trained: its collectives, the all_reduces among them
         assert any(e["profiling_name"].endswith("all_reduce") for e in pickle.loads(dump.read_bytes())["entries"])
+
+
+def test_a_rank_still_waiting_in_the_groups_previous_collective_is_held_up_not_named():
+    """Live facts of a 4-rank DDP job whose rank 1 left its loop after seq 17: ranks 0 and 2 wait in seq
+    20, and rank 3 still waits in the broadcast of seq 19, which gloo relays through rank 1. Rank 3 is
+    behind in seq 20 only because it waits on rank 1 in seq 19: rank 1 alone is named."""
+    facts = [RankFacts(rank) for rank in range(4)]
+    states = ((20, 19, ("all_reduce", 20)), (17, 17, None), (20, 19, ("all_reduce", 20)), (19, 18, ("broadcast", 19)))
+    for f, (issued, finished, hung) in zip(facts, states):
+        f.group("0").issued, f.group("0").finished, f.group("0").hung = issued, finished, hung
+    facts[1].gone = True
+    found = findings(facts)
+    assert [(f.kind, f.ranks, f.seq) for f in found] == [("late_rank", (1,), 20)], found
+    assert "rank 3 is behind too, but waits itself in broadcast (group 0) seq 19, which rank 1 has not issued" \
+        in found[0].evidence
