@@ -490,7 +490,8 @@ def _network_slow(facts: list[RankFacts]) -> list[Finding]:
 
 
 def _in_collectives(f: RankFacts) -> float:
-    """The share of its time the rank spends in collectives now, all its groups together (live)."""
+    """The share of its time the rank spends in its ops, all its groups together (live: now; after the
+    fact: over the job)."""
     return sum(g.waited_s or 0.0 for g in f.groups.values())
 
 
@@ -508,11 +509,7 @@ def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> 
         if last is None:
             return []
         rank, wait, longest = last
-        # arriving last in this group because it waited in another is not straggling: a straggler
-        # waits less than the others in all its groups together, its own compute holds them up; and
-        # one that waits now past the hang threshold is a link of a chain that another finding names
-        waited = {f.rank: _in_collectives(f) for f in everyone if f.rank in groups}
-        if _waiting(f for f in everyone if f.rank == rank) or waited[rank] >= STRAGGLER_RATIO * max(waited.values()):
+        if not _computes_while_they_wait(rank, groups, everyone):
             return []
         # its cost: the others' time in the group's collectives beyond its own, which they spend
         # waiting for it, as a share of the job's time (every rank's, the window's length)
@@ -538,7 +535,8 @@ def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> 
     mean = {rank: _trimmed_mean(values) for rank, values in late.items()}
     rank, *others = sorted(mean, key=mean.get, reverse=True)
     runner_up = max((mean[r] for r in others), default=0.0)
-    if mean[rank] > STRAGGLER_MIN_S and mean[rank] > STRAGGLER_LEAD * runner_up:
+    if mean[rank] > STRAGGLER_MIN_S and mean[rank] > STRAGGLER_LEAD * runner_up \
+            and _computes_while_they_wait(rank, groups, everyone):
         # its cost over all the group's collectives, where spans were sampled (a budget a second): the
         # waits for it per collective seen, times the collectives issued
         issued = max(len(common), *(g.issued for g in groups.values()))
@@ -547,6 +545,16 @@ def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> 
                         f"first rank (the next latest rank: {runner_up * 1e3:.1f} ms), last in {last[rank]}; "
                         f"{_cost(caused[rank] / len(common) * issued, everyone)}")]
     return []
+
+
+def _computes_while_they_wait(rank: int, groups: dict[int, GroupFacts], everyone: list[RankFacts]) -> bool:
+    """Whether ``rank``, last to arrive in a group of ``groups``' members, straggles: arriving last in one
+    group because it waited in another is not straggling. A straggler spends under ``STRAGGLER_RATIO``
+    of the time in its ops, all its groups together, of the member that spends most (live over the
+    window, after the fact over the job: ``GroupFacts.waited_s``), its own compute holding them up; and
+    one that waits now past the hang threshold is a link of a chain that another finding names."""
+    waited = {f.rank: _in_collectives(f) for f in everyone if f.rank in groups}
+    return not _waiting(f for f in everyone if f.rank == rank) and waited[rank] < STRAGGLER_RATIO * max(waited.values())
 
 
 def _stalls(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:

@@ -258,10 +258,12 @@ def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = Non
     seen, world = set(), 0  # the ranks any span is of; the job's size, as the spans say it
     spans = list(spans_in(folder, on_problem))
     offsets = clock_offsets(_collective_ends(spans))  # each node's clock may differ: the job's clock
+    spent = _TimeInCollectives()
     for raw, attributes in spans:
         span = _on_the_jobs_clock(raw, offsets.get(_rank_of(attributes), 0))
         try:
             _span_fact(ranks, span, attributes, completed)
+            spent.add(span, attributes)
             if names.RANK in attributes:
                 seen.add(int(attributes[names.RANK]))
                 world = max(world, int(attributes.get(names.WORLD_SIZE, 0)))
@@ -270,6 +272,7 @@ def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = Non
             continue
         if each_span is not None:
             each_span(raw, attributes)
+    spent.settle(ranks)
     for f in ranks.values():  # a hang that the spans show resolved is no longer in flight
         for pg, group in f.groups.items():
             if group.hung is not None and (f.rank, pg, group.hung[1]) in completed:
@@ -329,6 +332,37 @@ def _collective_ends(spans: list[tuple[dict, dict]]) -> Iterator[tuple[int, str,
         if names.RANK in a and names.SEQ in a and not a.get(names.P2P) and not a.get(names.IN_FLIGHT):
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 yield int(a[names.RANK]), str(a[names.PG_NAME]), int(a[names.SEQ]), int(span["endTimeUnixNano"])
+
+
+class _TimeInCollectives:
+    """After the fact, each rank's ``waited_s`` per group, as live: the seconds per second it spent in
+    the group's ops (collectives and point-to-point), over its time from its first op to its last. Spans
+    are sampled: each kind's mean duration over the spans kept, times the ops of that kind it issued
+    (its last sequence number)."""
+
+    def __init__(self) -> None:
+        self.ops: dict[tuple[int, str, bool], list] = collections.defaultdict(lambda: [0.0, 0, 0])
+        """(rank, group, point-to-point) -> [seconds in the completed ops kept, their count, last seq]."""
+        self.times: dict[int, list[int]] = {}
+        """rank -> [its first op's start, its last op's end] (ns)."""
+
+    def add(self, span: dict, a: dict) -> None:
+        if names.RANK not in a or names.SEQ not in a or a.get(names.IN_FLIGHT):
+            return
+        rank, start, end = int(a[names.RANK]), int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"])
+        kept = self.ops[(rank, str(a[names.PG_NAME]), bool(a.get(names.P2P)))]
+        kept[0] += (end - start) / 1e9
+        kept[1] += 1
+        kept[2] = max(kept[2], int(a[names.SEQ]))
+        first, last = self.times.get(rank, (start, end))
+        self.times[rank] = [min(first, start), max(last, end)]
+
+    def settle(self, ranks: dict[int, RankFacts]) -> None:
+        for (rank, pg, _), (seconds, count, issued) in self.ops.items():
+            first, last = self.times[rank]
+            if last > first and rank in ranks:
+                group = ranks[rank].group(pg)
+                group.waited_s = (group.waited_s or 0.0) + seconds / count * issued / ((last - first) / 1e9)
 
 
 def _rank_of(attributes: dict) -> int | None:

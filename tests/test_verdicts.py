@@ -7,6 +7,7 @@ twice: with commlens exporting from every rank (one target per rank), and with t
 only the hot path beside one pod sidecar process (``commlens run --sidecar``: one target per pod)."""
 
 import contextlib
+import json
 import pathlib
 import pickle
 import re
@@ -481,3 +482,39 @@ def test_a_rank_still_waiting_in_the_groups_previous_collective_is_held_up_not_n
     assert [(f.kind, f.ranks, f.seq) for f in found] == [("late_rank", (1,), 20)], found
     assert "rank 3 is behind too, but waits itself in broadcast (group 0) seq 19, which rank 1 has not issued" \
         in found[0].evidence
+
+
+def _write_spans(path: pathlib.Path, spans: list[tuple[int, str, int, int, int]]) -> None:
+    """An OTLP JSON-lines trace file of all_reduce spans: (rank, group, seq, start ns, end ns) each."""
+    def attribute(key, value):
+        return {"key": key, "value": {"intValue": str(value)} if isinstance(value, int) else {"stringValue": value}}
+
+    lines = [{"resourceSpans": [{"scopeSpans": [{"spans": [
+        {"name": "all_reduce", "startTimeUnixNano": str(start), "endTimeUnixNano": str(end), "attributes": [
+            attribute(names.RANK, rank), attribute(names.WORLD_SIZE, 4), attribute(names.SEQ, seq),
+            attribute(names.OP, "all_reduce"), attribute(names.PG_NAME, pg)]}]}]}]}
+        for rank, pg, seq, start, end in spans]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_after_the_fact_a_straggler_is_named_by_its_own_compute_and_the_ranks_it_held_up_are_not(tmp_path):
+    """Spans of 4 ranks in tensor-parallel pairs (0, 1) and (2, 3) (groups 1, 2) and data-parallel pairs
+    (0, 2) and (1, 3) (groups 3, 4), 40 steps of 100 ms: rank 3 computes 60 ms longer than the others
+    before its pair's all_reduce, where rank 2 waits for it; rank 2 then comes 60 ms late to its
+    data-parallel all_reduce, where rank 0 waits for it. Rank 2 arrives last there because it waited
+    for rank 3: it spends 61 % of its time in collectives, rank 3 2 %. Rank 3 alone is named."""
+    ms, spans = 1_000_000, []
+    for step in range(40):
+        t0 = 10**18 + step * 100 * ms
+        tp_end = {0: t0 + 21 * ms, 1: t0 + 21 * ms, 2: t0 + 81 * ms, 3: t0 + 81 * ms}
+        arrive = {0: t0 + 20 * ms, 1: t0 + 20 * ms, 2: t0 + 20 * ms, 3: t0 + 80 * ms}
+        for rank in range(4):
+            spans.append((rank, str(1 + rank // 2), step + 1, arrive[rank], tp_end[rank]))
+        for pair, group in (((0, 2), "3"), ((1, 3), "4")):
+            starts = {rank: tp_end[rank] + 9 * ms for rank in pair}
+            for rank in pair:
+                spans.append((rank, group, step + 1, starts[rank], max(starts.values()) + ms))
+    for rank in range(4):
+        _write_spans(tmp_path / f"traces-{rank}.jsonl", [span for span in spans if span[0] == rank])
+    found = findings(from_files(str(tmp_path), on_problem=pytest.fail))
+    assert {(f.kind, f.ranks) for f in found} == {("straggler", (3,))}, [f.line() for f in found]
