@@ -38,6 +38,7 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
     graph: culprits are the ends of its chains, links are evidence, a round is a deadlock
     (docs/verdicts.md)."""
     facts = list(facts)
+    facts = [dataclasses.replace(f, lost=True) if f.vanished and _died(f, facts) else f for f in facts]
     found: list[Finding] = []
     links: list[Finding] = []
     for pg in sorted({pg for f in facts for pg in f.groups}):
@@ -123,13 +124,15 @@ def _hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[
     waiting = sorted(rank for rank, op in ops.items() if op == majority)
     if lost:
         others = [rank for rank in sorted(ops) if rank not in lost]
-        own = [f.groups[pg] for f in members if f.rank == lost[0] and pg in f.groups]
-        if own and 0 < own[0].issued <= seq:  # the collective it died in: its last (others may have finished it)
-            majority = own[0].hung[0] if own[0].hung and own[0].hung[1] == own[0].issued else majority
-            seq = own[0].issued
+        dead = next(f for f in members if f.rank == lost[0])
+        own = dead.groups.get(pg)
+        # the collective it died in: its last in its dump (others may have finished it); its spans end
+        # before it, and its peers fail or wait in it
+        if own is not None and 0 < own.issued <= seq and not dead.vanished:
+            majority = own.hung[0] if own.hung and own.hung[1] == own.issued else majority
+            seq = own.issued
         return [Finding("lost_rank", tuple(lost), pg, majority, seq,
-                        "its process ended without a signal or an exception (SIGKILL, the OOM killer, a crash)"
-                        + (f"; ranks {others} waited in or failed in seq {seq}" if others else ""))]
+                        f"{_death(dead)}" + (f"; ranks {others} waited in or failed in seq {seq}" if others else ""))]
     found = []
     wrong = sorted(rank for rank, op in ops.items() if op != majority)
     if wrong and count > len(wrong):
@@ -336,10 +339,25 @@ def _lost_unseen(facts: list[RankFacts], found: list[Finding]) -> list[Finding]:
             pg = min(in_flight, key=lambda group: (len(group), group))
             group = f.groups[pg]
             op = group.inputs.get(group.issued, ("a collective",))[0]
-            unseen.append(Finding("lost_rank", (f.rank,), pg, op, group.issued,
-                                  "its process ended without a signal or an exception (SIGKILL, the OOM killer, "
-                                  "a crash) inside it"))
+            unseen.append(Finding("lost_rank", (f.rank,), pg, op, group.issued, f"{_death(f)} inside it"))
     return unseen
+
+
+def _death(f: RankFacts) -> str:
+    """How a lost rank's process is known to have ended without a signal or an exception."""
+    if f.vanished:
+        return "its process left no dump and no note that it ended, where the others left theirs (SIGKILL, " \
+            "the OOM killer, a crash)"
+    return "its process ended without a signal or an exception (SIGKILL, the OOM killer, a crash)"
+
+
+def _died(f: RankFacts, facts: list[RankFacts]) -> bool:
+    """Whether a rank that ``vanished`` (after the fact) died: a rank sharing one of its groups failed
+    in it, or was still waiting in it or on it when the job ended. A rank that left no trace while the
+    others carried on unharmed is not known to have died."""
+    shared = [g for other in facts if other.rank != f.rank for pg, g in other.groups.items() if pg in f.groups]
+    return any(g.failed or any(end is None for _, end in g.hangs_seen.values())
+               or any(end is None and peer == f.rank for _, end, _, peer in g.p2p_waits_seen) for g in shared)
 
 
 def _in_flight(f: RankFacts) -> set[str]:

@@ -24,7 +24,7 @@ import urllib.request
 from typing import Callable, Iterable, Iterator
 
 from commlens.exporters import names
-from commlens.hooks.flight_recorder import DUMP_REASONS, DUMP_SIGNALLED
+from commlens.hooks.flight_recorder import DUMP_REASONS, DUMP_SIGNALLED, ENDED
 
 from .facts import RankFacts
 
@@ -284,6 +284,14 @@ def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = Non
             ranks.setdefault(int(note["rank"]), RankFacts(int(note["rank"]))).unobserved = str(note["error"])
         except (OSError, ValueError, KeyError, TypeError) as error:
             on_problem(f"{path}: not a note of a rank commlens did not start in ({error})")
+    ended = set()
+    for path in sorted(glob.glob(os.path.join(folder, ENDED.format(rank="*")))):
+        try:
+            with open(path) as f:
+                ended.add(int(json.load(f)["rank"]))
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            on_problem(f"{path}: not a note of a rank that ended ({error})")
+    dumped = set()
     for path in sorted(glob.glob(os.path.join(folder, "*"))):
         digits = len(path) - len(path.rstrip("0123456789"))
         if not digits or os.path.isdir(path):
@@ -294,7 +302,10 @@ def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = Non
         except (OSError, ValueError) as error:
             on_problem(str(error))
             continue
+        dumped.add(int(path[-digits:]))
         _dump_fact(ranks.setdefault(int(path[-digits:]), RankFacts(int(path[-digits:]))), dump, collectives)
+    for rank in seen - dumped - ended:  # where the others left theirs: it had no chance to write
+        ranks[rank].vanished = not ranks[rank].unobserved and bool((dumped | ended) - {rank})
     for f in ranks.values():  # the dump's signal time, on its rank's clock
         if f.signalled_ns is not None:
             f.signalled_ns -= offsets.get(f.rank, 0)

@@ -21,6 +21,7 @@ from typing import Any
 
 from commlens.hooks import (FlightRecorderHook, cuda, NanCheckHook, attribution, instrument, process_ring, record,
                             register_abort_hook, uninstrument, watch_loss_scaling)
+from commlens.hooks.flight_recorder import write_end_note
 from commlens.hooks.ring import ring_file
 
 from .config import Config, ConfigError
@@ -155,6 +156,10 @@ class Agent:
             self.metrics_pusher.shutdown(max(0.1, left()))
         self.flight_recorder.unregister()
         stop_serving(self.server)
+        try:  # a rank killed leaves none: the verdict tells it from one that ended (docs/verdicts.md)
+            write_end_note(self.config.rank)
+        except OSError as error:
+            print(f"commlens: no note that rank {self.config.rank} ended: {error}", file=sys.stderr)
 
     def _on_exception(self, kind: type, value: BaseException, traceback: Any) -> None:
         self.snapshot("exception")

@@ -15,9 +15,11 @@ directory of its dumps::
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import tempfile
+import time
 from typing import Any
 
 from . import process_ring
@@ -34,6 +36,11 @@ DUMP_REASONS = "commlens_reasons"
 from them, after the fact, a rank whose process ended with no signal or exception (``exit``: killed)."""
 
 VERSION = "2.10"
+ENDED = "ended-{rank}.json"
+"""A rank's note, beside its dumps, that its process ended cleanly (``write_end_note``): ``commlens
+diagnose`` tells from its absence, after the fact, a rank killed with no pod sidecar to see it (its
+process left no dump and no note)."""
+
 DUMP_PREFIX_ENV = "TORCHCOMM_FR_DUMP_TEMP_FILE"
 DEFAULT_DUMP_PREFIX = os.path.join("~", ".cache", "torchcomm_fr_trace_")
 _STACKED_OUTPUTS = {OpName.all_gather, OpName.gather}
@@ -202,6 +209,16 @@ def write_dump(dump: dict, rank: int, signalled_ns: int | None = None, reasons: 
         raise OSError(error.errno, f"cannot write the flight-recorder dump {path!r} "
                       f"(prefix from {DUMP_PREFIX_ENV}={prefix!r}): {error.strerror}; "
                       "the entries are still in the ring, so the dump can be retried") from error
+    return path
+
+
+def write_end_note(rank: int) -> str:
+    """Write ``ENDED`` for ``rank`` in the dumps' folder (``TORCHCOMM_FR_DUMP_TEMP_FILE``'s) and
+    return its path: the rank's process ends cleanly (``{"rank": 3, "ended_ns": ...}``)."""
+    prefix = os.path.expanduser(os.environ.get(DUMP_PREFIX_ENV) or DEFAULT_DUMP_PREFIX)
+    path = os.path.join(os.path.dirname(prefix) or ".", ENDED.format(rank=rank))
+    with open(path, "w") as f:
+        json.dump({"rank": rank, "ended_ns": time.time_ns()}, f)
     return path
 
 

@@ -484,17 +484,19 @@ def test_a_rank_still_waiting_in_the_groups_previous_collective_is_held_up_not_n
         in found[0].evidence
 
 
-def _write_spans(path: pathlib.Path, spans: list[tuple[int, str, int, int, int]]) -> None:
-    """An OTLP JSON-lines trace file of all_reduce spans: (rank, group, seq, start ns, end ns) each."""
+def _write_spans(path: pathlib.Path, spans: list[tuple[int, str, int, int, int]], **attributes) -> None:
+    """An OTLP JSON-lines trace file of all_reduce spans of a job of 4: (rank, group, seq, start ns, end
+    ns) each, with ``attributes`` (``names``' attribute names) on every span."""
     def attribute(key, value):
         return {"key": key, "value": {"intValue": str(value)} if isinstance(value, int) else {"stringValue": value}}
 
     lines = [{"resourceSpans": [{"scopeSpans": [{"spans": [
         {"name": "all_reduce", "startTimeUnixNano": str(start), "endTimeUnixNano": str(end), "attributes": [
-            attribute(names.RANK, rank), attribute(names.WORLD_SIZE, 4), attribute(names.SEQ, seq),
-            attribute(names.OP, "all_reduce"), attribute(names.PG_NAME, pg)]}]}]}]}
+            attribute(key, value) for key, value in {names.RANK: rank, names.WORLD_SIZE: 4, names.SEQ: seq,
+                                                     names.OP: "all_reduce", names.PG_NAME: pg, **attributes}.items()]}]}]}]}
         for rank, pg, seq, start, end in spans]
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with path.open("a") as f:
+        f.write("".join(json.dumps(line) + "\n" for line in lines))
 
 
 def test_after_the_fact_a_straggler_is_named_by_its_own_compute_and_the_ranks_it_held_up_are_not(tmp_path):
@@ -518,3 +520,29 @@ def test_after_the_fact_a_straggler_is_named_by_its_own_compute_and_the_ranks_it
         _write_spans(tmp_path / f"traces-{rank}.jsonl", [span for span in spans if span[0] == rank])
     found = findings(from_files(str(tmp_path), on_problem=pytest.fail))
     assert {(f.kind, f.ranks) for f in found} == {("straggler", (3,))}, [f.line() for f in found]
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["killed", "ended"])
+def test_a_rank_killed_without_a_pod_sidecar_is_named_from_the_dump_and_note_it_did_not_leave(tmp_path, ended):
+    """The files of a 4-rank job of tensor-parallel pairs (groups 1, 2) run with the in-process agent: rank
+    2 is killed inside its pair's all_reduce seq 31, whose span it never exported; rank 3's fails there,
+    and torchrun stops ranks 0, 1 and 3, whose dumps say they were signalled. Rank 2 left no dump and no
+    note that it ended: it is named killed in seq 31, where rank 3 failed; a job folder where it had
+    ended on its own (its note) names nobody killed."""
+    ms, t0 = 1_000_000, 10**18
+    for rank in range(4):
+        spans = [(rank, str(1 + rank // 2), seq, t0 + seq * 20 * ms, t0 + seq * 20 * ms + ms) for seq in range(1, 31)]
+        _write_spans(tmp_path / f"traces-{rank}.jsonl", spans)
+    _write_spans(tmp_path / "traces-3.jsonl", [(3, "2", 31, t0 + 620 * ms, t0 + 621 * ms)], **{names.STATUS: "error"})
+    for rank in (0, 1, 3):
+        (tmp_path / f"rank_{rank}").write_bytes(pickle.dumps({"version": "2.10", "entries": [], "commlens_reasons":
+                                                              ["signal"], "commlens_signalled_ns": t0 + 700 * ms}))
+    if ended:
+        (tmp_path / "ended-2.json").write_text(json.dumps({"rank": 2, "ended_ns": t0 + 610 * ms}))
+    lines = [f.line() for f in findings(from_files(str(tmp_path), on_problem=pytest.fail))]
+    if ended:
+        assert not any(line.startswith("killed or crashed") for line in lines), lines
+    else:
+        assert lines == ["killed or crashed: rank 2 in all_reduce (group 2, seq 31) — its process left no dump and "
+                         "no note that it ended, where the others left theirs (SIGKILL, the OOM killer, a crash); "
+                         "ranks [3] waited in or failed in seq 31"], lines
