@@ -26,6 +26,9 @@ class GroupFacts:
     """(op, seq) of its first collective that failed (gloo fails at once where a peer's process ended)."""
     nonfinite: tuple[int, str, str] | None = None
     """(seq, op, kind) of the first collective whose input held NaN ("nan") or Inf ("inf")."""
+    first_sends: dict[int, tuple[int, str]] = dataclasses.field(default_factory=dict)
+    """peer (global rank) -> (its number among the sends to that peer, kind) of the first send to it whose
+    input held NaN or Inf."""
     wait_s: float | None = None
     """Mean seconds per collective over the window (live)."""
     waited_s: float | None = None
@@ -70,6 +73,13 @@ class RankFacts:
     waits: list[tuple[int, int | None]] = dataclasses.field(default_factory=list)
     """(start ns, end ns or None while in flight) of every collective and point-to-point op it waited
     in long (slow) or past the hang threshold, in any group (offline)."""
+    entry: tuple[str, str, int, str, int] | None = None
+    """(group, op, seq, kind, peer or -1) of its first input of all that held NaN or Inf (outside steps a
+    loss scaler skipped)."""
+    issued_before: dict[str, int] = dataclasses.field(default_factory=dict)
+    """At its ``entry``: group -> the last collective it had issued in that group before it."""
+    received_before: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
+    """At its ``entry``: (group, peer) -> the recvs from that peer it had issued in that group before it."""
     loss_scale_skipped: int = 0
     """Steps its loss scaler skipped for Inf or NaN in the gradients (offline: those seen in its spans)."""
     unobserved: str = ""

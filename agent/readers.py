@@ -112,6 +112,14 @@ def _metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> Non
         group = facts.group(pg)
         if group.nonfinite is None or value < group.nonfinite[0]:
             group.nonfinite = (int(value), labels["op"], labels["kind"])
+    elif name == names.NONFINITE_FIRST_SEND:
+        facts.group(pg).first_sends[int(labels["peer"])] = (int(value), labels["kind"])
+    elif name == names.NONFINITE_ENTRY_SEQ:
+        facts.entry = (pg, labels["op"], int(value), labels["kind"], int(labels.get("peer") or -1))
+    elif name == names.NONFINITE_ISSUED_BEFORE and labels.get("peer"):
+        facts.received_before[(pg, int(labels["peer"]))] = int(value)
+    elif name == names.NONFINITE_ISSUED_BEFORE:
+        facts.issued_before[pg] = int(value)
     elif name == names.total(names.LOSS_SCALE_STEPS) and labels.get("outcome") == "skipped":
         facts.loss_scale_skipped = int(value)
 
@@ -188,7 +196,9 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
                        (names.LAST_SEQ, f"min_over_time(({enqueued} and on (job, pg) {hung})[1m:1s])"),
                        (names.HUNG_SEQ, f"max_over_time({hung}[1m])"),
                        (names.P2P_HUNG, f"{names.P2P_HUNG}{{{selector}}}"),
-                       (names.NONFINITE_FIRST_SEQ, f"{names.NONFINITE_FIRST_SEQ}{{{selector}}}"),
+                       *((name, f"{name}{{{selector}}}") for name in (
+                           names.NONFINITE_FIRST_SEQ, names.NONFINITE_FIRST_SEND, names.NONFINITE_ENTRY_SEQ,
+                           names.NONFINITE_ISSUED_BEFORE)),
                        (names.total(names.LOSS_SCALE_STEPS), f"{names.total(names.LOSS_SCALE_STEPS)}{{{selector}}}"),
                        (names.FAILED_SEQ, f"last_over_time({names.FAILED_SEQ}{{{selector}}}[5m])")):
         for facts, labels, value in each(expr):
@@ -267,7 +277,7 @@ def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = Non
             if names.RANK in attributes:
                 seen.add(int(attributes[names.RANK]))
                 world = max(world, int(attributes.get(names.WORLD_SIZE, 0)))
-        except (KeyError, TypeError, ValueError) as error:
+        except (AttributeError, KeyError, TypeError, ValueError) as error:
             on_problem(f"a span {span.get('name')!r} of {folder}: no valid {error} attribute")
             continue
         if each_span is not None:
@@ -440,9 +450,30 @@ def _p2p_span_fact(ranks: dict[int, RankFacts], span: dict, a: dict) -> None:
     group.p2p_waits_seen.append((start, end, op, peer))
 
 
+def _entry_fact(ranks: dict[int, RankFacts], a: dict) -> None:
+    """A span of an input that held NaN or Inf, outside steps a loss scaler skipped: the rank's first of
+    all (``names.NONFINITE_ENTRY``, with where it had come to in its groups), or the first send to its
+    peer (``names.SEND_NUMBER``)."""
+    kind = "nan" if a.get(names.NAN) else "inf"
+    facts = ranks.setdefault(int(a[names.RANK]), RankFacts(int(a[names.RANK])))
+    pg = str(a[names.PG_NAME])
+    if names.SEND_NUMBER in a:
+        number = int(a[names.SEND_NUMBER])
+        if number < facts.group(pg).first_sends.get(int(a[names.PEER]), (number + 1,))[0]:
+            facts.group(pg).first_sends[int(a[names.PEER])] = (number, kind)
+    if names.NONFINITE_ENTRY in a:
+        where = json.loads(a[names.NONFINITE_ENTRY])
+        facts.entry = (pg, a[names.OP], int(a[names.SEQ]), kind, int(a.get(names.PEER, -1)) if a.get(names.P2P) else -1)
+        facts.issued_before = {str(group): int(seq) for group, seq in where["issued"].items()}
+        facts.received_before = {(str(group), int(peer)): int(n) for group, peers in where["received"].items()
+                                 for peer, n in peers.items()}
+
+
 def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[tuple[int, str, int]]) -> None:
     if names.RANK not in a:
         return
+    if (a.get(names.NAN) or a.get(names.INF)) and not a.get(names.LOSS_SCALE_SKIPPED):
+        _entry_fact(ranks, a)
     if a.get(names.P2P):
         _p2p_span_fact(ranks, span, a)
         return

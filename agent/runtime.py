@@ -150,12 +150,12 @@ class Agent:
         self.job_dumps.stop()
         if self.pipeline is None:  # a pod sidecar reads this rank's ring
             process_ring.ring().close()
-            return
-        self.pipeline.stop(left())
-        if self.metrics_pusher is not None:
-            self.metrics_pusher.shutdown(max(0.1, left()))
-        self.flight_recorder.unregister()
-        stop_serving(self.server)
+        else:
+            self.pipeline.stop(left())
+            if self.metrics_pusher is not None:
+                self.metrics_pusher.shutdown(max(0.1, left()))
+            self.flight_recorder.unregister()
+            stop_serving(self.server)
         try:  # a rank killed leaves none: the verdict tells it from one that ended (docs/verdicts.md)
             write_end_note(self.config.rank)
         except OSError as error:

@@ -14,11 +14,12 @@ Example::
 from __future__ import annotations
 
 import collections
+import json
 import threading
 import time
 from typing import Callable, NamedTuple, Sequence
 
-from commlens.exporters.telemetry import HAND_OVER_S, Collective, GroupInFlight
+from commlens.exporters.telemetry import HAND_OVER_S, Collective, GroupInFlight, NonfiniteEntry
 from commlens.hooks.ops import OPS
 from commlens.hooks.record import decode_group, decode_signature
 from commlens.hooks.ring import (END, FLAG_ASYNC, FLAG_LAST_BUCKET, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN,
@@ -81,6 +82,18 @@ def _kinds(flags: int) -> tuple[str, ...]:
     return tuple(kind for bit, kind in ((NAN_HAS_NAN, "nan"), (NAN_HAS_INF, "inf")) if flags & bit)
 
 
+_UNMARKED = (0, "")
+"""A span's (send number, entry) where its collective is neither (``Collective``)."""
+
+
+def _entry_json(entry: NonfiniteEntry) -> str:
+    """``entry``'s groups as its span carries them (``names.NONFINITE_ENTRY``)."""
+    received: dict[str, dict[str, int]] = {}
+    for (pg, peer), n in sorted(entry.received.items()):
+        received.setdefault(pg, {})[str(peer)] = n
+    return json.dumps({"issued": dict(sorted(entry.issued.items())), "received": received}, separators=(",", ":"))
+
+
 def _keep_all(pg: str, seqs: Sequence[int], is_p2p: bool) -> list[int]:
     """The default sampler: every collective of ``seqs`` is kept (by index)."""
     return list(range(len(seqs)))
@@ -117,6 +130,14 @@ class Sidecar:
         self._nan_spans: collections.Counter[str] = collections.Counter()
         """Group -> spans of non-finite collectives kept so far (``NAN_SPANS_KEPT``)."""
         self._typical: dict[tuple, tuple[float, int]] = {}
+        self._p2p_issued: collections.Counter[tuple[str, int, str]] = collections.Counter()
+        """(group, peer's global rank, "send" or "recv") -> point-to-point ops issued."""
+        self._inputs: dict[int, tuple[NonfiniteEntry, int]] = {}
+        """op_id -> its input's ``NonfiniteEntry`` and a send's number, for the collectives of a read that
+        holds a loss scaler's records whose inputs held NaN or Inf (``_nonfinite_inputs``), until their
+        START is handled."""
+        self._marks: dict[int, tuple[int, str]] = {}
+        """op_id -> (send number, entry as JSON) for the span of such a collective (``Collective``)."""
         self._groups: dict[int, tuple[str, int]] = {}
         self._members: dict[int, list[int]] = {}
         """A group's string id -> its global ranks, by group rank."""
@@ -217,6 +238,8 @@ class Sidecar:
             time.sleep(self._hand_over_s)
 
     def _handle(self, records: list[Record], folded: list[Folded], snapshots: list[str]) -> None:
+        if self._nan or any(group.nan for group in folded) or any(record.kind == NAN for record in records):
+            self._nonfinite_inputs(records, folded)
         started, ended = self._started, self._ended
         for record in records:
             kind = record[1]
@@ -234,6 +257,62 @@ class Sidecar:
                 self._loss_scale(LOSS_SCALE_EVENTS[record.flags])
         for group in folded:
             self._folded(group)
+
+    def _nonfinite_inputs(self, records: list[Record], folded: list[Folded]) -> None:
+        """The collectives of this read whose inputs held NaN or Inf, each with where the rank had come
+        to in its groups before it, counted (``_input_held``) in the order the rank issued them (op ids:
+        a read hands its folded collectives over after the rest): while the rank's entry is not known,
+        or for a send to a peer whose first such send is not. A read that holds a loss scaler's records
+        folds none of them: they are counted as their STARTs are handled, in the scaler's step or not."""
+        stats, flags = self.stats, dict(self._nan)
+        flags.update((r.op_id, r.flags) for r in records if r.kind == NAN and not r.flags & NAN_OUTPUT)
+        if stats.nonfinite_entry is not None and not any(
+                key not in stats.first_send for key in self._nonfinite_sends(records, folded, flags)):
+            return
+        starts = [(r.op_id, r, flags.get(r.op_id, 0)) for r in records if r.kind == START]
+        starts += [(start.op_id, start, group.nan | flags.get(start.op_id, 0)) for group in folded
+                   for start in (group.records(k)[0] for k in range(len(group.seqs())))]
+        # a NAN record after its START, read before (a GPU's check): where the rank had come to when this
+        # read began, which may count collectives issued after it
+        starts += [(r.op_id, self.inflight[r.op_id], r.flags) for r in records
+                   if r.kind == NAN and not r.flags & NAN_OUTPUT and r.op_id in self.inflight]
+        issued = {pg: seq for (pg, state), seq in stats.last_seq.items() if state == "enqueued"}
+        done = dict(self._p2p_issued)
+        now = not any(r.kind == LOSS_SCALE for r in records)
+        for op_id, start, nan in sorted(starts, key=lambda item: item[0]):
+            shape = self._shape(start)
+            peer = self._global_rank(start.pg, start.peer) if shape.is_p2p else -1
+            if nan:
+                number = done.get((shape.pg, peer, "send"), 0) + 1 if shape.op == "send" else 0
+                self._inputs[op_id] = (NonfiniteEntry(
+                    shape.pg, shape.op, start.seq, _kinds(nan)[0], peer, dict(issued),
+                    {(pg, other): n for (pg, other, op), n in done.items() if op == "recv"}), number)
+                if now or op_id in self.inflight:
+                    self._input_held(op_id)
+            if op_id in self.inflight:  # issued before this read: counted already
+                continue
+            if shape.is_p2p:
+                done[(shape.pg, peer, shape.op)] = done.get((shape.pg, peer, shape.op), 0) + 1
+            elif start.seq > issued.get(shape.pg, -1):
+                issued[shape.pg] = start.seq
+
+    def _nonfinite_sends(self, records: list[Record], folded: list[Folded], flags: dict[int, int]):
+        """(group, peer, kind) of each send of this read whose input held NaN or Inf (``flags``: op id ->
+        its NAN record's)."""
+        for record in records:
+            if record.kind == START and flags.get(record.op_id) and OPS[record.op].value == "send":
+                yield self._shape(record).pg, self._global_rank(record.pg, record.peer), _kinds(flags[record.op_id])[0]
+        for group in folded:
+            if group.nan and OPS[group.op].value == "send":
+                yield self._shape(group).pg, self._global_rank(group.pg, group.records(0)[0].peer), _kinds(group.nan)[0]
+
+    def _input_held(self, op_id: int) -> None:
+        """The collective ``op_id`` (``_inputs``) was issued: its non-finite input counted, in the loss
+        scaler's step if one is in progress, and what its span carries of it."""
+        entry, number = self._inputs.pop(op_id)
+        first = self.stats.nonfinite_input(entry, number, self._scaled_step is not None)
+        if first or number:
+            self._marks[op_id] = (number, _entry_json(entry) if first else "")
 
     def _read(self) -> tuple[list[Record], list[Folded], int]:
         """The next records, with the collectives that started and ended ok among them folded (on a GPU
@@ -275,6 +354,10 @@ class Sidecar:
         shape = self._shapes.get((record.op, record.pg, record.nbytes, record.sig)) or self._shape(record)
         if not shape.is_p2p:
             self.stats.enqueued(shape, record.seq)
+        else:
+            self._p2p_issued[(shape.pg, self._global_rank(record.pg, record.peer), shape.op)] += 1
+        if self._inputs and record.op_id in self._inputs:
+            self._input_held(record.op_id)
 
     def _forget(self, op_id: int) -> None:
         self._nan.pop(op_id, None)
@@ -321,6 +404,8 @@ class Sidecar:
         shape = self._shapes.get((group.op, group.pg, group.nbytes, group.sig)) or self._shape(group)
         seqs, seconds = group.seqs(), group.seconds()
         self.stats.completed_ok(shape, seqs, seconds)
+        if shape.is_p2p:  # one peer's (the fold keys on it)
+            self._p2p_issued[(shape.pg, self._global_rank(group.pg, group.records(0)[0].peer), shape.op)] += len(seqs)
         first_nan = range(0)  # of the group's collectives, those whose spans are kept for their NaN or Inf
         if group.nan:
             self.stats.nonfinite(shape, min(seqs), _kinds(group.nan), True, self._scaled_step is not None, len(seqs))
@@ -422,7 +507,7 @@ class Sidecar:
             self.ring.string(start.module) if start.module else "",
             PHASES[start.phase] if start.phase < len(PHASES) else "", bool(nan & NAN_HAS_INF),
             -1 if gpu_start is None else gpu_start + offset, self._global_rank(start.pg, start.peer) if shape.is_p2p else -1,
-            0))
+            0, *(self._marks.pop(start.op_id, _UNMARKED) if self._marks else _UNMARKED)))
 
     def _group(self, sid: int) -> tuple[str, int]:
         found = self._groups.get(sid)

@@ -11,7 +11,7 @@ import collections
 import threading
 from typing import Sequence
 
-from commlens.exporters.telemetry import StatsSnapshot
+from commlens.exporters.telemetry import NonfiniteEntry, StatsSnapshot
 
 DURATION_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
                     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -95,6 +95,11 @@ class Stats:
         self.loss_scale_steps: collections.Counter[str] = collections.Counter()
         self._step_first_nonfinite: dict[tuple[str, str], tuple[int, str]] = {}
         """``first_nonfinite`` of the loss scaler's step in progress, until it says whether it skips it."""
+        self.first_send: dict[tuple[str, int, str], int] = {}
+        self.nonfinite_entry: NonfiniteEntry | None = None
+        self._step_first_send: dict[tuple[str, int, str], int] = {}
+        self._step_entry: NonfiniteEntry | None = None
+        """``first_send`` and ``nonfinite_entry`` of the loss scaler's step in progress."""
 
     def snapshot(self) -> StatsSnapshot:
         """A copy of every counter, taken under ``lock``: what a scrape exports."""
@@ -103,7 +108,8 @@ class Stats:
                 {key: (list(h.counts), list(h.exemplars), h.total) for key, h in self.durations.items()},
                 dict(self.completed), dict(self.bytes), dict(self.bus_bytes), dict(self.last_seq), dict(self.hangs),
                 dict(self.nans), dict(self.snapshots), dict(self.first_nonfinite), dict(self.failed),
-                dict(self.gpu_queue), dict(self.gpu_exec), dict(self.loss_scale_steps))
+                dict(self.gpu_queue), dict(self.gpu_exec), dict(self.loss_scale_steps), dict(self.first_send),
+                self.nonfinite_entry)
 
     def enqueued(self, shape, seq: int) -> None:
         """A collective of ``shape`` (the sidecar's ``Shape``) was issued."""
@@ -122,6 +128,21 @@ class Stats:
             if is_input and not shape.is_p2p and seq < first.get(key, (seq + 1,))[0]:
                 first[key] = (seq, shape.op)
 
+    def nonfinite_input(self, entry: NonfiniteEntry, send_number: int, scaled_step: bool = False) -> bool:
+        """An input held NaN or Inf (``entry``: the op, where the rank had come to in its groups), in the
+        order the rank issued them; ``send_number``: a send's number among those to its peer (0: not a
+        send). The first of all is the rank's entry; a send's is kept per peer. ``scaled_step``: as
+        ``nonfinite``'s. Returns whether it is the entry (in a loss scaler's step: if it applies it)."""
+        first = self.nonfinite_entry is None and (not scaled_step or self._step_entry is None)
+        if first and scaled_step:
+            self._step_entry = entry
+        elif first:
+            self.nonfinite_entry = entry
+        sends = self._step_first_send if scaled_step else self.first_send
+        if send_number and (key := (entry.pg, entry.peer, entry.kind)) not in sends:
+            sends[key] = send_number
+        return first
+
     def loss_scale_step(self, outcome: str | None) -> None:
         """A loss scaler ended its step (``outcome`` "applied" or "skipped"; None: it never will, the
         process ends): non-finite inputs seen in it entered the job unless it skipped the step, when
@@ -132,7 +153,11 @@ class Stats:
             for key, (seq, op) in self._step_first_nonfinite.items():
                 if seq < self.first_nonfinite.get(key, (seq + 1,))[0]:
                     self.first_nonfinite[key] = (seq, op)
+            self.first_send = {**self._step_first_send, **self.first_send}
+            self.nonfinite_entry = self.nonfinite_entry or self._step_entry
         self._step_first_nonfinite.clear()
+        self._step_first_send.clear()
+        self._step_entry = None
 
     def on_gpu(self, shape, queue_s: float, exec_s: float) -> None:
         """A collective of ``shape`` waited ``queue_s`` from issue to its start on the GPU, then ran ``exec_s``."""

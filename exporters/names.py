@@ -30,6 +30,9 @@ FAILED_SEQ = "commlens_collective_failed_seq"
 HANGS = "commlens_hangs"
 NAN_EVENTS = "commlens_nan_events"
 NONFINITE_FIRST_SEQ = "commlens_nonfinite_first_seq"
+NONFINITE_FIRST_SEND = "commlens_nonfinite_first_send"
+NONFINITE_ENTRY_SEQ = "commlens_nonfinite_entry_seq"
+NONFINITE_ISSUED_BEFORE = "commlens_nonfinite_issued_before_seq"
 LOSS_SCALE_STEPS = "commlens_loss_scale_steps"
 ABORT_SNAPSHOTS = "commlens_abort_snapshots"
 RING_RECORDS_DROPPED = "commlens_ring_records_dropped"
@@ -41,7 +44,8 @@ RANK_UP = "commlens_rank_up"
 HISTOGRAMS = (COLLECTIVE_DURATION,)
 COUNTERS = (COLLECTIVES, COLLECTIVE_BYTES, COLLECTIVE_BUS_BYTES, GPU_QUEUE, GPU_EXEC, HANGS, NAN_EVENTS,
             LOSS_SCALE_STEPS, ABORT_SNAPSHOTS, RING_RECORDS_DROPPED, SPANS_EXPORTED, TELEMETRY_ERRORS)
-GAUGES = (LAST_SEQ, INFLIGHT, INFLIGHT_OLDEST, HUNG_SEQ, P2P_HUNG, FAILED_SEQ, NONFINITE_FIRST_SEQ, INFO, RANK_UP)
+GAUGES = (LAST_SEQ, INFLIGHT, INFLIGHT_OLDEST, HUNG_SEQ, P2P_HUNG, FAILED_SEQ, NONFINITE_FIRST_SEQ, NONFINITE_FIRST_SEND,
+          NONFINITE_ENTRY_SEQ, NONFINITE_ISSUED_BEFORE, INFO, RANK_UP)
 
 
 def total(counter: str) -> str:
@@ -66,6 +70,13 @@ NAN, INF, HANG, SLOW = "commlens.nan", "commlens.inf", "commlens.hang", "commlen
 MODULE, PHASE = "commlens.module", "commlens.phase"
 PEER = "commlens.peer"
 """A point-to-point op's peer, as a global rank."""
+SEND_NUMBER = "commlens.p2p.send_number"
+"""On the first send to its peer whose input held NaN or Inf: its number among the rank's sends to that
+peer in the group (1: the first); the recvs the peer had issued before its own entry tell whether the
+values reached it."""
+NONFINITE_ENTRY = "commlens.nonfinite.entry"
+"""On the rank's first input of all that held NaN or Inf: where it had come to in its groups then, JSON
+``{"issued": {group: last collective seq}, "received": {group: {peer: recvs from it}}}``."""
 LOSS_SCALE_SKIPPED = "commlens.loss_scale.skipped_step"
 """On a collective with a non-finite tensor in a step the loss scaler skipped: that step's number among
 the skipped steps of its rank (1, 2, ...). Its values were the scaler's overflow, not a fault."""

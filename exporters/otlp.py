@@ -88,7 +88,9 @@ class SpanBuilder:
         """Add ``c``'s span to ``spans``, a request's repeated ``Span`` field (built in place: no copy)."""
         error = _error(c)
         span = spans.add(trace_id=trace_id(self.job, c.pg, c.seq, c.is_p2p), span_id=_span_id(),
-                         start_time_unix_nano=c.start_ns, end_time_unix_nano=c.end_ns, attributes=attributes(_own(c)),
+                         start_time_unix_nano=c.start_ns, end_time_unix_nano=c.end_ns,
+                         attributes=attributes({**_own(c), **({names.NONFINITE_ENTRY: c.nonfinite_entry}
+                                                              if c.nonfinite_entry else {})}),
                          status=None if error is None else {"code": Status.STATUS_CODE_ERROR, "message": error})
         span.MergeFromString(self._kind(c)[0])  # name, kind and the kind's attributes, after the span's own
 
@@ -99,7 +101,7 @@ class SpanBuilder:
         status = "" if error is None else f',"status":{{"message":{json.dumps(error)},"code":{Status.STATUS_CODE_ERROR}}}'
         return (f'{{"traceId":"{trace_id(self.job, c.pg, c.seq, c.is_p2p).hex()}","spanId":"{_span_id().hex()}",'
                 f'"startTimeUnixNano":"{c.start_ns}","endTimeUnixNano":"{c.end_ns}",'
-                f'"attributes":[{_numbers_json(_own(c))},{self._kind(c)[1]}{status}}}')
+                f'"attributes":[{_numbers_json(_own(c))},{_entry_json(c)}{self._kind(c)[1]}{status}}}')
 
     def _kind(self, c: Collective) -> tuple[bytes, str]:
         """The kind of ``c``'s span, encoded: (a ``Span`` holding its name, kind and the kind's
@@ -139,7 +141,16 @@ def _own(c: Collective) -> dict[str, Any]:
         own[names.AGE_S] = (c.end_ns - c.start_ns) / 1e9
     if c.loss_scale_skipped:
         own[names.LOSS_SCALE_SKIPPED] = c.loss_scale_skipped
+    if c.send_number:
+        own[names.SEND_NUMBER] = c.send_number
     return own
+
+
+def _entry_json(c: Collective) -> str:
+    """The OTLP JSON of ``c``'s ``NONFINITE_ENTRY`` attribute and a comma, or "" without one."""
+    if not c.nonfinite_entry:
+        return ""
+    return f'{{"key":"{names.NONFINITE_ENTRY}","value":{{"stringValue":{json.dumps(c.nonfinite_entry)}}}}},'
 
 
 def _numbers_json(mapping: dict[str, int | float]) -> str:

@@ -144,6 +144,20 @@ class MetricsCollector(_Scrapes):
                      "on this rank (outside steps a loss scaler skipped); the lowest across ranks is where the values "
                      "entered", ("pg", "op", "kind"),
                      {(pg, op, kind): seq for (pg, kind), (seq, op) in s.first_nonfinite.items()}, rank)
+        yield _gauge(names.NONFINITE_FIRST_SEND, "Of this rank's sends to a peer (global rank) in a group, the number "
+                     "of the first whose input held NaN or Inf (1: its first send to that peer)", ("pg", "peer", "kind"),
+                     {(pg, str(peer), kind): n for (pg, peer, kind), n in s.first_send.items()}, rank)
+        entry = s.nonfinite_entry
+        yield _gauge(names.NONFINITE_ENTRY_SEQ, "This rank's first input of all that held NaN or Inf (outside steps a "
+                     "loss scaler skipped): its op's sequence number in its group; a send's peer as peer",
+                     ("pg", "op", "kind", "peer"),
+                     {} if entry is None else {(entry.pg, entry.op, entry.kind, "" if entry.peer < 0 else str(entry.peer)):
+                                               entry.seq}, rank)
+        yield _gauge(names.NONFINITE_ISSUED_BEFORE, "At this rank's first input that held NaN or Inf: the last "
+                     "collective it had issued in each group before it, and (peer) the recvs from each peer",
+                     ("pg", "peer"), {} if entry is None else {
+                         **{(pg, ""): seq for pg, seq in entry.issued.items()},
+                         **{(pg, str(peer)): n for (pg, peer), n in entry.received.items()}}, rank)
         if s.loss_scale_steps:  # a job with a loss scaler: both outcomes, from 0
             yield _counter(names.LOSS_SCALE_STEPS, "Steps a loss scaler (torch.amp.GradScaler) applied, or skipped "
                            "for Inf or NaN in the gradients (their non-finite values were its overflow)", ("outcome",),

@@ -57,6 +57,32 @@ class Collective(NamedTuple):
     loss_scale_skipped: int = 0
     """For a collective with a non-finite tensor in a step that the loss scaler then skipped: that
     step's number among the steps it skipped on this rank (1, 2, ...); 0 otherwise."""
+    send_number: int = 0
+    """For the first send to its peer whose input held NaN or Inf: its number among this rank's sends
+    to that peer in the group (1: the first); 0 otherwise."""
+    nonfinite_entry: str = ""
+    """For the rank's first input of all that held NaN or Inf: where it had come to in its groups then,
+    as JSON (``{"issued": {group: seq}, "received": {group: {peer: recvs}}}``, ``NonfiniteEntry``)."""
+
+
+class NonfiniteEntry(NamedTuple):
+    """A rank's first input of all that held NaN or Inf (outside steps a loss scaler skipped), and how
+    far it had come in its groups then: what could have brought the values to it. A value it had
+    received — the output of a collective whose input held one on another rank, or a recv from a peer
+    whose send held one — makes the entry propagation; none, and the values entered on this rank."""
+
+    pg: str
+    op: str
+    seq: int
+    """Its sequence number in its group (a point-to-point op's: c10d's number of it among the group's)."""
+    kind: str
+    """"nan" or "inf" (NaN where it held both)."""
+    peer: int
+    """A send's peer (global rank); -1 for a collective."""
+    issued: dict[str, int]
+    """group -> the last collective it had issued in that group before."""
+    received: dict[tuple[str, int], int]
+    """(group, peer's global rank) -> the recvs from that peer it had issued in that group before."""
 
 
 class GroupInFlight(NamedTuple):
@@ -96,6 +122,10 @@ class StatsSnapshot(NamedTuple):
     """(op, pg) -> seconds collectives on CUDA tensors waited for the GPU (``gpu_queue``) / ran on it."""
     loss_scale_steps: dict[str, int]
     """outcome ("applied" or "skipped") -> steps a loss scaler ended so."""
+    first_send: dict[tuple[str, int, str], int]
+    """(pg, peer's global rank, kind) -> the number, among the sends to that peer in that group (1: the
+    first), of the first whose input held NaN or Inf."""
+    nonfinite_entry: NonfiniteEntry | None
 
 
 class RankTelemetry(Protocol):

@@ -14,7 +14,7 @@
  * ``end`` record with status ok (flags 0) follows in ``data``, with no other record of its op_id there
  * but at most one ``gpu_start`` between them and one ``nan`` record of its input before it (its
  * ``flags`` without ``nan_output``; none where ``data`` holds a ``barrier`` record, which must be read
- * in order with them, or ``nan`` is -1), is folded away into one group per (op, pg, nbytes, sig, timed
+ * in order with them, or ``nan`` is -1), is folded away into one group per (op, pg, nbytes, sig, peer, timed
  * on a GPU or not, the nan record's flags), in order of first appearance: (op, pg, nbytes, sig, seqs,
  * seconds, records, gpu, nan) where
  * seqs are uint64, seconds float64 (end - start), records the collectives' own (START, END, or START,
@@ -165,13 +165,13 @@ static PyObject *fold_run(PyObject *module, PyObject *args) {
         if (n_at >= 0)
             folded_away[n_at] = 1;
         uint64_t key = ((uint64_t)r->op << 56) ^ ((uint64_t)r->pg << 32) ^ r->sig ^ (r->nbytes * 0xC2B2AE3D27D4EB4Full) ^
-                       ((uint64_t)gpu << 63) ^ ((uint64_t)nan << 40);
+                       ((uint64_t)gpu << 63) ^ ((uint64_t)nan << 40) ^ ((uint64_t)(uint32_t)r->peer << 16);
         Py_ssize_t *g = table_slot(&shapes, key);
         while (*g) { /* a key shared by two shapes: probe on past the other */
             const group_t *other = &group[*g - 1];
             const record_t *f = other->first;
-            if (f->op == r->op && f->pg == r->pg && f->nbytes == r->nbytes && f->sig == r->sig && other->gpu == gpu &&
-                other->nan == nan)
+            if (f->op == r->op && f->pg == r->pg && f->nbytes == r->nbytes && f->sig == r->sig && f->peer == r->peer &&
+                other->gpu == gpu && other->nan == nan)
                 break;
             g = table_slot(&shapes, ++key);
         }

@@ -358,7 +358,7 @@ class Wakeup:
 
 
 class Folded(NamedTuple):
-    """Collectives of one (op, pg, nbytes, sig) that started and ended ok within one read, folded by
+    """Collectives of one (op, pg, nbytes, sig, peer) that started and ended ok within one read, folded by
     ``RingReader.read_folded``: their seqs (uint64) and durations in seconds (float64), in order,
     their own records (``records(k)``) and, for collectives timed on a GPU (START, GPU_START, END),
     their time queued and executing there (``gpu_seconds()``)."""
@@ -415,7 +415,7 @@ class RingReader:
     def read_folded(self, limit: int = 1 << 20) -> tuple[list[Record], list[Folded]]:
         """``read()``, with each START whose END (status ok) comes in the same read, and no other
         record of its op but its GPU_START and its input's NAN before it, folded into one ``Folded``
-        per (op, pg, nbytes, sig, on a GPU or not, NAN flags): a reader's common case, counted a group
+        per (op, pg, nbytes, sig, peer, on a GPU or not, NAN flags): a reader's common case, counted a group
         at a time. ``limit`` bounds the records read. A reader handles the records left before the
         groups: collectives with NAN records are folded only where that order is theirs too, a read
         holding no LOSS_SCALE (whose step they may belong to)."""

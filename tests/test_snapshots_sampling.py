@@ -173,3 +173,47 @@ def test_a_slow_outlier_is_judged_against_its_own_op_and_size_at_the_default_det
     sidecar.drain()
     # the large all_gathers are as fast as such all_gathers go; the small all_reduce 20x its usual time is slow
     assert slow == [("all_reduce", len(timeline))]
+
+
+@pytest.mark.parametrize("order", ["nan-first", "start-first"])
+def test_a_ranks_first_non_finite_input_carries_what_it_had_issued_before_it_even_where_a_read_folds_those(order):
+    """Rank 3's ring, drained at once (its collectives folded, handed over after the rest): 30 all_reduces
+    of its pair (group 1), 4 recvs from rank 5 and 2 sends to it (group 6), then an all_reduce whose input
+    held NaN (its entry), then a send to rank 5 whose input held it (its 3rd to rank 5), then another
+    all_reduce with NaN, still in flight (its START handed over before the folded ones). The entry says
+    what had been issued before it; the send its number; both on their spans. A NAN record before or
+    after its START alike."""
+    from commlens.hooks.ops import CODE, OpName
+
+    ring, seen = Ring(slots=4096), []
+    sidecar = Sidecar(ring, rank=3, hang_threshold_s=60, on_collective=seen.append)
+    pair = ring.intern(record.encode_group("1", "tp", [2, 3], 1, "gloo"))
+    stage = ring.intern(record.encode_group("6", "pp", [3, 5], 0, "gloo"))
+    op_ids = iter(range(1, 1000))
+
+    def issue(op, group, seq, peer=-1, nan=False, ends=True):
+        op_id, code = next(op_ids), CODE[op]
+        if nan and order == "nan-first":
+            record.nan(ring.write, code, group, op_id, seq, 0, peer, 0, NAN_HAS_NAN, 1)
+        record.start(ring.write, code, group, op_id, seq, 64, 0, peer, t_ns=op_id * 1_000_000)
+        if nan and order == "start-first":
+            record.nan(ring.write, code, group, op_id, seq, 0, peer, 0, NAN_HAS_NAN, 1)
+        if ends:
+            record.end(ring.write, code, group, op_id, seq, 64, 0, peer, t_ns=op_id * 1_000_000 + 100_000)
+
+    for seq in range(1, 31):
+        issue(OpName.all_reduce, pair, seq)
+    for seq in range(1, 5):
+        issue(OpName.recv, stage, seq, peer=1)
+    for seq in range(5, 7):
+        issue(OpName.send, stage, seq, peer=1)
+    issue(OpName.all_reduce, pair, 31, nan=True)
+    issue(OpName.send, stage, 7, peer=1, nan=True)
+    issue(OpName.all_reduce, pair, 32, nan=True, ends=False)  # in flight: handed over before the folded ones
+    sidecar.drain()
+    entry = sidecar.stats.nonfinite_entry
+    assert (entry.pg, entry.op, entry.seq, entry.kind, entry.peer) == ("1", "all_reduce", 31, "nan", -1)
+    assert entry.issued == {"1": 30} and entry.received == {("6", 5): 4}
+    assert sidecar.stats.first_send == {("6", 5, "nan"): 3}
+    marked = {(c.op, c.seq): (c.send_number, c.nonfinite_entry) for c in seen if c.send_number or c.nonfinite_entry}
+    assert marked == {("all_reduce", 31): (0, '{"issued":{"1":30},"received":{"6":{"5":4}}}'), ("send", 7): (3, "")}

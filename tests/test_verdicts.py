@@ -546,3 +546,35 @@ def test_a_rank_killed_without_a_pod_sidecar_is_named_from_the_dump_and_note_it_
         assert lines == ["killed or crashed: rank 2 in all_reduce (group 2, seq 31) — its process left no dump and "
                          "no note that it ended, where the others left theirs (SIGKILL, the OOM killer, a crash); "
                          "ranks [3] waited in or failed in seq 31"], lines
+
+
+def test_a_nan_sent_over_the_pipeline_is_named_where_it_entered_and_not_where_it_reached():
+    """Metrics of an 8-rank job (pairs, pipeline groups 6 and 7, data-parallel groups): rank 5 sends NaN
+    to rank 3 (its 4th send to it, group 6); rank 3, which had issued 4 recvs from rank 5, gives it to
+    its pair's all_reduce (group 2, seq 31), whose output reaches rank 2 (its entry at seq 32 of group
+    2), which sends it on to rank 0 (group 6), whose entry is then its data-parallel all_reduce. Each
+    of them saw NaN first in a group of its own: judged by group, four origins. Rank 5 alone is named,
+    with the way the values went."""
+    texts = {
+        5: ['commlens_nonfinite_first_send{pg="6",peer="3",kind="nan",rank="5"} 4',
+            'commlens_nonfinite_entry_seq{pg="6",op="send",kind="nan",peer="3",rank="5"} 7',
+            'commlens_nonfinite_issued_before_seq{pg="3",peer="",rank="5"} 30'],
+        3: ['commlens_nonfinite_first_seq{pg="2",op="all_reduce",kind="nan",rank="3"} 31',
+            'commlens_nonfinite_entry_seq{pg="2",op="all_reduce",kind="nan",peer="",rank="3"} 31',
+            'commlens_nonfinite_issued_before_seq{pg="2",peer="",rank="3"} 30',
+            'commlens_nonfinite_issued_before_seq{pg="6",peer="5",rank="3"} 4'],
+        2: ['commlens_nonfinite_first_seq{pg="2",op="all_reduce",kind="nan",rank="2"} 32',
+            'commlens_nonfinite_first_send{pg="6",peer="0",kind="nan",rank="2"} 9',
+            'commlens_nonfinite_entry_seq{pg="2",op="all_reduce",kind="nan",peer="",rank="2"} 32',
+            'commlens_nonfinite_issued_before_seq{pg="2",peer="",rank="2"} 31'],
+        0: ['commlens_nonfinite_first_seq{pg="3",op="all_reduce",kind="nan",rank="0"} 40',
+            'commlens_nonfinite_entry_seq{pg="3",op="all_reduce",kind="nan",peer="",rank="0"} 40',
+            'commlens_nonfinite_issued_before_seq{pg="3",peer="",rank="0"} 39',
+            'commlens_nonfinite_issued_before_seq{pg="6",peer="2",rank="0"} 9'],
+    }
+    scrape = ["\n".join(lines) + "\n" for lines in texts.values()]
+    found = findings(from_metrics_texts(scrape, scrape, 5.0))
+    assert [f.line() for f in found] == [
+        "NaN/Inf entered on rank 5 in send (group 6, seq 7) — its input to rank 3 held NaN before any non-finite "
+        "value reached it; it reached rank 0 (a recv from rank 2 in group 6), rank 2 (the output of group 2's seq "
+        "31, whose input held it on rank 3), rank 3 (a recv from rank 5 in group 6)"]
