@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     assets = commands.add_parser("assets", help="write the Grafana dashboards, Prometheus rules and Kubernetes "
                                  "manifests that ship with commlens into a new or empty folder")
     assets.add_argument("folder", help="where to write them (dashboards/, deploy/)")
+    assets.add_argument("--scrape-interval", metavar="DURATION", help="the rules and the PodMonitor for "
+                        "Prometheus scraping this often (1s to 60s, e.g. 30s; default: the rules for 5 s or less, "
+                        "the manifests for their PodMonitor's 15s)")
     commands.add_parser("diagnose", add_help=False, help="name the rank, collective and cause of what went wrong "
                         "(live from metrics or Prometheus, or from trace files and dumps)")
     commands.add_parser("timeline", add_help=False, help="a cross-rank timeline of a job's collectives, for "
@@ -140,11 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         import pathlib
 
         from .assets import write_assets
+        from .rules import parse_interval
 
         try:
-            written = write_assets(pathlib.Path(args.folder))
-        except ConfigError as error:
-            assets.error(str(error))
+            interval = None if args.scrape_interval is None else parse_interval(args.scrape_interval)
+            written = write_assets(pathlib.Path(args.folder), interval)
+        except (ConfigError, ValueError) as error:
+            assets.error(f"--scrape-interval {error}" if isinstance(error, ValueError) else str(error))
         print(f"commlens assets: wrote {len(written)} files into {args.folder}: dashboards/ for Grafana, "
               "deploy/prometheus-rules.yaml for Prometheus, deploy/kubernetes/ for kubectl apply -k")
         return 0

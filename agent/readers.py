@@ -16,6 +16,7 @@ import glob
 import json
 import os
 import pickle
+import re
 import statistics
 import sys
 import time
@@ -166,9 +167,12 @@ def from_endpoints(urls: list[str], window_s: float = 5.0, timeout_s: float = 5.
 # -- sources: Prometheus ----------------------------------------------------------------------------
 
 
-def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> dict[str, list[RankFacts]]:
-    """Facts for each job Prometheus knows (or only ``job``), from instant queries of its HTTP API."""
+def from_prometheus(url: str, job: str | None = None) -> dict[str, list[RankFacts]]:
+    """Facts for each job Prometheus knows (or only ``job``), from instant queries of its HTTP API; their
+    windows hold 4 of its scrapes or more (``scrape_interval_s``)."""
     selector = f'job="{job}"' if job else ""
+    interval = scrape_interval_s(url, job)
+    window, lookback = f"{max(15, 4 * interval)}s", f"{max(60, 4 * interval)}s"
 
     def query(expr: str) -> list[dict]:
         address = url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})
@@ -193,8 +197,8 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
     # minute: what each rank had issued (a late rank may have caught up since), and the hang itself
     for name, expr in ((names.LAST_SEQ, f"last_over_time({enqueued}[15m])"),
                        (names.LAST_SEQ, f"last_over_time({completed}[15m])"),
-                       (names.LAST_SEQ, f"min_over_time(({enqueued} and on (job, pg) {hung})[1m:1s])"),
-                       (names.HUNG_SEQ, f"max_over_time({hung}[1m])"),
+                       (names.LAST_SEQ, f"min_over_time(({enqueued} and on (job, pg) {hung})[{lookback}:1s])"),
+                       (names.HUNG_SEQ, f"max_over_time({hung}[{lookback}])"),
                        (names.P2P_HUNG, f"{names.P2P_HUNG}{{{selector}}}"),
                        *((name, f"{name}{{{selector}}}") for name in (
                            names.NONFINITE_FIRST_SEQ, names.NONFINITE_FIRST_SEND, names.NONFINITE_ENTRY_SEQ,
@@ -232,6 +236,21 @@ def from_prometheus(url: str, job: str | None = None, window: str = "15s") -> di
         for rank, facts in ranks.items():
             _settle(facts, (name, rank) not in live or (name, rank) in down, endings[(name, rank)])
     return {name: [ranks[r] for r in sorted(ranks)] for name, ranks in jobs.items()}
+
+
+def scrape_interval_s(url: str, job: str | None = None) -> int:
+    """The longest scrape interval of Prometheus' active targets (of ``job``), in seconds: 1 where its
+    targets API does not say (a query front-end without one)."""
+    address = url.rstrip("/") + "/api/v1/targets?state=active"
+    try:
+        with urllib.request.urlopen(address, timeout=10) as response:
+            targets = json.load(response)["data"]["activeTargets"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return 1
+    seconds = [sum(int(n) * {"h": 3600, "m": 60, "s": 1}[unit] for n, unit in re.findall(r"(\d+)([hms])(?!s)",
+                                                                                       target.get("scrapeInterval", "")))
+               for target in targets if not job or target.get("labels", {}).get("job") == job]
+    return max(seconds, default=1) or 1
 
 
 # -- sources: trace files and dumps -----------------------------------------------------------------

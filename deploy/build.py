@@ -1,6 +1,7 @@
 """Builds the Kubernetes objects that carry files kept elsewhere in the repository:
 
-* ``kubernetes/prometheusrule.yaml``: the PrometheusRule holding ``prometheus-rules.yaml``'s groups;
+* ``kubernetes/prometheusrule.yaml``: the PrometheusRule holding ``prometheus-rules.yaml``'s groups at
+  the scrape interval of ``kubernetes/podmonitor.yaml`` (15 s; ``commlens.agent.rules``);
 * ``kubernetes/grafana-dashboards.yaml``: a ConfigMap holding ``dashboards/*.json`` for Grafana's
   dashboard sidecar.
 
@@ -14,15 +15,22 @@ import sys
 
 import yaml
 
+from commlens.agent.rules import parse_interval, prometheus_rule
+
 HERE = pathlib.Path(__file__).resolve().parent
 DASHBOARDS = HERE.parent / "dashboards"
 LABELS = {"app.kubernetes.io/part-of": "commlens"}
 
 
-def prometheus_rule() -> dict:
-    rules = yaml.safe_load((HERE / "prometheus-rules.yaml").read_text())
-    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
-            "metadata": {"name": "commlens", "labels": LABELS}, "spec": {"groups": rules["groups"]}}
+def scrape_interval_s() -> int:
+    """The scrape interval of the shipped PodMonitor, in seconds."""
+    monitor = yaml.safe_load((HERE / "kubernetes" / "podmonitor.yaml").read_text())
+    return parse_interval(monitor["spec"]["podMetricsEndpoints"][0]["interval"])
+
+
+def prometheus_rule_text() -> str:
+    """``prometheus-rules.yaml``'s groups at the PodMonitor's scrape interval (``commlens.agent.rules``)."""
+    return prometheus_rule((HERE / "prometheus-rules.yaml").read_text(), scrape_interval_s())
 
 
 def dashboards_config_map() -> dict:
@@ -43,13 +51,17 @@ def render(document: dict, source: str) -> str:
     return header + yaml.dump(document, Dumper=dumper, sort_keys=False, width=120)
 
 
-OUTPUTS = {"prometheusrule.yaml": (prometheus_rule, "deploy/prometheus-rules.yaml"),
-           "grafana-dashboards.yaml": (dashboards_config_map, "dashboards/*.json")}
+def dashboards_text() -> str:
+    return render(dashboards_config_map(), "dashboards/*.json")
+
+
+OUTPUTS = {"prometheusrule.yaml": prometheus_rule_text, "grafana-dashboards.yaml": dashboards_text}
+"""Each built file's name in ``kubernetes/``, and what builds its text."""
 
 
 def main() -> int:
-    for name, (build, source) in OUTPUTS.items():
-        (HERE / "kubernetes" / name).write_text(render(build(), source))
+    for name, build in OUTPUTS.items():
+        (HERE / "kubernetes" / name).write_text(build())
     return 0
 
 

@@ -218,15 +218,16 @@ class _Server:
 
 
 class Prometheus(_Server):
-    """Debian's Prometheus scraping ``job``'s targets (a ``Demo`` or a ``TrainingJob``) every second
-    as job "commlens" (exemplars kept), evaluating ``rule_files`` every second and sending alerts to
+    """Debian's Prometheus scraping ``job``'s targets (a ``Demo`` or a ``TrainingJob``) every second (or
+    ``scrape_interval``) as job "commlens" (exemplars kept), evaluating ``rule_files`` as often, sending alerts to
     ``alertmanager`` (host:port) if given. On the way out it stops ``job`` first, as a cluster's
     Prometheus outlives a job: the ranks' last scrape on the way down comes within a second, instead
     of their waiting the whole snapshot timeout for a Prometheus already gone."""
 
-    def __init__(self, tmp_path, job: Demo | TrainingJob, rule_files=(), alertmanager: str | None = None):
+    def __init__(self, tmp_path, job: Demo | TrainingJob, rule_files=(), alertmanager: str | None = None,
+                 scrape_interval: str = "1s"):
         self.port, self.job = free_ports(1), job
-        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        config = {"global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
                   "rule_files": [str(path) for path in rule_files],
                   "scrape_configs": [{"job_name": "commlens", "static_configs": [{"targets": job.targets}]}]}
         if alertmanager:

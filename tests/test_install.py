@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from monitoring import promtool
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FROM_THE_WHEEL = pytest.mark.xdist_group("installed-wheel")
 
@@ -85,10 +87,11 @@ def site(tmp_path_factory) -> pathlib.Path:
 @FROM_THE_WHEEL
 def test_the_installed_package_writes_out_its_dashboards_rules_and_manifests(tmp_path, site):
     """``commlens assets``, run from the installed wheel alone, writes out every dashboard, rule file and
-    manifest of the repository as it is, and refuses a folder that is not empty."""
+    manifest of the repository as it is, and refuses a folder that is not empty; with ``--scrape-interval
+    30s``, rules that promtool accepts and a PodMonitor that scrapes every 30 s."""
 
-    def assets(folder):  # -S: no site-packages, so not the checkout's editable install either
-        return subprocess.run([sys.executable, "-S", "-m", "commlens.agent.cli", "assets", str(folder)],
+    def assets(folder, *options):  # -S: no site-packages, so not the checkout's editable install either
+        return subprocess.run([sys.executable, "-S", "-m", "commlens.agent.cli", "assets", *options, str(folder)],
                               capture_output=True, text=True, timeout=60, cwd=tmp_path,
                               env={**os.environ, "PYTHONPATH": str(site)})
 
@@ -101,6 +104,14 @@ def test_the_installed_package_writes_out_its_dashboards_rules_and_manifests(tmp
     assert f"wrote {len(shipped)} files" in done.stdout, done.stdout
     again = assets(tmp_path / "assets")
     assert again.returncode == 2 and "is not accepted: give a new or empty folder" in again.stderr, again.stderr
+    done = assets(tmp_path / "at-30s", "--scrape-interval", "30s")
+    assert done.returncode == 0, done.stderr
+    deploy = tmp_path / "at-30s" / "deploy"
+    assert "interval: 30s" in (deploy / "kubernetes" / "podmonitor.yaml").read_text()
+    for rules in (deploy / "prometheus-rules.yaml", deploy / "kubernetes" / "prometheusrule.yaml"):
+        assert "[20s]" not in rules.read_text() and "[2m]" in rules.read_text()
+    checked = promtool("check", "rules", str(deploy / "prometheus-rules.yaml"))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
 @FROM_THE_WHEEL
