@@ -342,6 +342,8 @@ class CellResult:
     """Every alert that fired during the cell: name, labels, seconds after the fault (or the job's start)."""
     live: str
     offline: str
+    live_at_end: str
+    """``diagnose --prometheus`` as the job ended, where it ended before the expected alert fired."""
     job_rc: int | None
     ended_by: str
     """"itself", or "harness" where the cell ended the job."""
@@ -385,14 +387,17 @@ def _ranks_said(report: str) -> set[str]:
     return {str(rank) for rank in culprits(report)} | set(re.findall(r"(?:unreachable|slow node): node (\S+)", report))
 
 
-def run_cell(tmp_path: pathlib.Path, cell: Cell, alert_timeout_s: float = 90, after_end_s: float = 30) -> CellResult:
+def run_cell(tmp_path: pathlib.Path, cell: Cell, alert_timeout_s: float = 90, after_end_s: float = 30,
+             after_s: float = 5) -> CellResult:
     """One cell: Prometheus with the shipped rules, then the job; the expected alert awaited (up to
     ``alert_timeout_s``, or ``after_end_s`` past the job's end); ``diagnose --prometheus`` at once; the
-    job let end (ended past its time); every alert that fired; ``diagnose`` on the job's folder."""
+    job let end (ended past its time); every alert that fired until then, and at least ``after_s`` past
+    the expected one; ``diagnose`` on the job's folder."""
     started = time.monotonic()
     layout, fault = LAYOUTS[cell.layout], cell.fault
     trains_on = TRAINS_ON_S.get(fault)
-    steps = FAULT_STEP + int(trains_on / layout.step_s) if trains_on else 100_000
+    slowed_s = 0.06 if fault.startswith("slow") else 0  # the slow rank's --slow-ms: every step waits for it
+    steps = FAULT_STEP + int(trains_on / (layout.step_s + slowed_s)) if trains_on else 100_000
     if fault == "none":
         steps = int(trains_on / layout.step_s)
     extra = ["--layout", cell.layout, "--precision", cell.precision, "--step-ms", str(layout.step_ms),
@@ -426,13 +431,17 @@ def run_cell(tmp_path: pathlib.Path, cell: Cell, alert_timeout_s: float = 90, af
 
         waiting_for = fired if expected else live_point
         deadline = time.monotonic() + alert_timeout_s + (40 if fault == "none" else 0)
+        at_end = ""  # where the job ends first: diagnose --prometheus then too, as evidence
         while time.monotonic() < deadline and not (ended() and time.monotonic() > ended_at + after_end_s):
             try:
                 if waiting_for():
                     break
             except OSError:
                 pass
+            if ended() and not at_end:
+                at_end = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
             time.sleep(0.25)  # the polling period
+        watched_until = time.monotonic() + after_s  # any other alert firing meanwhile is a false one
         live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
         ended_by = "itself"
         try:
@@ -440,20 +449,22 @@ def run_cell(tmp_path: pathlib.Path, cell: Cell, alert_timeout_s: float = 90, af
         except subprocess.TimeoutExpired:
             ended_by = "harness"
             end_session(job.process, 30)
-        seconds = int(time.time() - job_started) + 2
-        alerts = prometheus.query(f'min_over_time(timestamp(ALERTS{{alertstate="firing"}})[{seconds}s:1s])')
+        while time.monotonic() < watched_until:
+            time.sleep(0.25)  # not synchronisation: the alerts are watched this long
+        # the raw samples of every alert that fired (a subquery's steps would miss one of the last second)
+        alerts = prometheus.query(f'ALERTS{{alertstate="firing"}}[{int(time.time() - job_started) + 2}s]')
         job_rc = job.process.returncode
     offline = _diagnose(str(job.out))
     zero = job.fault_at() or job_started
     by_alerts = {_named(a["metric"]) for a in alerts if a["metric"]["alertname"] in NAMING_ALERTS} - {""}
-    mine = [float(a["value"][1]) for a in alerts
-            if a["metric"]["alertname"] in expected and a["metric"].get("rank") == culprit]
+    first = {id(a): min(float(t) for t, _ in a["values"]) for a in alerts}
+    mine = [first[id(a)] for a in alerts if a["metric"]["alertname"] in expected and a["metric"].get("rank") == culprit]
     said = []
-    for a in sorted(alerts, key=lambda a: float(a["value"][1])):
+    for a in sorted(alerts, key=lambda a: first[id(a)]):
         labels = {k: v for k, v in a["metric"].items() if k in ("rank", "node", "pg", "op", "peer", "waiter")}
-        said.append(f"{a['metric']['alertname']}{labels} at {float(a['value'][1]) - zero:+.1f} s")
+        said.append(f"{a['metric']['alertname']}{labels} at {first[id(a)] - zero:+.1f} s")
     return CellResult(cell, time.monotonic() - started, min(mine) - zero if mine and job.fault_at() else None,
-                      by_alerts, _ranks_said(live), _ranks_said(offline), said, live, offline, job_rc, ended_by)
+                      by_alerts, _ranks_said(live), _ranks_said(offline), said, live, offline, at_end, job_rc, ended_by)
 
 
 def _pr(result: CellResult, source: str) -> str:
@@ -481,7 +492,7 @@ def matrix_main(argv: list[str]) -> None:
     cells = [Cell.parse(text, args.seed) for text in args.cells.split(",")] if args.cells else [
         Cell.make(layout, fault, mode, args.precision, seed=args.seed) for layout in args.layouts.split(",")
         for fault in args.faults.split(",") for mode in args.modes.split(",")]
-    header = (f"{'cell':<28}{'P/R alerts':>11}{'P/R live':>10}{'P/R offline':>12}{'fire s':>8}{'wall s':>8}  ok    "
+    header = (f"{'cell':<34}{'P/R alerts':>11}{'P/R live':>10}{'P/R offline':>12}{'fire s':>8}{'wall s':>8}  ok    "
               f"named by alerts; by live diagnose; by offline diagnose   (culprit's position)")
     print(header, flush=True)
     results = []
@@ -495,7 +506,7 @@ def matrix_main(argv: list[str]) -> None:
                 result = run_cell(pathlib.Path(tmp), cell)
         results.append(result)
         where = positions(cell.layout, cell.ranks).get(cell.culprit, "") if cell.culprit is not None else ""
-        print(f"{str(cell):<28}{_pr(result, 'alerts'):>11}{_pr(result, 'live'):>10}{_pr(result, 'offline'):>12}"
+        print(f"{str(cell):<34}{_pr(result, 'alerts'):>11}{_pr(result, 'live'):>10}{_pr(result, 'offline'):>12}"
               f"{'-' if result.fired_s is None else f'{result.fired_s:.1f}':>8}{result.wall_s:>8.0f}  "
               f"{'ok  ' if result.ok else 'FAIL'}  {_set(result.by_alerts)}; {_set(result.by_live)}; "
               f"{_set(result.by_offline)}" + (f"   ({where})" if where else ""), flush=True)
@@ -505,6 +516,8 @@ def matrix_main(argv: list[str]) -> None:
                   f"{'/'.join(EXPECTED[result.cell.fault]) or 'no alert'}; job exit {result.job_rc}, "
                   f"ended by {result.ended_by})\nalerts fired: {'; '.join(result.alerts) or 'none'}\n"
                   f"-- diagnose --prometheus (live):\n{result.live.rstrip()}\n"
+                  + (f"-- diagnose --prometheus as the job ended, before any expected alert:\n"
+                     f"{result.live_at_end.rstrip()}\n" if result.live_at_end else "") +
                   f"-- diagnose <folder> (after the job):\n{result.offline.rstrip()}", flush=True)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps([{
