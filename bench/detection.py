@@ -269,16 +269,20 @@ def positions(layout: str, world: int) -> dict[int, str]:
         ranks = {at(0, 0, 0), at(0, stages - 1, tp - 1), at(replicas - 1, 0, tp - 1), at(replicas - 1, stages - 1, 0)}
     else:
         ranks = {at(s % replicas, s, 0) for s in range(stages)}
-    where = {}
-    for rank in sorted(ranks):
-        parts = [f"replica {rank // per_replica}"]
-        if stages > 1:
-            stage = rank % per_replica // tp
-            parts.insert(0, "first stage" if stage == 0 else "last stage" if stage == stages - 1 else f"stage {stage}")
-        if tp > 1:
-            parts.insert(len(parts) - 1, f"TP {rank % tp}")
-        where[rank] = ", ".join(parts)
-    return where
+    return {rank: where(layout, rank) for rank in sorted(ranks)}
+
+
+def where(layout: str, rank: int) -> str:
+    """Where ``rank`` is in ``layout``: its stage, TP index and replica."""
+    tp, stages, per_replica = SHAPES[layout]
+    per_replica = per_replica or 1
+    parts = [f"replica {rank // per_replica}"]
+    if tp > 1:
+        parts.insert(0, f"TP {rank % tp}")
+    if stages > 1:
+        stage = rank % per_replica // tp
+        parts.insert(0, "first stage" if stage == 0 else "last stage" if stage == stages - 1 else f"stage {stage}")
+    return ", ".join(parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,11 +509,11 @@ def matrix_main(argv: list[str]) -> None:
             with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
                 result = run_cell(pathlib.Path(tmp), cell)
         results.append(result)
-        where = positions(cell.layout, cell.ranks).get(cell.culprit, "") if cell.culprit is not None else ""
+        place = "" if cell.culprit is None else where(cell.layout, cell.culprit)
         print(f"{str(cell):<34}{_pr(result, 'alerts'):>11}{_pr(result, 'live'):>10}{_pr(result, 'offline'):>12}"
               f"{'-' if result.fired_s is None else f'{result.fired_s:.1f}':>8}{result.wall_s:>8.0f}  "
               f"{'ok  ' if result.ok else 'FAIL'}  {_set(result.by_alerts)}; {_set(result.by_live)}; "
-              f"{_set(result.by_offline)}" + (f"   ({where})" if where else ""), flush=True)
+              f"{_set(result.by_offline)}" + (f"   ({place})" if place else ""), flush=True)
     for result in results:
         if not result.ok:
             print(f"\n== {result.cell} (culprit {result.cell.culprit}; expected "

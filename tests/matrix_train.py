@@ -66,12 +66,13 @@ FAULTS = ("none", "nan", "inf", "late", "stall", "leave", "kill", "size", "desyn
 
 
 class Fault:
-    """The fault of this rank, if it is the culprit; each ``hit`` notes its time once."""
+    """This rank's fault ("none" unless it is the culprit); the first time it strikes is noted."""
 
     def __init__(self, args, rank: int):
         self.name = args.fault if rank == args.rank else "none"
-        self.step, self.args, self.struck = args.step, args, False
+        self.step, self.struck = args.step, False
         self.sleep_before_next = 0.0
+        """Seconds a late or stalled rank sleeps before its next collective."""
 
     def now(self, name: str, step: int, every_step: bool = False) -> bool:
         """Whether fault ``name`` strikes at ``step`` (at ``--step``; from it on if ``every_step``)."""
@@ -234,7 +235,7 @@ def main() -> None:
                 if poison is not None and tp_group is None:  # ddp: into its own gradient, before DDP's all_reduce
                     value, poison = poison, None
                     hook = shard.linear.weight.register_hook(lambda grad: poisoned(grad, value))
-                if fault.now("kill", step):  # in DDP's place: its gradients to the world, then death
+                if fault.now("kill", step):  # in DDP's place: as many elements as its gradients, then death
                     comm.all_reduce(torch.cat([p.detach().reshape(-1) for p in shard.parameters()]),
                                     dp_group, async_op=True)
                     os.kill(os.getpid(), signal.SIGKILL)
