@@ -188,6 +188,7 @@ def main() -> None:
     if "--matrix" in sys.argv[1:]:
         return matrix_main([arg for arg in sys.argv[1:] if arg != "--matrix"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--matrix", action="store_true", help="the verdict matrix instead (see --matrix --help)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--after-s", type=float, default=10.0,
