@@ -22,6 +22,22 @@ late or missing rank, a size mismatch and an unreachable node ≤ hang threshold
 straggler ≤ 10 s; a slow node and a slow link ≤ 30 s; a kill ≤ 5 s; precision and recall 1.00.
 
     python bench/detection.py [--runs 3] [--faults nan,inf,late,leave,slow,desync,tp-late,late-send,kill,size,node-kill,node-cut,node-throttle,node-limit]
+
+``--matrix``: the verdict matrix instead, on ``tests/matrix_train.py`` (an ordinary training script in
+four layouts: ``ddp``, ``tp-dp``, ``tp-pp-dp``, ``pp4``), one job per cell, a cell being layout x fault
+x exporter (``per-rank``: ``commlens run --in-process``; ``pod``: ``commlens run --sidecar``) x the
+culprit's position (first or last pipeline stage, either TP member, either replica, rank 0; drawn with
+``--seed`` unless the cell names it). Each cell scores three readers: the alerts that name a rank
+(precision: culprit named / ranks named; recall: culprit named), ``commlens diagnose --prometheus``
+live once the fault's alert fires, and ``commlens diagnose`` on the job's folder after the job; and the
+seconds from the fault to its alert firing. ``run_cell(tmp_path, cell)`` does one (``tests`` may call
+it).
+
+    python bench/detection.py --matrix [--layouts ddp,tp-dp,tp-pp-dp,pp4] [--faults nan,kill,...]
+        [--modes per-rank,pod] [--seed 0] [--precision fp32] [--json results.json]
+    python bench/detection.py --matrix --cells tp-pp-dp:nan:pod:6,ddp:leave:per-rank:2:w4,tp-pp-dp:none:pod:0:bf16
+
+A cell is ``layout:fault:mode[:culprit][:precision][:wWORLD]``; a culprit of ``*`` or none is drawn.
 """
 
 from __future__ import annotations
@@ -29,8 +45,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
 import pathlib
+import random
 import re
 import statistics
 import subprocess
@@ -40,7 +58,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from monitoring import PARALLEL_SCRIPT, SCRIPT, Prometheus, TrainingJob, culprits, wait_for  # noqa: E402
+from monitoring import PARALLEL_SCRIPT, SCRIPT, Prometheus, TrainingJob, culprits, end_session, wait_for  # noqa: E402
 from nodes import NodeJob, Nodes, why_not  # noqa: E402
 
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
@@ -167,7 +185,10 @@ def precision(named: list[set[str]], culprit: str) -> str:
 
 
 def main() -> None:
+    if "--matrix" in sys.argv[1:]:
+        return matrix_main([arg for arg in sys.argv[1:] if arg != "--matrix"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--matrix", action="store_true", help="the verdict matrix instead (see --matrix --help)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--after-s", type=float, default=10.0,
@@ -190,6 +211,324 @@ def main() -> None:
 
 def _figure(values: list[float]) -> str:
     return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+# The verdict matrix (--matrix) -----------------------------------------------------------------------
+
+from matrix_train import SHAPES  # noqa: E402
+from test_verdicts import CULPRIT_ALERTS as VERDICT_ALERTS  # noqa: E402
+
+MATRIX_SCRIPT = os.path.join(os.path.dirname(SCRIPT), "matrix_train.py")
+NAMING_ALERTS = (*VERDICT_ALERTS, "CommlensRankKilled")
+"""The alerts that name a culprit (rank, or node)."""
+FAULT_STEP = 20
+"""The step the fault strikes at; ``size`` and ``desync`` in the job's loss all_reduce of that step."""
+EXPECTED = {"nan": ("CommlensNaNOrigin",), "inf": ("CommlensNaNOrigin",),
+            "late": ("CommlensRankLate", "CommlensPeerLate"), "leave": ("CommlensRankLate", "CommlensPeerLate"),
+            "kill": ("CommlensRankKilled",), "size": ("CommlensCollectiveMismatch",),
+            "desync": ("CommlensCollectiveDesync",), "slow-data": ("CommlensStraggler",),
+            "slow-compute": ("CommlensStraggler",), "stall": (), "none": ()}
+"""The alert(s) that name the culprit of each fault; none live for a one-off stall (named after the fact)."""
+TRAINS_ON_S = {"none": 30, "stall": 25, "nan": 30, "inf": 30, "late": 30, "slow-data": 50, "slow-compute": 50}
+"""Seconds the job trains after the fault (after its start, healthy); the other faults end the job."""
+LATE_S = 20
+"""A late rank's sleep: its alert fires (hang threshold 3 s, ``for`` 2 s) and the live diagnose reads it before
+it catches up."""
+BACKEND_TIMEOUT_S = {"size": 20, "desync": 20}
+"""The backend's timeout, which ends a job hung by these faults (60 s for the others)."""
+MODES = {"per-rank": False, "pod": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    world: int
+    step_ms: float
+    """Base compute per step: large enough that the job keeps up on 2 cores under commlens."""
+    step_s: float
+    """A step's wall time under commlens on this machine (measured): how many steps last how long."""
+
+
+LAYOUTS = {"ddp": Layout(3, 20, 0.025), "tp-dp": Layout(4, 30, 0.04), "tp-pp-dp": Layout(8, 60, 0.12),
+           "pp4": Layout(4, 40, 0.12)}
+"""Steps measured from the spans of 150-300 healthy steps under ``commlens run`` (2026-11-28, 2 cores):
+ddp 24 ms, tp-dp 37 ms, tp-pp-dp 113 ms (the 1F1B schedule's bubble: 3 slots of 2 microbatches), pp4 115 ms."""
+
+
+def positions(layout: str, world: int) -> dict[int, str]:
+    """The culprit positions of ``layout``: rank -> where it is. Together they cover the first and the
+    last pipeline stage, either TP member, either replica, rank 0."""
+    tp, stages, per_replica = SHAPES[layout]
+    per_replica = per_replica or 1
+    replicas = world // per_replica
+
+    def at(r: int, s: int, t: int) -> int:
+        return r * per_replica + s * tp + t
+
+    if stages == 1:
+        ranks = set(range(world))
+    elif tp > 1:
+        ranks = {at(0, 0, 0), at(0, stages - 1, tp - 1), at(replicas - 1, 0, tp - 1), at(replicas - 1, stages - 1, 0)}
+    else:
+        ranks = {at(s % replicas, s, 0) for s in range(stages)}
+    return {rank: where(layout, rank) for rank in sorted(ranks)}
+
+
+def where(layout: str, rank: int) -> str:
+    """Where ``rank`` is in ``layout``: its stage, TP index and replica."""
+    tp, stages, per_replica = SHAPES[layout]
+    per_replica = per_replica or 1
+    parts = [f"replica {rank // per_replica}"]
+    if tp > 1:
+        parts.insert(0, f"TP {rank % tp}")
+    if stages > 1:
+        stage = rank % per_replica // tp
+        parts.insert(0, "first stage" if stage == 0 else "last stage" if stage == stages - 1 else f"stage {stage}")
+    return ", ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    layout: str
+    fault: str
+    mode: str
+    culprit: int | None
+    """None for a healthy cell."""
+    precision: str = "fp32"
+    world: int = 0
+    """0: the layout's."""
+
+    @property
+    def ranks(self) -> int:
+        return self.world or LAYOUTS[self.layout].world
+
+    def __str__(self) -> str:
+        return ":".join([self.layout, self.fault, self.mode, "-" if self.culprit is None else str(self.culprit)]
+                        + ([self.precision] if self.precision != "fp32" else [])
+                        + ([f"w{self.world}"] if self.world and self.world != LAYOUTS[self.layout].world else []))
+
+    @classmethod
+    def parse(cls, text: str, seed: int = 0) -> Cell:
+        """``layout:fault:mode[:culprit][:precision][:wWORLD]``; a culprit of ``*`` or none is drawn."""
+        layout, fault, mode, *rest = text.split(":")
+        if layout not in LAYOUTS or fault not in EXPECTED or mode not in MODES:
+            raise ValueError(f"{text!r}: give layout ({', '.join(LAYOUTS)}):fault ({', '.join(EXPECTED)}):mode "
+                             f"({', '.join(MODES)})[:culprit][:fp32|bf16|fp16][:wWORLD]")
+        culprit, precision, world = "*", "fp32", 0
+        for part in rest:
+            if part in ("fp32", "bf16", "fp16"):
+                precision = part
+            elif part.startswith("w") and part[1:].isdigit():
+                world = int(part[1:])
+            else:
+                culprit = part
+        return cls.make(layout, fault, mode, precision, world, seed, None if culprit in ("*", "-") else int(culprit))
+
+    @classmethod
+    def make(cls, layout: str, fault: str, mode: str, precision: str = "fp32", world: int = 0, seed: int = 0,
+             culprit: int | None = None) -> Cell:
+        if fault == "none":
+            culprit = None
+        elif culprit is None:
+            where = positions(layout, world or LAYOUTS[layout].world)
+            culprit = random.Random(f"{seed}:{layout}:{fault}:{mode}:{precision}").choice(sorted(where))
+        return cls(layout, fault, mode, culprit, precision, world)
+
+
+@dataclasses.dataclass
+class CellResult:
+    cell: Cell
+    wall_s: float
+    fired_s: float | None
+    """Seconds from the fault to the expected alert firing for the culprit (None: it did not)."""
+    by_alerts: set[str]
+    by_live: set[str]
+    by_offline: set[str]
+    alerts: list[str]
+    """Every alert that fired during the cell: name, labels, seconds after the fault (or the job's start)."""
+    live: str
+    offline: str
+    live_at_end: str
+    """``diagnose --prometheus`` as the job ended, where it ended before the expected alert fired."""
+    job_rc: int | None
+    ended_by: str
+    """"itself", or "harness" where the cell ended the job."""
+
+    SOURCES = ("alerts", "live", "offline")
+
+    def named(self, source: str) -> set[str]:
+        return {"alerts": self.by_alerts, "live": self.by_live, "offline": self.by_offline}[source]
+
+    def score(self, source: str) -> tuple[float | None, float | None]:
+        """(precision, recall) of ``source``: culprit named / ranks named (None where none was named), and
+        culprit named (None for a healthy cell)."""
+        named, culprit = self.named(source), self.cell.culprit
+        if culprit is None:
+            return None, None
+        hit = str(culprit) in named
+        return (hit / len(named) if named else None), float(hit)
+
+    def required(self, source: str) -> bool:
+        """Whether ``source`` must name the culprit (a one-off stall: after the fact only)."""
+        return self.cell.fault != "stall" or source == "offline"
+
+    @property
+    def ok(self) -> bool:
+        if self.cell.culprit is None:
+            return not any(self.named(source) for source in self.SOURCES)
+        for source in self.SOURCES:
+            precision, recall = self.score(source)
+            if (precision is not None and precision < 1) or (self.required(source) and recall != 1):
+                return False
+        return not EXPECTED[self.cell.fault] or self.fired_s is not None
+
+
+def _diagnose(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "diagnose", *args], capture_output=True,
+                          text=True, timeout=120)
+    return done.stdout + done.stderr
+
+
+def _ranks_said(report: str) -> set[str]:
+    return {str(rank) for rank in culprits(report)} | set(re.findall(r"(?:unreachable|slow node): node (\S+)", report))
+
+
+def run_cell(tmp_path: pathlib.Path, cell: Cell, alert_timeout_s: float = 90, after_end_s: float = 30,
+             after_s: float = 5) -> CellResult:
+    """One cell: Prometheus with the shipped rules, then the job; the expected alert awaited (up to
+    ``alert_timeout_s``, or ``after_end_s`` past the job's end); ``diagnose --prometheus`` at once; the
+    job let end (ended past its time); every alert that fired until then, and at least ``after_s`` past
+    the expected one; ``diagnose`` on the job's folder."""
+    started = time.monotonic()
+    layout, fault = LAYOUTS[cell.layout], cell.fault
+    trains_on = TRAINS_ON_S.get(fault)
+    slowed_s = 0.06 if fault.startswith("slow") else 0  # the slow rank's --slow-ms: every step waits for it
+    steps = FAULT_STEP + int(trains_on / (layout.step_s + slowed_s)) if trains_on else 100_000
+    if fault == "none":
+        steps = int(trains_on / layout.step_s)
+    extra = ["--layout", cell.layout, "--precision", cell.precision, "--step-ms", str(layout.step_ms),
+             "--late-s", str(LATE_S), "--timeout-s", str(BACKEND_TIMEOUT_S.get(fault, 60))]
+    # a straggler's verdict needs no hang threshold: at 3 s a stall of this 2-core machine makes ranks
+    # wait past it (as tests/test_verdicts.py's slow rank)
+    hang_threshold_s = 60 if fault.startswith("slow") else 3
+    culprit = "" if cell.culprit is None else str(cell.culprit)
+    expected = EXPECTED[fault]
+    with TrainingJob(tmp_path, cell.ranks, fault, rank=cell.culprit or 0, step=FAULT_STEP, steps=steps,
+                     hang_threshold_s=hang_threshold_s, extra=extra, pod=MODES[cell.mode], script=MATRIX_SCRIPT,
+                     start_now=False) as job, Prometheus(tmp_path, job, [RULES]) as prometheus:
+        wait_for(lambda: len(prometheus.query("up")) == len(job.targets), "Prometheus' first scrapes")
+        job_started = time.time()
+        job.start()
+        ended_at = None
+
+        def ended() -> bool:
+            nonlocal ended_at
+            if ended_at is None and job.process.poll() is not None:
+                ended_at = time.monotonic()
+            return ended_at is not None
+
+        def fired() -> bool:
+            selector = f'ALERTS{{alertstate="firing",alertname=~"{"|".join(expected)}"}}'
+            return any(a["metric"].get("rank") == culprit for a in prometheus.query(selector))
+
+        def live_point() -> bool:  # healthy or stalled: once Prometheus holds 15 s of training (and the stall)
+            return bool(prometheus.query("commlens_collective_duration_seconds_count offset 15s")) and (
+                fault == "none" or (job.fault_at() is not None and time.time() > job.fault_at() + 5))
+
+        waiting_for = fired if expected else live_point
+        deadline = time.monotonic() + alert_timeout_s + (40 if fault == "none" else 0)
+        at_end = ""  # where the job ends first: diagnose --prometheus then too, as evidence
+        while time.monotonic() < deadline and not (ended() and time.monotonic() > ended_at + after_end_s):
+            try:
+                if waiting_for():
+                    break
+            except OSError:
+                pass
+            if ended() and not at_end:
+                at_end = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
+            time.sleep(0.25)  # the polling period
+        watched_until = time.monotonic() + after_s  # any other alert firing meanwhile is a false one
+        live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
+        ended_by = "itself"
+        try:
+            job.wait(max(60, (steps - FAULT_STEP) * layout.step_s * 3) if trains_on else 120)
+        except subprocess.TimeoutExpired:
+            ended_by = "harness"
+            end_session(job.process, 30)
+        while time.monotonic() < watched_until:
+            time.sleep(0.25)  # not synchronisation: the alerts are watched this long
+        # the raw samples of every alert that fired (a subquery's steps would miss one of the last second)
+        alerts = prometheus.query(f'ALERTS{{alertstate="firing"}}[{int(time.time() - job_started) + 2}s]')
+        job_rc = job.process.returncode
+    offline = _diagnose(str(job.out))
+    zero = job.fault_at() or job_started
+    by_alerts = {_named(a["metric"]) for a in alerts if a["metric"]["alertname"] in NAMING_ALERTS} - {""}
+    first = {id(a): min(float(t) for t, _ in a["values"]) for a in alerts}
+    mine = [first[id(a)] for a in alerts if a["metric"]["alertname"] in expected and a["metric"].get("rank") == culprit]
+    said = []
+    for a in sorted(alerts, key=lambda a: first[id(a)]):
+        labels = {k: v for k, v in a["metric"].items() if k in ("rank", "node", "pg", "op", "peer", "waiter")}
+        said.append(f"{a['metric']['alertname']}{labels} at {first[id(a)] - zero:+.1f} s")
+    return CellResult(cell, time.monotonic() - started, min(mine) - zero if mine and job.fault_at() else None,
+                      by_alerts, _ranks_said(live), _ranks_said(offline), said, live, offline, at_end, job_rc, ended_by)
+
+
+def _pr(result: CellResult, source: str) -> str:
+    precision, recall = result.score(source)
+    if result.cell.culprit is None:
+        return "ok" if not result.named(source) else "FP"
+    return f"{'-' if precision is None else f'{precision:.2f}'}/{recall:.0f}"
+
+
+def _set(named: set[str]) -> str:
+    return "{" + ",".join(sorted(named, key=lambda n: (len(n), n))) + "}"
+
+
+def matrix_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description="The verdict matrix: layout x fault x exporter x culprit position")
+    parser.add_argument("--cells", help="comma-separated layout:fault:mode[:culprit][:precision][:wWORLD]")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--faults", default=",".join(EXPECTED))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write every cell's result here")
+    parser.add_argument("--keep", help="keep each cell's folder (its job's files, logs) under this folder")
+    args = parser.parse_args(argv)
+    cells = [Cell.parse(text, args.seed) for text in args.cells.split(",")] if args.cells else [
+        Cell.make(layout, fault, mode, args.precision, seed=args.seed) for layout in args.layouts.split(",")
+        for fault in args.faults.split(",") for mode in args.modes.split(",")]
+    header = (f"{'cell':<34}{'P/R alerts':>11}{'P/R live':>10}{'P/R offline':>12}{'fire s':>8}{'wall s':>8}  ok    "
+              f"named by alerts; by live diagnose; by offline diagnose   (culprit's position)")
+    print(header, flush=True)
+    results = []
+    for cell in cells:
+        if args.keep:
+            folder = pathlib.Path(args.keep) / str(cell).replace(":", "_")
+            folder.mkdir(parents=True)
+            result = run_cell(folder, cell)
+        else:
+            with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
+                result = run_cell(pathlib.Path(tmp), cell)
+        results.append(result)
+        place = "" if cell.culprit is None else where(cell.layout, cell.culprit)
+        print(f"{str(cell):<34}{_pr(result, 'alerts'):>11}{_pr(result, 'live'):>10}{_pr(result, 'offline'):>12}"
+              f"{'-' if result.fired_s is None else f'{result.fired_s:.1f}':>8}{result.wall_s:>8.0f}  "
+              f"{'ok  ' if result.ok else 'FAIL'}  {_set(result.by_alerts)}; {_set(result.by_live)}; "
+              f"{_set(result.by_offline)}" + (f"   ({place})" if place else ""), flush=True)
+    for result in results:
+        if not result.ok:
+            print(f"\n== {result.cell} (culprit {result.cell.culprit}; expected "
+                  f"{'/'.join(EXPECTED[result.cell.fault]) or 'no alert'}; job exit {result.job_rc}, "
+                  f"ended by {result.ended_by})\nalerts fired: {'; '.join(result.alerts) or 'none'}\n"
+                  f"-- diagnose --prometheus (live):\n{result.live.rstrip()}\n"
+                  + (f"-- diagnose --prometheus as the job ended, before any expected alert:\n"
+                     f"{result.live_at_end.rstrip()}\n" if result.live_at_end else "") +
+                  f"-- diagnose <folder> (after the job):\n{result.offline.rstrip()}", flush=True)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps([{
+            **dataclasses.asdict(r), "cell": str(r.cell), "culprit": r.cell.culprit, "ok": r.ok,
+            "by_alerts": sorted(r.by_alerts), "by_live": sorted(r.by_live), "by_offline": sorted(r.by_offline),
+            "scores": {s: r.score(s) for s in CellResult.SOURCES}} for r in results], indent=1))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,54 @@
+"""The verdict matrix (``bench/detection.py --matrix``): its cells, the culprits' positions, and cells run
+end to end by ``run_cell`` — by default one healthy cell; ``COMMLENS_MATRIX_CELLS`` (comma-separated
+``layout:fault:mode[:culprit][:precision][:wWORLD]``) runs those instead, each a test that passes where
+the alerts, ``diagnose --prometheus`` and ``diagnose`` on the job's folder name the culprit and only it:
+
+    COMMLENS_MATRIX_CELLS=tp-pp-dp:nan:pod:6,ddp:leave:per-rank:2:w4 python3 -m pytest -n 0 tests/test_matrix.py
+"""
+
+import os
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+
+from detection import EXPECTED, LAYOUTS, Cell, positions, run_cell  # noqa: E402
+
+CELLS = os.environ.get("COMMLENS_MATRIX_CELLS", "ddp:none:per-rank").split(",")
+
+
+def test_the_culprits_positions_cover_every_place_in_each_layout():
+    """First and last pipeline stage, either TP member, either replica, and rank 0."""
+    assert positions("tp-pp-dp", 8) == {0: "first stage, TP 0, replica 0", 3: "last stage, TP 1, replica 0",
+                                        5: "first stage, TP 1, replica 1", 6: "last stage, TP 0, replica 1"}
+    assert positions("pp4", 4) == {0: "first stage, replica 0", 1: "stage 1, replica 0", 2: "stage 2, replica 0",
+                                   3: "last stage, replica 0"}
+    assert positions("tp-dp", 4) == {0: "TP 0, replica 0", 1: "TP 1, replica 0", 2: "TP 0, replica 1",
+                                     3: "TP 1, replica 1"}
+    assert sorted(positions("ddp", 4)) == [0, 1, 2, 3]
+
+
+def test_a_cell_is_parsed_and_its_culprit_drawn_with_the_seed():
+    assert Cell.parse("tp-pp-dp:nan:pod:5") == Cell("tp-pp-dp", "nan", "pod", 5)
+    assert Cell.parse("ddp:leave:per-rank:2:w4") == Cell("ddp", "leave", "per-rank", 2, world=4)
+    assert Cell.parse("tp-pp-dp:none:pod:bf16") == Cell("tp-pp-dp", "none", "pod", None, "bf16")
+    drawn = {Cell.parse("tp-pp-dp:kill:per-rank", seed).culprit for seed in range(40)}
+    assert drawn == set(positions("tp-pp-dp", 8))  # every position, over seeds
+    assert Cell.parse("pp4:late:pod", 7) == Cell.parse("pp4:late:pod:*", 7)  # the same seed, the same draw
+    assert str(Cell.parse("ddp:leave:per-rank:2:w4")) == "ddp:leave:per-rank:2:w4"
+    with pytest.raises(ValueError, match="give layout"):
+        Cell.parse("ddp:explode:pod")
+    assert set(EXPECTED) >= {"none", "nan", "kill"} and set(LAYOUTS) == {"ddp", "tp-dp", "tp-pp-dp", "pp4"}
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("text", CELLS)
+def test_the_cell_names_its_culprit_and_only_it(tmp_path, text):
+    """A healthy cell: nothing named by any reader. A faulty one: the culprit alone, by every reader that
+    must name it (a one-off stall: after the fact), and its alert fired."""
+    result = run_cell(tmp_path, Cell.parse(text))
+    assert result.ok, (f"{result.cell}: named by alerts {sorted(result.by_alerts)}, live {sorted(result.by_live)}, "
+                       f"offline {sorted(result.by_offline)}; alerts fired: {result.alerts}; live: {result.live}; "
+                       f"offline: {result.offline}")
