@@ -38,12 +38,12 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
     graph: culprits are the ends of its chains, links are evidence, a round is a deadlock
     (docs/verdicts.md)."""
     facts = list(facts)
-    facts = [dataclasses.replace(f, lost=True) if f.vanished and _died(f, facts) else f for f in facts]
+    facts = [dataclasses.replace(f, lost=True) if f.vanished and _died_in(f, facts) else f for f in facts]
     found: list[Finding] = []
     links: list[Finding] = []
     found += _nan_origins(facts)
     for pg in sorted({pg for f in facts for pg in f.groups}):
-        members = [f for f in facts if pg in f.groups or pg == "0"]
+        members = [f for f in facts if _member(f, pg)]
         stuck = _hang(pg, members, facts)
         links += [f for f in stuck if f.kind == "deadlock"]
         stuck = [f for f in stuck if f.kind != "deadlock"]
@@ -154,7 +154,8 @@ def _hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[
     # live: a killed rank is named in the collective it died in, the one it had in flight; the waits in
     # another group (one that resolved, say) are not its death's, nor is a wait it has since come out of
     # (at start-up, for a rank still building its model) a hang
-    lost = sorted(f.rank for f in members if f.lost and pg in (_in_flight(f) or {pg}))
+    lost = sorted(f.rank for f in members if f.lost and pg in (_died_in(f, everyone) if f.vanished else _in_flight(f)
+                                                                 or {pg}))
     if not lost and any(f.lost for f in members):
         return []
     if live:
@@ -385,7 +386,7 @@ def _lost_unseen(facts: list[RankFacts], found: list[Finding]) -> list[Finding]:
     named = {rank for f in found if f.kind == "lost_rank" for rank in f.ranks}
     unseen = []
     for f in facts:
-        if f.lost and f.rank not in named and (in_flight := _in_flight(f)):
+        if f.lost and f.rank not in named and (in_flight := _died_in(f, facts) if f.vanished else _in_flight(f)):
             pg = min(in_flight, key=lambda group: (len(group), group))
             group = f.groups[pg]
             op = group.inputs.get(group.issued, ("a collective",))[0]
@@ -395,19 +396,31 @@ def _lost_unseen(facts: list[RankFacts], found: list[Finding]) -> list[Finding]:
 
 def _death(f: RankFacts) -> str:
     """How a lost rank's process is known to have ended without a signal or an exception."""
+    if f.vanished and f.unreachable:
+        return "its metrics endpoint went down with no word of how its process ended (SIGKILL, the OOM killer, a crash)"
     if f.vanished:
         return "its process left no dump and no note that it ended, where the others left theirs (SIGKILL, " \
             "the OOM killer, a crash)"
     return "its process ended without a signal or an exception (SIGKILL, the OOM killer, a crash)"
 
 
-def _died(f: RankFacts, facts: list[RankFacts]) -> bool:
-    """Whether a rank that ``vanished`` (after the fact) died: a rank sharing one of its groups failed
-    in it, or was still waiting in it or on it when the job ended. A rank that left no trace while the
-    others carried on unharmed is not known to have died."""
-    shared = [g for other in facts if other.rank != f.rank for pg, g in other.groups.items() if pg in f.groups]
-    return any(g.failed or any(end is None for _, end in g.hangs_seen.values())
-               or any(end is None and peer == f.rank for _, end, _, peer in g.p2p_waits_seen) for g in shared)
+def _member(f: RankFacts, pg: str) -> bool:
+    """Whether rank ``f`` is taken for a member of group ``pg``: it was seen in it; the default group
+    "0" is every rank's; a rank that vanished unseen in any group (killed before its first collective
+    was scraped) may be in any."""
+    return pg in f.groups or pg == "0" or (f.vanished and not f.groups)
+
+
+def _died_in(f: RankFacts, facts: list[RankFacts]) -> set[str]:
+    """The groups of a rank that ``vanished`` in which it died: where another rank failed, or waits (live)
+    or was still waiting (after the fact) in a collective or on it (``_member``). None: it vanished while
+    the others carried on unharmed, and is not known to have died. (Its own last scrape, or its spans,
+    may end before the collective it died in.)"""
+    return {pg for other in facts if other.rank != f.rank for pg, g in other.groups.items()
+            if _member(f, pg) and (
+        g.failed or _still_hung(g) or (g.p2p_hung or ("", -1))[1] == f.rank
+        or any(end is None for _, end in g.hangs_seen.values())
+        or any(end is None and peer == f.rank for _, end, _, peer in g.p2p_waits_seen))}
 
 
 def _in_flight(f: RankFacts) -> set[str]:

@@ -62,9 +62,10 @@ class RankFacts:
     lost: bool = False
     """Its process ended without a signal or an exception (killed, crashed), as a pod sidecar saw."""
     vanished: bool = False
-    """Its process left neither a dump nor a note that it ended (``flight_recorder.ENDED``) where other
-    ranks of its job left theirs (offline): it had no chance to write — SIGKILL, the OOM killer, a crash
-    — as its peers' waits on it or failures tell (``detectors``)."""
+    """It had no chance to say how its process ended — SIGKILL, the OOM killer, a crash — as its peers'
+    waits on it or failures tell (``detectors``): after the fact, it left neither a dump nor a note that it
+    ended (``flight_recorder.ENDED``) where other ranks of its job left theirs; live (``--prometheus``),
+    its own endpoint went down with no ``commlens_rank_up`` 0, signal or exception in its last scrapes."""
     stopped: bool = False
     """Its process was told to stop (SIGTERM), as its snapshots say (live); with ``gone``: it ended so, as
     a job torn down ends its ranks."""

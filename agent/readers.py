@@ -226,6 +226,8 @@ def from_prometheus(url: str, job: str | None = None) -> dict[str, list[RankFact
     aborts = f'{names.total(names.ABORT_SNAPSHOTS)}{{reason="abort"{"," + selector if selector else ""}}}'
     for facts, _, _ in each(f"increase({aborts}[5m]) > 0"):
         facts.aborted = True
+    said_up = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(
+        f"last_over_time({names.RANK_UP}{{{selector}}}[15m])")}
     live = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(enqueued)}
     down = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(f"{names.RANK_UP}{{{selector}}} == 0")}
     endings: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
@@ -235,6 +237,9 @@ def from_prometheus(url: str, job: str | None = None) -> dict[str, list[RankFact
     for name, ranks in jobs.items():
         for rank, facts in ranks.items():
             _settle(facts, (name, rank) not in live or (name, rank) in down, endings[(name, rank)])
+            # its own endpoint gone without a word of how it ended (an in-process agent's; docs/verdicts.md)
+            facts.vanished = facts.unreachable and (name, rank) not in said_up and not endings[(name, rank)] & {
+                "signal", "exception", "exit"}
     return {name: [ranks[r] for r in sorted(ranks)] for name, ranks in jobs.items()}
 
 

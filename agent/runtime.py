@@ -155,6 +155,8 @@ class Agent:
             if self.metrics_pusher is not None:
                 self.metrics_pusher.shutdown(max(0.1, left()))
             self.flight_recorder.unregister()
+            self.collector.ended = True  # an endpoint gone without it: the rank was killed (docs/verdicts.md)
+            self.collector.wait_for_scrape(left())
             stop_serving(self.server)
         try:  # a rank killed leaves none: the verdict tells it from one that ended (docs/verdicts.md)
             write_end_note(self.config.rank)

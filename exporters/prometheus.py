@@ -34,13 +34,17 @@ NONFINITE_KINDS = ("nan", "inf")
 
 
 class _Scrapes:
-    """Numbers scrapes as they start, so that the way down can wait for one that started after it."""
+    """Numbers scrapes as they start, so that the way down can wait for one that started after it. A
+    scrape over HTTP (``serve``) is done once its response is sent: a process that exits right after
+    (SIGTERM's default, re-raised once its snapshot is scraped) does not cut it off."""
 
     def __init__(self) -> None:
         self.started = 0
         self.done = 0
         """The number of the latest scrape done (each one's number is its place in starting order)."""
         self.scraped = threading.Condition()
+        self._unsent = threading.local()
+        """In a thread that serves a scrape (``serving``): the scrapes it read, not yet sent."""
 
     def wait_for_scrape(self, timeout_s: float) -> bool:
         """Wait until a scrape that starts after this call has read the metrics (on the way down: the
@@ -55,6 +59,23 @@ class _Scrapes:
             self.started += 1
             number = self.started
         yield from self.families()
+        unsent = getattr(self._unsent, "numbers", None)
+        if unsent is None:  # read in this process: done
+            self._done(number)
+        else:
+            unsent.append(number)
+
+    def serving(self) -> None:
+        """This thread serves a scrape over HTTP: what it reads is done once ``sent``."""
+        self._unsent.numbers = []
+
+    def sent(self) -> None:
+        """This thread's scrape response is sent (or its connection gone)."""
+        for number in getattr(self._unsent, "numbers", None) or ():
+            self._done(number)
+        self._unsent.numbers = None
+
+    def _done(self, number: int) -> None:
         with self.scraped:
             self.done = max(self.done, number)
             self.scraped.notify_all()
@@ -72,6 +93,9 @@ class MetricsCollector(_Scrapes):
     def __init__(self, source: RankTelemetry, buckets: tuple[float, ...], exposed: tuple[float, ...] | None = None):
         super().__init__()
         self.source = source
+        self.ended = False
+        """The rank's process is ending cleanly: its last scrapes say so (``commlens_rank_up`` 0), so that
+        an endpoint gone without it tells a rank killed (in-process agent; a pod sidecar says it itself)."""
         self.exposed = buckets if exposed is None else exposed
         if not set(self.exposed) <= set(buckets):
             raise ValueError(f"exposed buckets {self.exposed} are not a subset of the histogram's {buckets}")
@@ -178,6 +202,8 @@ class MetricsCollector(_Scrapes):
         family = GaugeMetricFamily(names.INFO, "Who this is", labels=tuple(info))
         family.add_metric(tuple(str(v) for v in info.values()), 1)
         yield family
+        if self.ended:
+            yield _gauge(names.RANK_UP, RANK_UP_HELP, (), {(): 0}, rank)
 
 
 class PodCollector(_Scrapes):
@@ -195,11 +221,14 @@ class PodCollector(_Scrapes):
                 if (kept := merged.setdefault(family.name, family)) is not family:
                     kept.samples.extend(family.samples)
         yield from merged.values()
-        family = GaugeMetricFamily(names.RANK_UP, "1 while the rank's process lives, 0 after it ended (killed, "
-                                   "crashed or done); a frozen process counts as living", labels=("rank",))
+        family = GaugeMetricFamily(names.RANK_UP, RANK_UP_HELP, labels=("rank",))
         for rank, alive in sorted(self.up().items(), key=lambda item: int(item[0])):
             family.add_metric((rank,), 1 if alive else 0)
         yield family
+
+
+RANK_UP_HELP = ("1 while the rank's process lives, 0 after it ended (killed, crashed or done; a pod sidecar's), or "
+                "as it ends cleanly (a rank's own endpoint, on its last scrapes); a frozen process counts as living")
 
 
 def _counter(name: str, documentation: str, labels: tuple[str, ...], values: Mapping[tuple, float], rank: str,
@@ -221,11 +250,23 @@ SCRAPE_IDLE_S = 10.0
 
 def serve(collector: MetricsCollector | PodCollector, addr: str, port: int):
     """Serve ``collector`` on ``addr:port``; returns the server (``shutdown()`` stops it, ``server_close()``
-    returns once every scrape under way has its whole response sent: the final scrape, which a rank's
-    ``wait_for_scrape`` counts once ``collect`` has run, is not cut off by the process' exit)."""
+    returns once every scrape under way has its whole response sent; ``wait_for_scrape`` counts a scrape
+    once its response is sent: the final scrape is not cut off by the process' exit)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     server, _thread = start_http_server(port, addr=addr, registry=registry)
     server.daemon_threads = False  # prometheus_client's are, and are then neither tracked nor joined
-    server.RequestHandlerClass = type("Handler", (server.RequestHandlerClass,), {"timeout": SCRAPE_IDLE_S})
+    base = server.RequestHandlerClass
+
+    def setup(handler) -> None:
+        base.setup(handler)
+        collector.serving()
+
+    def finish(handler) -> None:
+        try:
+            base.finish(handler)  # the response flushed
+        finally:
+            collector.sent()
+
+    server.RequestHandlerClass = type("Handler", (base,), {"timeout": SCRAPE_IDLE_S, "setup": setup, "finish": finish})
     return server

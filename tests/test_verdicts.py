@@ -299,13 +299,15 @@ def test_a_one_off_stall_under_the_hang_threshold_is_named_after_the_fact_and_on
                      r"\d+\.\d% of its time$", offline, re.MULTILINE), offline
 
 
-def test_a_rank_killed_inside_its_pairs_all_reduce_is_named_alive_and_after_the_job_from_its_files(tmp_path):
+@EXPORTERS
+def test_a_rank_killed_inside_its_pairs_all_reduce_is_named_alive_and_after_the_job_from_its_files(tmp_path, pod):
     """Rank 1 SIGKILLs itself inside its tensor-parallel pair's all_reduce (``tests/parallel_train.py``):
     its partner's all_reduce fails, rank 3 waits in ``recv`` for it, and torchrun tears the job down
     within seconds. With the pod sidecar, which outlives the ranks and reads the killed rank's ring from
-    shared memory, the alert names rank 1 and no other, and so does ``commlens diagnose`` from
-    Prometheus once the job is gone, and from the job's files. About 40 s."""
-    with _stack(tmp_path, "kill", world=4, step=30, steps=200, script=PARALLEL_SCRIPT, pod=True) as (
+    shared memory, and with the in-process agent, killed with its rank (its endpoint gone without a word,
+    no dump and no note that it ended): the alert names rank 1 and no other, and so does ``commlens
+    diagnose`` from Prometheus once the job is gone, and from the job's files. About 40 s each."""
+    with _stack(tmp_path, "kill", world=4, step=30, steps=200, script=PARALLEL_SCRIPT, pod=pod) as (
             webhook, training, prometheus):
         wait_for(lambda: webhook.firing("CommlensRankKilled"), "CommlensRankKilled at the webhook", timeout_s=90,
                  explain=lambda: _evidence(prometheus, training))
@@ -315,10 +317,13 @@ def test_a_rank_killed_inside_its_pairs_all_reduce_is_named_alive_and_after_the_
                  or a["labels"]["alertname"] == "CommlensRankKilled"}
     assert named == {"1"}, webhook.alerts
     offline = _diagnose(str(training.out))
-    # live, the op is known only where rank 0's failure in it was scraped before the teardown
-    assert re.search(r"killed or crashed: rank 1 in (all_reduce|a collective) \(group 1, seq ", live) \
+    # live, the op is known only where rank 0's failure in it was scraped before the teardown; without a
+    # pod sidecar, the collective it died in is where its peers failed on it (its partner may have
+    # completed the pair's all_reduce and failed next in the job's loss)
+    group = r"group 1, seq " if pod else r"group \d+, seq "
+    assert re.search(rf"killed or crashed: rank 1 in (all_reduce|a collective) \({group}", live) \
         and culprits(live) == {1}, live
-    assert "killed or crashed: rank 1 in all_reduce (group 1, seq " in offline and culprits(offline) == {1}, offline
+    assert re.search(rf"killed or crashed: rank 1 in all_reduce \({group}", offline) and culprits(offline) == {1}, offline
 
 
 def test_a_rank_whose_input_size_differs_is_named_live_and_from_the_dumps_and_no_other_rank_is(tmp_path):
@@ -578,3 +583,26 @@ def test_a_nan_sent_over_the_pipeline_is_named_where_it_entered_and_not_where_it
         "NaN/Inf entered on rank 5 in send (group 6, seq 7) — its input to rank 3 held NaN before any non-finite "
         "value reached it; it reached rank 0 (a recv from rank 2 in group 6), rank 2 (the output of group 2's seq "
         "31, whose input held it on rank 3), rank 3 (a recv from rank 5 in group 6)"]
+
+
+@pytest.mark.parametrize("seen", [False, True], ids=["unseen", "seen"])
+def test_a_rank_whose_own_endpoint_went_down_without_a_word_while_its_partner_waits_was_killed(seen):
+    """Live facts, in-process agents: rank 1's endpoint is down, its last scrapes said nothing of how its
+    process ended, and rank 0 waits in seq 31 of their pair (group 1). Killed before its first collective
+    was scraped (a rank OOM-killed in its first step), its groups are not known: it may be in any. Seen in
+    group 1 up to seq 30, it is behind there. Either way it is named killed, and nobody else."""
+    facts = [RankFacts(rank) for rank in range(4)]
+    for f in facts:
+        f.group("0").issued = f.group("0").finished = 3
+    facts[0].group("1").issued, facts[0].group("1").finished, facts[0].group("1").hung = 31, 30, ("all_reduce", 31)
+    facts[1].vanished = facts[1].unreachable = facts[1].gone = True
+    if not seen:
+        facts[1].groups.clear()
+    else:
+        facts[1].group("1").issued = facts[1].group("1").finished = 30
+    lines = [f.line() for f in findings(facts)]
+    assert lines == ["killed or crashed: rank 1 in all_reduce (group 1, seq 31) — its metrics endpoint went down with "
+                     "no word of how its process ended (SIGKILL, the OOM killer, a crash); ranks [0] waited in or failed "
+                     "in seq 31"], lines
+    facts[0].group("1").hung = None  # nobody waits on it: it vanished, and is not known to have died
+    assert not [f.line() for f in findings(facts)]
