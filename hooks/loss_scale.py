@@ -7,7 +7,7 @@ was skipped copies the found-Inf flags to the host once per step, after ``GradSc
 Example::
 
     unwatch = watch_loss_scaling()
-    scaler = torch.amp.GradScaler("cuda")
+    scaler = torch.amp.GradScaler("cuda")    # LOSS_SCALE "made": its first step begins
     scaler.scale(loss).backward()   # LOSS_SCALE "scaled"
     scaler.step(optimizer)
     scaler.update()                 # LOSS_SCALE "applied", or "skipped" after an overflow
@@ -20,6 +20,14 @@ from typing import Any, Callable
 
 from . import process_ring, record
 from .patch import Patches
+
+
+def _made(original: Callable) -> Callable:
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if self._enabled:
+            _write("made")
+    return init
 
 
 def _scaled(original: Callable) -> Callable:
@@ -65,6 +73,7 @@ def watch_loss_scaling() -> Callable[[], None]:
     from torch.amp import GradScaler
 
     patches = Patches()
+    patches.add(GradScaler.__init__, _made, "torch.amp.GradScaler.__init__")
     patches.add(GradScaler.scale, _scaled, "torch.amp.GradScaler.scale")
     patches.add(GradScaler.update, _updated, "torch.amp.GradScaler.update")
     return patches.undo

@@ -32,9 +32,10 @@ REASONS = ("abort", "hang", "signal", "exception", "peer", "exit")
 """Why a snapshot was written (each one's meaning: ``commlens_abort_snapshots_total`` in docs/metrics.md)."""
 ERRORS = ("hook", "recorder", "string_dropped", "work_unjudged", "gpu_pool_exhausted", "gpu_captured")
 """What the writer lost, counted in the header (``commlens_telemetry_errors_total`` in docs/metrics.md)."""
-LOSS_SCALE_EVENTS = ("scaled", "applied", "skipped")
+LOSS_SCALE_EVENTS = ("scaled", "applied", "skipped", "made")
 """A loss scaler (``torch.amp.GradScaler``) scaled a loss: the step's gradients follow; it ended the
-step and applied it; it skipped it, the gradients holding Inf or NaN (hooks/loss_scale.py)."""
+step and applied it; it skipped it, the gradients holding Inf or NaN; it was made, enabled: its first
+step begins (hooks/loss_scale.py)."""
 NAN_OUTPUT, NAN_HAS_NAN, NAN_HAS_INF = 1, 2, 4
 """Bits of a NAN record's ``flags``: the tensor was an output; it held NaN; it held Inf."""
 FLAG_ASYNC, FLAG_LAST_BUCKET = 1, 2

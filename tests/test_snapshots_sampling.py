@@ -217,3 +217,27 @@ def test_a_ranks_first_non_finite_input_carries_what_it_had_issued_before_it_eve
     assert sidecar.stats.first_send == {("6", 5, "nan"): 3}
     marked = {(c.op, c.seq): (c.send_number, c.nonfinite_entry) for c in seen if c.send_number or c.nonfinite_entry}
     assert marked == {("all_reduce", 31): (0, '{"issued":{"1":30},"received":{"6":{"5":4}}}'), ("send", 7): (3, "")}
+
+
+def test_a_pipeline_stage_whose_scaler_scales_no_loss_counts_the_overflow_it_receives_as_overflow():
+    """A first pipeline stage in mixed precision: its GradScaler is made and steps, but scales no loss (its
+    gradients come from the stage after it). Its all_reduce's input holds the Inf of an overflow that
+    stage sent it, and its scaler skips the step: no values entered. The next step's Inf, in a step it
+    applies, did enter (there: its entry)."""
+    from commlens.hooks.ops import CODE, OpName
+    from commlens.hooks.ring import NAN_HAS_INF
+
+    ring = Ring(slots=4096)
+    sidecar = Sidecar(ring, rank=0, hang_threshold_s=60)
+    group = ring.intern(record.encode_group("9", "dp", [0, 4], 0, "gloo"))
+    code = CODE[OpName.all_reduce]
+    record.loss_scale(ring.write, "made")
+    for seq, outcome in ((1, "skipped"), (2, "applied")):
+        record.nan(ring.write, code, group, seq, seq, 0, -1, 0, NAN_HAS_INF, 1)
+        record.start(ring.write, code, group, seq, seq, 64, 0, -1)
+        record.end(ring.write, code, group, seq, seq, 64, 0, -1)
+        record.loss_scale(ring.write, outcome)
+        sidecar.drain()
+        entry = sidecar.stats.nonfinite_entry
+        assert (entry.seq if entry else None) == (None if outcome == "skipped" else 2), outcome
+    assert sidecar.stats.first_nonfinite == {("9", "inf"): (2, "all_reduce")}
