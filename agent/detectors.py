@@ -20,6 +20,10 @@ STRAGGLER_MIN_S = 0.005
 """A straggler arrives at least this much later, on average, than the group's first rank ..."""
 STRAGGLER_RATIO = 0.5
 """... and waits less than this fraction of what the group's longest waiter waits (live) ..."""
+STRAGGLER_OWN_TIME = 0.75
+"""... and spends under this fraction of the time in its ops, all its groups together, of the member that
+spends most: its own compute holds them up. Not a half: a pipeline's first stage waits in its bubbles
+for the echo of its own lateness (the last stage, started late by it, sends its gradients late)."""
 STRAGGLER_EVIDENCE = 30
 """After the fact, a straggler is only named from at least this many collectives seen by every rank."""
 STRAGGLER_LIVE_EVIDENCE = 10
@@ -418,7 +422,7 @@ def _died_in(f: RankFacts, facts: list[RankFacts]) -> set[str]:
     may end before the collective it died in.)"""
     return {pg for other in facts if other.rank != f.rank for pg, g in other.groups.items()
             if _member(f, pg) and (
-        g.failed or _still_hung(g) or (g.p2p_hung or ("", -1))[1] == f.rank
+        g.failed or _still_hung(g) or (g.p2p_hung or ("", -1))[1] == f.rank or (g.p2p_failed or ("", -1))[1] == f.rank
         or any(end is None for _, end in g.hangs_seen.values())
         or any(end is None and peer == f.rank for _, end, _, peer in g.p2p_waits_seen))}
 
@@ -429,23 +433,46 @@ def _in_flight(f: RankFacts) -> set[str]:
 
 
 def _late_peers(facts: list[RankFacts]) -> list[Finding]:
-    """Live: the ranks others wait on in point-to-point ops (a pipeline stage's ``recv`` from the one
-    before) that wait nowhere themselves: late, stopped or gone. A peer that waits itself is a link of
-    the chain, whose end another finding names."""
+    """The ranks others wait on in point-to-point ops (a pipeline stage's ``recv`` from the one before)
+    past the hang threshold, or whose ops with them failed (gloo fails at once on a peer whose process
+    ended), that wait nowhere and failed nowhere themselves: late, stopped or gone. Live, the waits now;
+    after the fact, those the spans show, resolved or not, the waited-on rank waiting nowhere over most
+    of one (not a wait on a rank told to stop first: the job's teardown). A peer that waits itself is a
+    link of the chain, whose end another finding names."""
     by_rank = {f.rank: f for f in facts}
-    waits: dict[tuple[int, str, str], list[str]] = collections.defaultdict(list)
+    waits: dict[tuple[int, str], list[tuple[str, str, bool]]] = collections.defaultdict(list)
+    """(the waited-on rank, group) -> (op, evidence, whether live) of each wait on it."""
     for f in facts:
         for pg, group in sorted(f.groups.items()):
             if group.p2p_hung is not None:
                 op, peer, seconds = group.p2p_hung
-                waits[(peer, pg, op)].append(f"rank {f.rank} waits on it in {op} (group {pg}) for {seconds:.1f} s")
+                if not _waiting([by_rank.get(peer, RankFacts(peer))]):
+                    waits[(peer, pg)].append((op, f"rank {f.rank} waits on it in {op} (group {pg}) for {seconds:.1f} s",
+                                              True))
+            if group.p2p_failed is not None:
+                op, peer, at = group.p2p_failed
+                if not _waiting([by_rank.get(peer, RankFacts(peer))]):
+                    waits[(peer, pg)].append((op, f"rank {f.rank}'s {op} with it failed (group {pg})", at is None))
+            for start, end, op, peer in group.p2p_waits_seen:
+                culprit = by_rank.get(peer, RankFacts(peer))
+                until = end if end is not None else max((e for _, e in f.waits if e is not None), default=start)
+                if until > start and not _waited_within(culprit, start, until) and not _failed_by(culprit, until) \
+                        and not (culprit.signalled_ns is not None and culprit.signalled_ns < until):
+                    waits[(peer, pg)].append((op, f"rank {f.rank} waited on it in {op} (group {pg}) for "
+                                                  f"{(until - start) / 1e9:.1f} s", False))
     found = []
-    for (peer, pg, op), evidence in sorted(waits.items()):
-        culprit = by_rank.get(peer, RankFacts(peer))
-        if not _waiting([culprit]):
-            state = "it stopped reporting" if culprit.gone else "it waits nowhere itself"
-            found.append(Finding("late_rank", (peer,), pg, op, None, "; ".join([*evidence, state])))
+    for (peer, pg), seen in sorted(waits.items()):
+        state = "it stopped reporting" if by_rank.get(peer, RankFacts(peer)).gone else \
+            "it waits nowhere itself" if seen[0][2] else "it waited nowhere meanwhile"
+        found.append(Finding("late_rank", (peer,), pg, seen[0][0], None, "; ".join([*(why for _, why, _ in seen), state])))
     return found
+
+
+def _failed_by(f: RankFacts, until: int) -> bool:
+    """Whether an op of rank ``f`` failed (a point-to-point op on a peer, or a collective) that it had issued
+    by ``until`` (ns; after the fact)."""
+    return any((g.p2p_failed and (g.p2p_failed[2] or 0) <= until)
+               or (g.failed and g.arrivals.get(g.failed[1], ("", until + 1))[1] <= until) for g in f.groups.values())
 
 
 def _desync(pg: str, seq: int, wrong: dict[int, str], others: list[int], op: str) -> Finding:
@@ -577,8 +604,9 @@ def _in_collectives(f: RankFacts) -> float:
 
 
 def _waiting(facts: Iterable[RankFacts]) -> bool:
-    """Whether any of these ranks waits past the hang threshold, or saw an op fail, in any group."""
-    return any(_still_hung(g) or g.p2p_hung or g.failed for f in facts for g in f.groups.values())
+    """Whether any of these ranks waits past the hang threshold, or saw an op fail (a collective, or a
+    point-to-point op on a peer), in any group."""
+    return any(_still_hung(g) or g.p2p_hung or g.failed or g.p2p_failed for f in facts for g in f.groups.values())
 
 
 def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:
@@ -630,12 +658,13 @@ def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> 
 
 def _computes_while_they_wait(rank: int, groups: dict[int, GroupFacts], everyone: list[RankFacts]) -> bool:
     """Whether ``rank``, last to arrive in a group of ``groups``' members, straggles: arriving last in one
-    group because it waited in another is not straggling. A straggler spends under ``STRAGGLER_RATIO``
+    group because it waited in another is not straggling. A straggler spends under ``STRAGGLER_OWN_TIME``
     of the time in its ops, all its groups together, of the member that spends most (live over the
     window, after the fact over the job: ``GroupFacts.waited_s``), its own compute holding them up; and
     one that waits now past the hang threshold is a link of a chain that another finding names."""
     waited = {f.rank: _in_collectives(f) for f in everyone if f.rank in groups}
-    return not _waiting(f for f in everyone if f.rank == rank) and waited[rank] < STRAGGLER_RATIO * max(waited.values())
+    return not _waiting(f for f in everyone if f.rank == rank) and \
+        waited[rank] < STRAGGLER_OWN_TIME * max(waited.values())
 
 
 def _stalls(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:

@@ -22,6 +22,9 @@ class GroupFacts:
     p2p_hung: tuple[str, int, float] | None = None
     """(op, peer, seconds) of its oldest point-to-point op in flight past the hang threshold: it waits
     on the global rank ``peer`` (live)."""
+    p2p_failed: tuple[str, int, int | None] | None = None
+    """(op, peer, start ns or None live) of its first point-to-point op that failed: on the global rank
+    ``peer``, whose process ended (gloo fails at once where NCCL hangs)."""
     failed: tuple[str, int] | None = None
     """(op, seq) of its first collective that failed (gloo fails at once where a peer's process ended)."""
     nonfinite: tuple[int, str, str] | None = None

@@ -109,6 +109,8 @@ def _metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> Non
         facts.group(pg).p2p_hung = (labels["op"], int(labels["peer"]), value)
     elif name == names.FAILED_SEQ:
         facts.group(pg).failed = (labels["op"], int(value))
+    elif name == names.P2P_FAILED:
+        facts.group(pg).p2p_failed = (labels["op"], int(labels["peer"]), None)
     elif name == names.NONFINITE_FIRST_SEQ:
         group = facts.group(pg)
         if group.nonfinite is None or value < group.nonfinite[0]:
@@ -204,7 +206,8 @@ def from_prometheus(url: str, job: str | None = None) -> dict[str, list[RankFact
                            names.NONFINITE_FIRST_SEQ, names.NONFINITE_FIRST_SEND, names.NONFINITE_ENTRY_SEQ,
                            names.NONFINITE_ISSUED_BEFORE)),
                        (names.total(names.LOSS_SCALE_STEPS), f"{names.total(names.LOSS_SCALE_STEPS)}{{{selector}}}"),
-                       (names.FAILED_SEQ, f"last_over_time({names.FAILED_SEQ}{{{selector}}}[5m])")):
+                       (names.FAILED_SEQ, f"last_over_time({names.FAILED_SEQ}{{{selector}}}[5m])"),
+                       (names.P2P_FAILED, f"last_over_time({names.P2P_FAILED}{{{selector}}}[5m])")):
         for facts, labels, value in each(expr):
             _metric_fact(facts, name, labels, value)
     by = "sum by (job, pg, rank)"
@@ -460,15 +463,21 @@ def _value(attribute: dict):
 
 
 def _p2p_span_fact(ranks: dict[int, RankFacts], span: dict, a: dict) -> None:
-    """A point-to-point op waited in long or past the hang threshold: on whom, and when."""
-    if not (a.get(names.SLOW) or a.get(names.HANG)):
+    """A point-to-point op that failed, or that it waited in long or past the hang threshold: on whom,
+    and when."""
+    failed = a.get(names.STATUS) in ("error", "timeout") and names.PEER in a
+    if not (a.get(names.SLOW) or a.get(names.HANG) or failed):
         return
     facts = ranks.setdefault(int(a[names.RANK]), RankFacts(int(a[names.RANK])))
     start, end = int(span["startTimeUnixNano"]), None if a.get(names.IN_FLIGHT) else int(span["endTimeUnixNano"])
+    group = facts.group(str(a[names.PG_NAME]))
+    if failed and (group.p2p_failed is None or start < (group.p2p_failed[2] or start + 1)):
+        group.p2p_failed = (a[names.OP], int(a[names.PEER]), start)
+    if not (a.get(names.SLOW) or a.get(names.HANG)):
+        return
     facts.waits.append((start, end))
     if not a.get(names.HANG) or names.PEER not in a:
         return
-    group = facts.group(str(a[names.PG_NAME]))
     op, peer = a[names.OP], int(a[names.PEER])
     group.p2p_waits_seen = [w for w in group.p2p_waits_seen if w[0] != start]  # its end replaces its in-flight span
     group.p2p_waits_seen.append((start, end, op, peer))

@@ -384,6 +384,8 @@ class Sidecar:
             gpu_start = _within(gpu_start, start, end)
             self.stats.on_gpu(shape, (gpu_start - start.t_ns) / 1e9, (end.t_ns - gpu_start) / 1e9)
         self.stats.finished(shape, None if shape.is_p2p else end.seq, status, seconds)
+        if shape.is_p2p and status != "ok":
+            self.stats.p2p_failed_on(shape, end.seq, self._global_rank(end.pg, end.peer))
         slow = seconds is not None and bool(self._slow(shape, (seconds,)))
         if nan:
             self._nan_spans[shape.pg] += 1

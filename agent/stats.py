@@ -89,6 +89,7 @@ class Stats:
         self.nans: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self.first_nonfinite: dict[tuple[str, str], tuple[int, str]] = {}
         self.failed: dict[str, tuple[int, str]] = {}
+        self.p2p_failed: dict[str, tuple[int, str, int]] = {}
         self.gpu_queue: collections.Counter[tuple[str, str]] = collections.Counter()
         self.gpu_exec: collections.Counter[tuple[str, str]] = collections.Counter()
         self.snapshots: collections.Counter[str] = collections.Counter()
@@ -109,7 +110,7 @@ class Stats:
                 dict(self.completed), dict(self.bytes), dict(self.bus_bytes), dict(self.last_seq), dict(self.hangs),
                 dict(self.nans), dict(self.snapshots), dict(self.first_nonfinite), dict(self.failed),
                 dict(self.gpu_queue), dict(self.gpu_exec), dict(self.loss_scale_steps), dict(self.first_send),
-                self.nonfinite_entry)
+                self.nonfinite_entry, dict(self.p2p_failed))
 
     def enqueued(self, shape, seq: int) -> None:
         """A collective of ``shape`` (the sidecar's ``Shape``) was issued."""
@@ -184,6 +185,11 @@ class Stats:
             self.last_seq[shape.completed_key] = seq
         if seq is not None and status != "ok" and seq < self.failed.get(shape.pg, (seq + 1,))[0]:
             self.failed[shape.pg] = (seq, shape.op)
+
+    def p2p_failed_on(self, shape, seq: int, peer: int) -> None:
+        """A point-to-point op of ``shape`` (seq ``seq``, its peer's global rank ``peer``) failed: the
+        group's first such is kept."""
+        self.p2p_failed.setdefault(shape.pg, (seq, shape.op, peer))
 
     def _count(self, shape, completed_key: tuple[str, ...], count: int) -> None:
         """``count`` collectives of ``shape`` completed, counted under ``completed_key``, and their bytes."""

@@ -158,6 +158,10 @@ class MetricsCollector(_Scrapes):
         yield _gauge(names.FAILED_SEQ, "Sequence number of the first collective that failed (error or timeout), "
                      "by op; absent when none", ("pg", "op"),
                      {(pg, op): seq for pg, (seq, op) in s.failed.items()}, rank)
+        yield _gauge(names.P2P_FAILED, "The group's sequence number of the first point-to-point op that failed, by op "
+                     "and the global rank it was with (peer: its process ended, gloo fails at once); absent when none",
+                     ("pg", "op", "peer"), {(pg, op, str(peer)): seq for pg, (seq, op, peer) in s.p2p_failed.items()},
+                     rank)
         seen = dict.fromkeys(s.bytes, 0)
         yield _counter(names.HANGS, "In-flight collectives that crossed the hang threshold", ("op", "pg"),
                        {**seen, **s.hangs}, rank)

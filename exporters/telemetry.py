@@ -126,6 +126,9 @@ class StatsSnapshot(NamedTuple):
     """(pg, peer's global rank, kind) -> the number, among the sends to that peer in that group (1: the
     first), of the first whose input held NaN or Inf."""
     nonfinite_entry: NonfiniteEntry | None
+    p2p_failed: dict[str, tuple[int, str, int]]
+    """pg -> (seq, op, the peer's global rank): the first point-to-point op that failed (its peer's process
+    ended: gloo fails at once)."""
 
 
 class RankTelemetry(Protocol):

@@ -606,3 +606,17 @@ def test_a_rank_whose_own_endpoint_went_down_without_a_word_while_its_partner_wa
                      "in seq 31"], lines
     facts[0].group("1").hung = None  # nobody waits on it: it vanished, and is not known to have died
     assert not [f.line() for f in findings(facts)]
+
+
+def test_a_pipeline_stage_whose_peers_ops_with_it_failed_is_named_and_the_stage_that_failed_itself_is_not():
+    """Live metrics of a pipeline of 4 stages (group 1) whose stage 2 left its loop: gloo fails rank 1's
+    send to it and rank 3's recv from it at once, and rank 0 waits on rank 1 in its send. Rank 2 is named;
+    rank 1, which rank 0 waits on, failed itself: a link of the chain."""
+    lines = ['commlens_p2p_failed_seq{pg="1",op="send",peer="2",rank="1"} 40',
+             'commlens_p2p_failed_seq{pg="1",op="recv",peer="2",rank="3"} 41',
+             'commlens_p2p_hung_seconds{pg="1",op="send",peer="1",rank="0"} 5.5',
+             'commlens_collective_last_seq{pg="0",state="enqueued",rank="2"} 3']
+    scrape = ["\n".join(lines) + "\n"]
+    found = [f.line() for f in findings(from_metrics_texts(scrape, scrape, 5.0))]
+    assert found == ["late or missing: rank 2 in send (group 1) — rank 1's send with it failed (group 1); rank 3's "
+                     "recv with it failed (group 1); it waits nowhere itself"], found
