@@ -59,7 +59,7 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
         found += stuck
         if not stuck and not any(f.pg == pg for f in links) and not any(f.lost for f in members):
             found += _straggler(pg, members, facts) + _stalls(pg, members, facts)
-    found += _lost_unseen(facts, found)
+    found = _once_each(found + _lost_unseen(facts, found))
     lost = {rank for f in found if f.kind == "lost_rank" for rank in f.ranks}
     # a killed rank that a pipeline peer waits on is named once, as killed
     found += [f for f in _late_peers(facts) if not set(f.ranks) <= lost]
@@ -381,6 +381,25 @@ def _waiting_earlier(pg: str, members: list[RankFacts], late: dict[int, str], se
             if behind:
                 held[f.rank] = f"waits itself in {op} (group {pg}) seq {earlier}, which {_who(behind)} has not issued"
     return held
+
+
+def _once_each(found: list[Finding]) -> list[Finding]:
+    """A killed rank named once: its first finding (the group it died in first), the others' waits in
+    its other groups added to the evidence."""
+    first: dict[tuple[int, ...], Finding] = {}
+    kept = []
+    for f in found:
+        if f.kind == "lost_rank" and f.ranks in first:
+            where = f"{f.op} (group {f.pg}" + (f", seq {f.seq})" if f.seq is not None else ")")
+            also = f.evidence.split("; ", 1)[1] if "; " in f.evidence else ""
+            merged = dataclasses.replace(first[f.ranks], evidence=f"{first[f.ranks].evidence}; in {where} too" +
+                                         (f": {also}" if also else ""))
+            kept[kept.index(first[f.ranks])] = first[f.ranks] = merged
+            continue
+        kept.append(f)
+        if f.kind == "lost_rank":
+            first[f.ranks] = f
+    return kept
 
 
 def _lost_unseen(facts: list[RankFacts], found: list[Finding]) -> list[Finding]:

@@ -620,3 +620,18 @@ def test_a_pipeline_stage_whose_peers_ops_with_it_failed_is_named_and_the_stage_
     found = [f.line() for f in findings(from_metrics_texts(scrape, scrape, 5.0))]
     assert found == ["late or missing: rank 2 in send (group 1) — rank 1's send with it failed (group 1); rank 3's "
                      "recv with it failed (group 1); it waits nowhere itself"], found
+
+
+def test_a_killed_rank_whose_peers_failed_on_it_in_two_groups_is_named_once():
+    """After the fact: rank 2 left no dump and no note; rank 3 failed on it in their pair's all_reduce
+    (group 2, seq 31) and rank 0 in the job's loss all_reduce (group 0, seq 4). One finding, both waits."""
+    facts = [RankFacts(rank) for rank in range(4)]
+    for f in facts:
+        f.group("0").issued = 4 if f.rank != 2 else 3
+    facts[2].vanished = True
+    facts[2].group("2").issued = 30
+    facts[3].group("2").issued, facts[3].group("2").failed = 31, ("all_reduce", 31)
+    facts[0].group("0").failed = ("all_reduce", 4)
+    lines = [f.line() for f in findings(facts)]
+    assert len(lines) == 1 and lines[0].startswith("killed or crashed: rank 2 in all_reduce (group 0, seq 4)"), lines
+    assert lines[0].endswith("; in all_reduce (group 2, seq 31) too: ranks [3] waited in or failed in seq 31"), lines
