@@ -213,7 +213,7 @@ def _hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[
                               *(f"rank {rank} is behind too, but {where}" for rank, where in sorted(elsewhere.items()))])
         found.append(Finding("late_rank", tuple(sorted(culprits)), pg, majority, seq, evidence))
     if not found and live:
-        unmatched = _unmatched(pg, members, seq, ops, waiting, how, majority)
+        unmatched = _unmatched(pg, members, seq, ops, waiting, how, majority) or _unlike(pg, members, seq, waiting, majority)
         if unmatched:
             return [unmatched]
         found.append(Finding("hang", tuple(waiting), pg, majority, seq,
@@ -293,6 +293,23 @@ def _unmatched(pg: str, members: list[RankFacts], seq: int, ops: dict[int, str],
     return Finding("size_mismatch", tuple(waiting), pg, op, seq,
                    f"ranks {[f.rank for f in others]} completed it and {_who(waiting)} {how} it: its side did not "
                    "match theirs (an input of another size or dtype; the dumps show each rank's), or its link failed")
+
+
+def _unlike(pg: str, members: list[RankFacts], seq: int, waiting: list[int], op: str) -> Finding | None:
+    """Live: ranks waiting in a collective whose ranks give alike (``SAME_INPUTS``) with payloads of other
+    bytes than most of its waiters': their inputs did not match (gloo waits for the bytes a larger input
+    expects: every rank of the group may hang)."""
+    given = {f.rank: f.groups[pg].hung_bytes for f in members if f.rank in waiting and f.groups[pg].hung_bytes}
+    if op not in SAME_INPUTS or len(set(given.values())) < 2:
+        return None
+    most, count = collections.Counter(given.values()).most_common(1)[0]
+    wrong = sorted(rank for rank, n in given.items() if n != most)
+    if count <= len(wrong):
+        return None
+    theirs = sorted(rank for rank in given if rank not in wrong)
+    return Finding("size_mismatch", tuple(wrong), pg, op, seq,
+                   f"its input was {' / '.join(f'{n} bytes' for n in sorted({given[r] for r in wrong}))} where ranks "
+                   f"{theirs} gave {most} bytes, and they wait in it: their sides did not match")
 
 
 def _who(ranks: list[int]) -> str:

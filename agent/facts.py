@@ -19,6 +19,8 @@ class GroupFacts:
     """The last collective sequence number it completed (live, or from a killed rank's dump; None: not known)."""
     hung: tuple[str, int] | None = None
     """(op, seq) of its oldest collective in flight past the hang threshold."""
+    hung_bytes: int | None = None
+    """The payload bytes of that collective (live)."""
     p2p_hung: tuple[str, int, float] | None = None
     """(op, peer, seconds) of its oldest point-to-point op in flight past the hang threshold: it waits
     on the global rank ``peer`` (live)."""

@@ -105,6 +105,8 @@ def _metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> Non
         facts.group(pg).finished = int(value)
     elif name == names.HUNG_SEQ:
         facts.group(pg).hung = (labels["op"], int(value))
+    elif name == names.HUNG_BYTES:
+        facts.group(pg).hung_bytes = int(value)
     elif name == names.P2P_HUNG:
         facts.group(pg).p2p_hung = (labels["op"], int(labels["peer"]), value)
     elif name == names.FAILED_SEQ:
@@ -201,6 +203,7 @@ def from_prometheus(url: str, job: str | None = None) -> dict[str, list[RankFact
                        (names.LAST_SEQ, f"last_over_time({completed}[15m])"),
                        (names.LAST_SEQ, f"min_over_time(({enqueued} and on (job, pg) {hung})[{lookback}:1s])"),
                        (names.HUNG_SEQ, f"max_over_time({hung}[{lookback}])"),
+                       (names.HUNG_BYTES, f"last_over_time({names.HUNG_BYTES}{{{selector}}}[{lookback}])"),
                        (names.P2P_HUNG, f"{names.P2P_HUNG}{{{selector}}}"),
                        *((name, f"{name}{{{selector}}}") for name in (
                            names.NONFINITE_FIRST_SEQ, names.NONFINITE_FIRST_SEND, names.NONFINITE_ENTRY_SEQ,

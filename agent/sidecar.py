@@ -558,10 +558,10 @@ class Sidecar:
         for name, count in counts.items():
             age = (now_ns - oldest[name]) / 1e9 if name in oldest else 0.0
             since, hung = oldest_collective.get(name, (now_ns, None))
-            hung_op, hung_seq = (OPS[hung.op].value, hung.seq) if hung and now_ns - since >= self.hang_threshold_ns \
-                else (None, None)
+            hung_op, hung_seq, hung_bytes = (OPS[hung.op].value, hung.seq, hung.nbytes) \
+                if hung and now_ns - since >= self.hang_threshold_ns else (None, None, None)
             since, p2p = oldest_p2p.get(name, (now_ns, None))
             p2p_hung = (OPS[p2p.op].value, self._global_rank(p2p.pg, p2p.peer), (now_ns - since) / 1e9) \
                 if p2p and now_ns - since >= self.hang_threshold_ns else None
-            found[name] = GroupInFlight(count, age, hung_op, hung_seq, p2p_hung)
+            found[name] = GroupInFlight(count, age, hung_op, hung_seq, p2p_hung, hung_bytes)
         return found

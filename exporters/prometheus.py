@@ -151,6 +151,9 @@ class MetricsCollector(_Scrapes):
         yield _gauge(names.HUNG_SEQ, "Sequence number of the oldest collective in flight past the hang threshold, "
                      "by op; absent when none", ("pg", "op"),
                      {(pg, g.hung_op): g.hung_seq for pg, g in inflight.items() if g.hung_seq is not None}, rank)
+        yield _gauge(names.HUNG_BYTES, "Payload bytes of that collective (the ranks of an all_reduce, reduce or "
+                     "broadcast give alike: one that gives other bytes did not match the others)", ("pg", "op"),
+                     {(pg, g.hung_op): g.hung_bytes for pg, g in inflight.items() if g.hung_seq is not None}, rank)
         yield _gauge(names.P2P_HUNG, "Age of the oldest point-to-point op in flight past the hang threshold, by op "
                      "and the global rank it waits on (peer); absent when none", ("pg", "op", "peer"),
                      {(pg, g.p2p_hung[0], str(g.p2p_hung[1])): g.p2p_hung[2]

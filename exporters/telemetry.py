@@ -96,6 +96,8 @@ class GroupInFlight(NamedTuple):
     p2p_hung: tuple[str, int, float] | None = None
     """The oldest point-to-point op in flight past the hang threshold: its op, its peer's global rank
     (the rank it waits on) and its age in seconds."""
+    hung_bytes: int | None = None
+    """The payload bytes of the oldest collective in flight past the hang threshold (``hung_seq``'s)."""
 
 
 class StatsSnapshot(NamedTuple):

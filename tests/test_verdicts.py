@@ -635,3 +635,18 @@ def test_a_killed_rank_whose_peers_failed_on_it_in_two_groups_is_named_once():
     lines = [f.line() for f in findings(facts)]
     assert len(lines) == 1 and lines[0].startswith("killed or crashed: rank 2 in all_reduce (group 0, seq 4)"), lines
     assert lines[0].endswith("; in all_reduce (group 2, seq 31) too: ranks [3] waited in or failed in seq 31"), lines
+
+
+def test_ranks_that_all_wait_in_a_collective_whose_input_is_larger_on_one_name_that_one_a_size_mismatch():
+    """Live metrics of a 4-stage pipeline's job whose rank 0 gives the loss all_reduce 2 elements where
+    the others give 1: gloo leaves every rank waiting in seq 3 (no rank behind, none completed it). Their
+    hung collectives' bytes tell rank 0 apart: a size mismatch, not a hang with no culprit."""
+    lines = [line for rank in range(4) for line in (
+        f'commlens_collective_hung_seq{{pg="0",op="all_reduce",rank="{rank}"}} 3',
+        f'commlens_collective_hung_bytes{{pg="0",op="all_reduce",rank="{rank}"}} {8 if rank == 0 else 4}',
+        f'commlens_collective_last_seq{{pg="0",state="enqueued",rank="{rank}"}} 3',
+        f'commlens_collective_last_seq{{pg="0",state="completed",rank="{rank}"}} 2')]
+    scrape = ["\n".join(lines) + "\n"]
+    found = [f.line() for f in findings(from_metrics_texts(scrape, scrape, 5.0))]
+    assert found == ["size mismatch: rank 0 in all_reduce (group 0, seq 3) — its input was 8 bytes where ranks "
+                     "[1, 2, 3] gave 4 bytes, and they wait in it: their sides did not match"], found
