@@ -20,10 +20,6 @@ STRAGGLER_MIN_S = 0.005
 """A straggler arrives at least this much later, on average, than the group's first rank ..."""
 STRAGGLER_RATIO = 0.5
 """... and waits less than this fraction of what the group's longest waiter waits (live) ..."""
-STRAGGLER_OWN_TIME = 0.75
-"""... and spends under this fraction of the time in its ops, all its groups together, of the member that
-spends most: its own compute holds them up. Not a half: a pipeline's first stage waits in its bubbles
-for the echo of its own lateness (the last stage, started late by it, sends its gradients late)."""
 STRAGGLER_EVIDENCE = 30
 """After the fact, a straggler is only named from at least this many collectives seen by every rank."""
 STRAGGLER_LIVE_EVIDENCE = 10
@@ -694,13 +690,13 @@ def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> 
 
 def _computes_while_they_wait(rank: int, groups: dict[int, GroupFacts], everyone: list[RankFacts]) -> bool:
     """Whether ``rank``, last to arrive in a group of ``groups``' members, straggles: arriving last in one
-    group because it waited in another is not straggling. A straggler spends under ``STRAGGLER_OWN_TIME``
+    group because it waited in another is not straggling. A straggler spends under ``STRAGGLER_RATIO``
     of the time in its ops, all its groups together, of the member that spends most (live over the
     window, after the fact over the job: ``GroupFacts.waited_s``), its own compute holding them up; and
     one that waits now past the hang threshold is a link of a chain that another finding names."""
     waited = {f.rank: _in_collectives(f) for f in everyone if f.rank in groups}
     return not _waiting(f for f in everyone if f.rank == rank) and \
-        waited[rank] < STRAGGLER_OWN_TIME * max(waited.values())
+        waited[rank] < STRAGGLER_RATIO * max(waited.values())
 
 
 def _stalls(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:
