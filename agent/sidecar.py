@@ -124,8 +124,6 @@ class Sidecar:
         self._nan_since: int | None = None
         """The reader's cursor when a NAN record began to wait for its collective's START."""
         self._hung: set[int] = set()
-        self._scales_losses = False
-        """A loss scaler of this rank scaled a loss ("scaled"): its steps begin there."""
         self._scaled_step: list[Collective] | None = None
         """While a loss scaler's step is in progress: its collectives with non-finite tensors, held
         until the scaler says whether it skipped the step (hooks/loss_scale.py)."""
@@ -440,18 +438,17 @@ class Sidecar:
                              self._scaled_step is not None)
 
     def _loss_scale(self, event: str) -> None:
-        """A loss scaler began a step ("made", or "scaled" a loss: the step's gradients follow), or ended
-        it: the non-finite values of a step it skipped were its overflow, marked so on their spans. A
-        rank whose scaler scales no loss of its own (a pipeline stage before the last: its gradients come
-        from the stage after it, Inf with that one's overflow) begins its next step as one ends."""
+        """A loss scaler began a step ("made", or "scaled" a loss), or ended it, and the next begins: the
+        non-finite values of a step it skipped were dropped with the step (its overflow, or values the
+        scaler kept out of the weights), marked so on their spans. From step to step, not from the
+        loss's scaling on: a pipeline stage before the last scales no loss of its own, and gets the Inf
+        of the stage after it's overflow in its gradients."""
         if event in ("made", "scaled"):
-            self._scales_losses = self._scales_losses or event == "scaled"
             self._scaled_step = self._scaled_step or []  # a step already begun keeps what it holds
             return
         self.stats.loss_scale_step(event)
         self._release(self.stats.loss_scale_steps["skipped"] if event == "skipped" else 0)
-        if not self._scales_losses:
-            self._scaled_step = []
+        self._scaled_step = []
 
     def _release(self, skipped_step: int) -> None:
         held, self._scaled_step = self._scaled_step or [], None
