@@ -364,6 +364,10 @@ def _waiting_elsewhere(f: RankFacts, pg: str, live: bool, first_wait_ns: int | N
         if group.p2p_hung is not None:
             op, peer, _ = group.p2p_hung
             return other, f"waits itself on rank {peer} in {op} (group {other})"
+        if group.p2p_failed is not None and (live or first_wait_ns is None or (group.p2p_failed[2] or 0) <= first_wait_ns
+                                             + _threshold_s(pg, [f]) * 1e9):
+            op, peer, _ = group.p2p_failed
+            return other, f"failed itself on rank {peer} in {op} (group {other})"
         if other == pg:
             continue
         if group.hung is not None:

@@ -118,7 +118,9 @@ def _metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> Non
         if group.nonfinite is None or value < group.nonfinite[0]:
             group.nonfinite = (int(value), labels["op"], labels["kind"])
     elif name == names.NONFINITE_FIRST_SEND:
-        facts.group(pg).first_sends[int(labels["peer"])] = (int(value), labels["kind"])
+        sends = facts.group(pg).first_sends
+        if value < sends.get(int(labels["peer"]), (value + 1,))[0]:  # its first of either kind
+            sends[int(labels["peer"])] = (int(value), labels["kind"])
     elif name == names.NONFINITE_ENTRY_SEQ:
         facts.entry = (pg, labels["op"], int(value), labels["kind"], int(labels.get("peer") or -1))
     elif name == names.NONFINITE_ISSUED_BEFORE and labels.get("peer"):
