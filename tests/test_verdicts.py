@@ -650,3 +650,29 @@ def test_ranks_that_all_wait_in_a_collective_whose_input_is_larger_on_one_name_t
     found = [f.line() for f in findings(from_metrics_texts(scrape, scrape, 5.0))]
     assert found == ["size mismatch: rank 0 in all_reduce (group 0, seq 3) — its input was 8 bytes where ranks "
                      "[1, 2, 3] gave 4 bytes, and they wait in it: their sides did not match"], found
+
+
+def test_a_rank_reached_by_an_inf_that_turned_nan_on_the_way_is_not_an_origin():
+    """Live: rank 6's sends to rank 4 held Inf first (its 41st) and NaN later (its 43rd); rank 4 had
+    issued 42 recvs from rank 6 before its own first non-finite input. The Inf reached it: rank 6 alone."""
+    texts = ['commlens_nonfinite_first_send{pg="7",peer="4",kind="inf",rank="6"} 41\n'
+             'commlens_nonfinite_first_send{pg="7",peer="4",kind="nan",rank="6"} 43\n'
+             'commlens_nonfinite_entry_seq{pg="7",op="send",kind="inf",peer="4",rank="6"} 82\n',
+             'commlens_nonfinite_first_seq{pg="9",op="all_reduce",kind="inf",rank="4"} 21\n'
+             'commlens_nonfinite_entry_seq{pg="9",op="all_reduce",kind="inf",peer="",rank="4"} 21\n'
+             'commlens_nonfinite_issued_before_seq{pg="7",peer="6",rank="4"} 42\n']
+    found = findings(from_metrics_texts(texts, texts, 5.0))
+    assert [(f.kind, f.ranks) for f in found] == [("nan_origin", (6,))], [f.line() for f in found]
+
+
+def test_a_rank_behind_because_its_recv_from_the_culprit_failed_is_a_link_not_late():
+    """Live: rank 0 left; rank 2's recv from it failed (group 5), so rank 2 never issued seq 21 of group 11,
+    where rank 6 waits for it. Rank 0 is named; rank 2 is held up through it."""
+    facts = [RankFacts(rank) for rank in (0, 2, 6)]
+    facts[0].gone = True
+    facts[1].group("5").p2p_failed = ("recv", 0, None)
+    facts[1].group("11").issued = facts[1].group("11").finished = 20
+    facts[2].group("11").issued, facts[2].group("11").finished, facts[2].group("11").hung = 21, 20, ("all_reduce", 21)
+    lines = [f.line() for f in findings(facts)]
+    assert culprits("\n".join(lines)) == {0}, lines
+    assert any("rank 2 failed itself on rank 0 in recv (group 5)" in line for line in lines), lines
