@@ -255,7 +255,7 @@ def summarize(results: list[dict], out_dir: str, faults: tuple[Fault, ...] = ())
     """The closing summary: per op, then per rank, then the verdict that ``commlens diagnose`` gives
     on the job's trace files and dumps, with the training step of each finding; the injected faults
     are listed apart, labelled as such — no verdict line is derived from them."""
-    from .detectors import findings
+    from .verdicts import findings
     from .readers import from_files
 
     lines = [f"{'op':<16}{'count':>8}{'p50 ms':>10}{'p99 ms':>10}{'busbw MB/s':>12}"]

@@ -1,7 +1,7 @@
 """The verdict: which rank, which collective, why — from telemetry alone (``commlens diagnose``).
 
 Facts come live from the ranks' metrics endpoints or Prometheus, or after the fact from a job's
-folder; ``detectors.findings`` judges them. The findings: docs/verdicts.md.
+folder; ``verdicts.findings`` judges them. The findings: docs/verdicts.md.
 
 Example::
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import sys
 
-from .detectors import findings
-from .facts import Finding, RankFacts
+from .facts import RankFacts
+from .verdicts import Finding, findings
 from .readers import NO_TELEMETRY, from_endpoints, from_files, from_prometheus, kept_and_said
 
 

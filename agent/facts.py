@@ -1,7 +1,7 @@
-"""What the verdict is drawn from: each rank's facts about each of its groups, and a finding.
+"""What the verdict is drawn from: each rank's facts about each of its groups.
 
-Readers (``readers.py``) fill ``RankFacts`` from metrics, Prometheus or a job's files; detectors
-(``detectors.py``) turn them into ``Finding``s.
+Readers (``readers.py``) fill ``RankFacts`` from metrics, Prometheus or a job's files; the detectors
+(``verdicts.findings``) turn them into ``Finding``s.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class RankFacts:
     """Its process ended without a signal or an exception (killed, crashed), as a pod sidecar saw."""
     vanished: bool = False
     """It had no chance to say how its process ended — SIGKILL, the OOM killer, a crash — as its peers'
-    waits on it or failures tell (``detectors``): after the fact, it left neither a dump nor a note that it
+    waits on it or failures tell (``verdicts.detectors``): after the fact, it left neither a dump nor a note that it
     ended (``flight_recorder.ENDED``) where other ranks of its job left theirs; live (``--prometheus``),
     its own endpoint went down with no ``commlens_rank_up`` 0, signal or exception in its last scrapes."""
     stopped: bool = False
@@ -102,34 +102,3 @@ class RankFacts:
 
     def group(self, pg: str) -> GroupFacts:
         return self.groups.setdefault(pg, GroupFacts())
-
-
-@dataclasses.dataclass(frozen=True)
-class Finding:
-    kind: str
-    """nan_origin, node_unreachable, node_slow, network_slow, lost_rank, late_rank, desync, size_mismatch,
-    straggler, stall, hang or deadlock."""
-    ranks: tuple[int, ...]
-    pg: str
-    op: str
-    seq: int | None
-    evidence: str
-    waits_in: tuple[str, ...] = ()
-    """A deadlock link's: the groups its ranks wait in (where the chain goes on)."""
-    node: str = ""
-    """A node_unreachable's or node_slow's: the node (``ranks``: its ranks)."""
-
-    def line(self) -> str:
-        who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {', '.join(map(str, self.ranks))}"
-        if self.node:
-            who = f"node {self.node} ({who})"
-        if self.kind == "network_slow":
-            who = "every rank waits"
-        where = f"{self.op} (group {self.pg}" + (f", seq {self.seq})" if self.seq is not None else ")") \
-            if self.op else "the job"
-        title = {"nan_origin": "NaN/Inf entered on", "node_unreachable": "unreachable:", "node_slow": "slow node:",
-                 "network_slow": "the network is slow, no rank is late:",
-                 "lost_rank": "killed or crashed:", "late_rank": "late or missing:", "desync": "desync:",
-                 "size_mismatch": "size mismatch:", "straggler": "straggler:", "stall": "stall:",
-                 "hang": "hang: all waiting,", "deadlock": "deadlock: waiting on each other,"}[self.kind]
-        return f"{title} {who} in {where} — {self.evidence}"

@@ -73,7 +73,7 @@ def conclude(folder: str) -> tuple[list[str], list[str]]:
     verdict's lines and the paths written (none where the folder holds no telemetry). What cannot be
     read is named on stderr and in the verdict."""
     from . import diagnose, report, timeline
-    from .detectors import findings
+    from .verdicts import findings
 
     unread: list[str] = []
     found, facts = timeline.read_facts(folder, kept_and_said(unread))

@@ -16,10 +16,10 @@ import math
 import os
 import sys
 
-from .detectors import findings
 from .diagnose import caveats, notes
 from .diagnose import verdict as verdict_lines
 from .facts import RankFacts
+from .verdicts import findings
 from .readers import NO_TELEMETRY, kept_and_said
 from .timeline import Slice, aligned, clock_offsets, read_facts
 

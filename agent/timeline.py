@@ -22,8 +22,8 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 
 from commlens.exporters import names
 
-from .detectors import findings
 from .facts import RankFacts
+from .verdicts import findings
 from .readers import clock_offsets as _offsets, from_files, say_skipped
 
 

@@ -61,6 +61,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from monitoring import PARALLEL_SCRIPT, SCRIPT, Prometheus, TrainingJob, culprits, end_session, wait_for  # noqa: E402
 from nodes import NodeJob, Nodes, why_not  # noqa: E402
 
+from commlens.agent.verdicts.catalogue import VERDICT_ALERTS  # noqa: E402
+
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
 CULPRIT = 1
 CULPRIT_NODE = "node-1"
@@ -95,7 +97,6 @@ FAULTS = {
 }
 """``node-*``: 3 nodes of 2 ranks (``tests/nodes.py``, root only), node 1 killed whole, its link cut, its
 CPU throttled to a tenth of one, or its link limited to 1 Mbit/s (the culprit: the network)."""
-CULPRIT_ALERTS = {fault.alert for fault in FAULTS.values()} | {"CommlensDeadlock", "CommlensCollectiveHung"}
 
 
 @dataclasses.dataclass
@@ -153,7 +154,7 @@ def measure(name: str, after_s: float) -> Run:
         while time.monotonic() < deadline:
             now = time.time()
             try:
-                states = prometheus.query(f'ALERTS{{alertname=~"{"|".join(CULPRIT_ALERTS)}"}}')
+                states = prometheus.query(f'ALERTS{{alertname=~"{"|".join(VERDICT_ALERTS)}"}}')
             except OSError:
                 states = []
             ranks |= {_named(s["metric"]) for s in states if s["metric"]["alertstate"] == "firing"} - {""}
@@ -216,11 +217,8 @@ def _figure(values: list[float]) -> str:
 # The verdict matrix (--matrix) -----------------------------------------------------------------------
 
 from matrix_train import SHAPES  # noqa: E402
-from test_verdicts import CULPRIT_ALERTS as VERDICT_ALERTS  # noqa: E402
 
 MATRIX_SCRIPT = os.path.join(os.path.dirname(SCRIPT), "matrix_train.py")
-NAMING_ALERTS = (*VERDICT_ALERTS, "CommlensRankKilled")
-"""The alerts that name a culprit (rank, or node)."""
 FAULT_STEP = 20
 """The step the fault strikes at; ``size`` and ``desync`` in the job's loss all_reduce of that step."""
 EXPECTED = {"nan": ("CommlensNaNOrigin",), "inf": ("CommlensNaNOrigin",),
@@ -461,7 +459,7 @@ def run_cell(tmp_path: pathlib.Path, cell: Cell, alert_timeout_s: float = 90, af
         job_rc = job.process.returncode
     offline = _diagnose(str(job.out))
     zero = job.fault_at() or job_started
-    by_alerts = {_named(a["metric"]) for a in alerts if a["metric"]["alertname"] in NAMING_ALERTS} - {""}
+    by_alerts = {_named(a["metric"]) for a in alerts if a["metric"]["alertname"] in VERDICT_ALERTS} - {""}
     first = {id(a): min(float(t) for t, _ in a["values"]) for a in alerts}
     mine = [first[id(a)] for a in alerts if a["metric"]["alertname"] in expected and a["metric"].get("rank") == culprit]
     said = []

@@ -1,7 +1,9 @@
-"""Builds the Kubernetes objects that carry files kept elsewhere in the repository:
+"""Builds the files of deploy/ that carry files kept elsewhere in the repository:
 
-* ``kubernetes/prometheusrule.yaml``: the PrometheusRule holding ``prometheus-rules.yaml``'s groups at
-  the scrape interval of ``kubernetes/podmonitor.yaml`` (15 s; ``commlens.agent.rules``);
+* ``prometheus-rules.yaml``: the alert rules of the verdicts' catalogue (``agent/verdicts/rules``, a file
+  per kind; ``commlens.agent.verdicts.catalogue``);
+* ``kubernetes/prometheusrule.yaml``: the PrometheusRule holding those groups at the scrape interval of
+  ``kubernetes/podmonitor.yaml`` (15 s; ``commlens.agent.rules``);
 * ``kubernetes/grafana-dashboards.yaml``: a ConfigMap holding ``dashboards/*.json`` for Grafana's
   dashboard sidecar.
 
@@ -16,6 +18,7 @@ import sys
 import yaml
 
 from commlens.agent.rules import parse_interval, prometheus_rule
+from commlens.agent.verdicts.catalogue import rules_text
 
 HERE = pathlib.Path(__file__).resolve().parent
 DASHBOARDS = HERE.parent / "dashboards"
@@ -30,7 +33,7 @@ def scrape_interval_s() -> int:
 
 def prometheus_rule_text() -> str:
     """``prometheus-rules.yaml``'s groups at the PodMonitor's scrape interval (``commlens.agent.rules``)."""
-    return prometheus_rule((HERE / "prometheus-rules.yaml").read_text(), scrape_interval_s())
+    return prometheus_rule(rules_text(), scrape_interval_s())
 
 
 def dashboards_config_map() -> dict:
@@ -55,13 +58,14 @@ def dashboards_text() -> str:
     return render(dashboards_config_map(), "dashboards/*.json")
 
 
-OUTPUTS = {"prometheusrule.yaml": prometheus_rule_text, "grafana-dashboards.yaml": dashboards_text}
-"""Each built file's name in ``kubernetes/``, and what builds its text."""
+OUTPUTS = {"prometheus-rules.yaml": rules_text, "kubernetes/prometheusrule.yaml": prometheus_rule_text,
+           "kubernetes/grafana-dashboards.yaml": dashboards_text}
+"""Each built file's path in ``deploy/``, and what builds its text."""
 
 
 def main() -> int:
     for name, build in OUTPUTS.items():
-        (HERE / "kubernetes" / name).write_text(build())
+        (HERE / name).write_text(build())
     return 0
 
 

@@ -58,11 +58,10 @@ def _documents(folder: str = "kubernetes"):
             if path.name != "kustomization.yaml" for document in yaml.safe_load_all(path.read_text())]
 
 
-def test_the_prometheus_rule_and_dashboards_config_map_hold_the_files_they_are_built_from():
+def test_the_rules_prometheus_rule_and_dashboards_config_map_hold_the_files_they_are_built_from():
     build = _build()
     for name, make in build.OUTPUTS.items():
-        assert (DEPLOY / "kubernetes" / name).read_text() == make(), \
-            f"deploy/kubernetes/{name} is out of date: run python deploy/build.py"
+        assert (DEPLOY / name).read_text() == make(), f"deploy/{name} is out of date: run python deploy/build.py"
     documents = dict(_documents())
     interval = documents["podmonitor.yaml"]["spec"]["podMetricsEndpoints"][0]["interval"]
     rules = yaml.safe_load(at_interval((DEPLOY / "prometheus-rules.yaml").read_text(), parse_interval(interval)))

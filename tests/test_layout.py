@@ -10,25 +10,27 @@ PACKAGES = {"hooks": "commlens.hooks", "agent": "commlens.agent", "exporters": "
 
 
 def _modules() -> dict[str, pathlib.Path]:
-    return {f"{package}.{path.stem}": path for folder, package in PACKAGES.items()
-            for path in sorted((ROOT / folder).glob("*.py"))}
+    """Every module of the packages, subpackages' too (a package by its ``__init__``)."""
+    found = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = [part for part in path.relative_to(ROOT / folder).with_suffix("").parts if part != "__init__"]
+            found[".".join((package, *parts))] = path
+    return found
 
 
 def _imports(name: str, path: pathlib.Path) -> set[str]:
     """The commlens modules ``name`` imports, at any depth of its code (lazy imports too)."""
-    package = name.rsplit(".", 1)[0]
-    found = set()
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    modules, found = _modules(), set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            base = package if node.level else (node.module or "")
-            if node.level and node.module:
-                base = f"{package}.{node.module}"
-            for alias in node.names:
-                found.add(f"{base}.{alias.name}")
-                found.add(base)
+        if isinstance(node, ast.ImportFrom):  # from a module: it; from a package: its modules named, or itself
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            base = ".".join(filter(None, (base, node.module)))
+            named = {f"{base}.{alias.name}" for alias in node.names}
+            found.update(named & modules.keys() or ({base} if node.module else set()))
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-    modules = _modules()
     return {module for module in found if module in modules and module != name}
 
 
@@ -36,6 +38,7 @@ def test_imports_point_one_way_and_never_in_a_circle():
     modules = _modules()
     graph = {name: _imports(name, path) for name, path in modules.items()}
     assert graph["commlens.agent.runtime"] >= {"commlens.agent.pipeline", "commlens.hooks.process_ring"}, graph
+    assert graph["commlens.agent.verdicts.detectors"] >= {"commlens.agent.facts", "commlens.agent.verdicts.catalogue"}
     for name, imported in graph.items():  # hooks import neither; exporters only the record types of hooks
         if name.startswith("commlens.hooks."):
             assert all(m.startswith("commlens.hooks.") for m in imported), (name, imported)
@@ -61,5 +64,5 @@ def test_imports_point_one_way_and_never_in_a_circle():
 def test_records_are_written_only_through_the_record_module():
     positional = re.compile(r"\bwrite\((START|END|GPU_START|NAN|SNAPSHOT)\b")
     writers = [path.relative_to(ROOT) for folder in ("hooks", "agent", "exporters", "bench")
-               for path in sorted((ROOT / folder).glob("*.py")) if positional.search(path.read_text())]
+               for path in sorted((ROOT / folder).rglob("*.py")) if positional.search(path.read_text())]
     assert writers == [pathlib.Path("hooks/record.py")], writers

@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from commlens.agent.detectors import findings
+from commlens.agent.verdicts import findings
+from commlens.agent.verdicts.catalogue import VERDICT_ALERTS
 from commlens.agent.facts import RankFacts
 from commlens.exporters import names
 from monitoring import PARALLEL_SCRIPT, Alertmanager, Prometheus, Webhook, wait_for
@@ -24,9 +25,7 @@ from nodes import Nodes, NodeJob, why_not
 from receivers import GrpcReceiver, span_attributes, spans_of
 
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
-CULPRIT_ALERTS = ("CommlensNaNOrigin", "CommlensRankLate", "CommlensCollectiveDesync", "CommlensStraggler",
-                  "CommlensDeadlock", "CommlensPeerLate", "CommlensCollectiveMismatch", "CommlensRankKilled",
-                  "CommlensNodeUnreachable", "CommlensCollectiveHung", "CommlensNodeSlow", "CommlensNetworkSlow")
+CULPRIT_ALERTS = VERDICT_ALERTS
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import yaml
 
 from commlens.agent.readers import scrape_interval_s
 from commlens.agent.rules import at_interval, parse_interval
+from commlens.agent.verdicts.catalogue import VERDICT_ALERTS
 from monitoring import Prometheus, promtool, wait_for
 from ports import free_port
 
@@ -125,10 +126,8 @@ def _replay(tmp_path, rules: str, interval_s: int, fault: str) -> str:
     return "" if found.returncode == 0 else found.stdout + found.stderr
 
 
-CULPRIT_ALERTS = ("CommlensNaNOrigin", "CommlensRankLate", "CommlensStraggler", "CommlensPeerLate", "CommlensRankKilled",
-                  "CommlensCollectiveDesync", "CommlensDeadlock", "CommlensCollectiveMismatch", "CommlensCollectiveHung",
-                  "CommlensNodeSlow", "CommlensNodeUnreachable")
-"""The alerts that name a culprit (a rank, a node): none but the fault's may fire."""
+CULPRIT_ALERTS = VERDICT_ALERTS
+"""The alerts that name a culprit (a rank, a node, the network): none but the fault's may fire."""
 
 
 @pytest.mark.parametrize("interval", ["15s", "30s", "1m"])

@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from commlens.agent.detectors import findings
+from commlens.agent.verdicts import findings
+from commlens.agent.verdicts.catalogue import VERDICT_ALERTS
 from commlens.agent.facts import RankFacts
 from commlens.agent.readers import from_files, from_metrics_texts
 from commlens.exporters import names
@@ -25,8 +26,7 @@ from monitoring import PARALLEL_SCRIPT, Alertmanager, Prometheus, TrainingJob, W
 
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
 WORLD, CULPRIT = 3, 1
-CULPRIT_ALERTS = ("CommlensNaNOrigin", "CommlensRankLate", "CommlensCollectiveDesync", "CommlensStraggler",
-                  "CommlensDeadlock", "CommlensPeerLate", "CommlensCollectiveMismatch", "CommlensNodeSlow")
+CULPRIT_ALERTS = VERDICT_ALERTS
 
 
 @contextlib.contextmanager

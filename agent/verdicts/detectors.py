@@ -1,5 +1,5 @@
-"""The detectors: ``findings()`` turns ranks' facts into verdicts, the same way whatever the source
-(docs/verdicts.md says what each detector finds and why).
+"""The detectors: ``findings()`` turns ranks' facts into verdicts of the catalogue's kinds, the same way
+whatever the source (docs/verdicts.md says what each detector finds and why).
 
 Example::
 
@@ -14,7 +14,9 @@ import dataclasses
 import statistics
 from typing import Any, Iterable
 
-from .facts import Finding, GroupFacts, RankFacts
+from ..facts import GroupFacts, RankFacts
+from .catalogue import KINDS
+from .finding import Finding
 
 STRAGGLER_MIN_S = 0.005
 """A straggler arrives at least this much later, on average, than the group's first rank ..."""
@@ -76,8 +78,7 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
     found = _slow_node(found, facts) if any(f.kind != "straggler" for f in found) else _node_last(found, facts)
     if not found:
         found = _network_slow(facts)
-    order = ("nan_origin", "node_unreachable", "node_slow", "network_slow", "lost_rank", "desync", "size_mismatch",
-             "late_rank", "deadlock", "hang", "stall", "straggler")
+    order = [kind.name for kind in KINDS]
     return sorted(found, key=lambda f: order.index(f.kind))
 
 
