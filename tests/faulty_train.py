@@ -38,8 +38,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--step-ms", type=float, default=20, help="compute time of a step")
     parser.add_argument("--late-s", type=float, default=8)
+    parser.add_argument("--timeout-s", type=float, default=60, help="the backend's timeout")
+    parser.add_argument("--metrics", type=int, default=0,
+                        help="every 10 steps, all_reduce this many scalar metrics at once, each its own async op")
     args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(
@@ -77,6 +80,9 @@ def main() -> None:
             work.wait()
         else:
             dist.all_reduce(report)
+        if args.metrics and step % 10 == 0:
+            for work in [dist.all_reduce(torch.zeros(1), async_op=True) for _ in range(args.metrics)]:
+                work.wait()
     dist.destroy_process_group()
 
 

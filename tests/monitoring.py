@@ -116,11 +116,12 @@ class TrainingJob:
 
     def __init__(self, tmp_path, world: int, fault: str, rank: int = 1, step: int = 100, steps: int = 1000,
                  hang_threshold_s: float = 3, extra=(), pod: bool = False, ring_dir=None, script: str = SCRIPT,
-                 start_now: bool = True):
+                 start_now: bool = True, env=None):
         """``pod``: with ``commlens run --sidecar`` (one metrics target); ``ring_dir``: the ranks write
         their rings there for a ``PodSidecar`` the test runs (and serve no metrics themselves);
         ``script``: another training script that takes the same options (``tests/parallel_train.py``);
-        ``start_now``: False to ``start()`` it later (once a Prometheus scrapes its targets)."""
+        ``start_now``: False to ``start()`` it later (once a Prometheus scrapes its targets); ``env``: more
+        of the job's environment (commlens' configuration)."""
         self.world, self.base, self.out = world, free_ports(world), tmp_path / "job"
         self.store = f"127.0.0.1:{free_ports(1)}"
         """The job's store (torchrun's), as ``commlens dump`` takes it."""
@@ -136,7 +137,7 @@ class TrainingJob:
                    "--trace-file", str(self.out / "traces-{rank}.jsonl"), *options, "--",
                    torchrun, "--nproc-per-node", str(world), "--master-port", self.store.split(":")[1], script,
                    "--fault", fault, "--rank", str(rank), "--step", str(step), "--steps", str(steps), *extra]
-        self._command, self.process = command, None
+        self._command, self._env, self.process = command, env or {}, None
         self.targets = [f"127.0.0.1:{self.base + rank}" for rank in range(1 if pod else world)]
         if start_now:
             self.start()
@@ -144,7 +145,7 @@ class TrainingJob:
     def start(self) -> None:
         self.process = subprocess.Popen(
             self._command, env={**os.environ, "TORCHCOMM_FR_DUMP_TEMP_FILE": str(self.out / "rank_"),
-                                "FAULT_TIME_FILE": str(self.fault_time)},
+                                "FAULT_TIME_FILE": str(self.fault_time), **self._env},
             stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def fault_at(self) -> float | None:
