@@ -246,10 +246,11 @@ class Layout:
     """A step's wall time under commlens on this machine (measured): how many steps last how long."""
 
 
-LAYOUTS = {"ddp": Layout(3, 20, 0.025), "tp-dp": Layout(4, 30, 0.04), "tp-pp-dp": Layout(8, 60, 0.12),
-           "pp4": Layout(4, 40, 0.12)}
+LAYOUTS = {"ddp": Layout(3, 20, 0.025), "fsdp": Layout(4, 20, 0.036), "tp-dp": Layout(4, 30, 0.04),
+           "tp-pp-dp": Layout(8, 60, 0.12), "pp4": Layout(4, 40, 0.12)}
 """Steps measured from the spans of 150-300 healthy steps under ``commlens run`` (2026-11-28, 2 cores):
-ddp 24 ms, tp-dp 37 ms, tp-pp-dp 113 ms (the 1F1B schedule's bubble: 3 slots of 2 microbatches), pp4 115 ms."""
+ddp 24 ms, fsdp 36 ms, tp-dp 37 ms, tp-pp-dp 113 ms (the 1F1B schedule's bubble: 3 slots of 2 microbatches),
+pp4 115 ms."""
 
 
 def positions(layout: str, world: int) -> dict[int, str]:

@@ -1,4 +1,4 @@
-"""An ordinary training script in one of four parallel layouts, with a fault written into any rank, for
+"""An ordinary training script in one of five parallel layouts, with a fault written into any rank, for
 the verdict matrix (``bench/detection.py --matrix``). It knows nothing of commlens: the matrix runs it
 under ``commlens run -- torchrun``.
 
@@ -8,6 +8,8 @@ Layouts (``rank = replica * stages * tp + stage * tp + tp_index``; every rank cr
 one order, before training):
 
     ddp       one data-parallel group, the world (DDP)
+    fsdp      the model fully sharded over the world (FSDP2's ``fully_shard``: its parameters
+              all_gathered forward and backward, its gradients reduce_scattered)
     tp-dp     tensor-parallel pairs (0, 1), (2, 3), ...: each rank holds a shard and the pair
               all_reduces its partial results; data-parallel over the pairs (DDP in the groups of
               the even and of the odd ranks)
@@ -32,12 +34,13 @@ Faults, on rank ``--rank`` at step ``--step`` (``--fault none`` for a healthy ru
     nan, inf      the rank puts NaN (Inf) in a tensor it then sends on: in a pipeline, into the
                   gradient it sends back to the previous stage, or, in the first stage, into the
                   activations it sends forward; in ddp into its own gradient, in tp-dp into its
-                  partial result, before their all_reduce. The values then spread as they would.
+                  partial result, before their all_reduce; in fsdp into its forward's output, whose
+                  gradients it then reduce_scatters. The values then spread as they would.
     late          the rank sleeps ``--late-s`` before its first collective of the step
     stall         the same for 1.5 s, once (under a 3 s hang threshold)
     leave         the rank leaves the training loop and exits 0 without destroying the process group
     kill          the rank SIGKILLs itself right after issuing an async collective of its TP group
-                  (of its data-parallel group where it has no TP partner)
+                  (of its data-parallel group where it has no TP partner; fsdp: the world's)
     size          the rank gives the job's loss all_reduce (the first from ``--step`` on) 2 elements
                   where the others give 1
     desync        the rank issues all_gather where the others all_reduce the job's loss
@@ -58,9 +61,10 @@ import time
 import torch
 import torch.distributed as dist
 from faulty_train import mark_fault_time
+from torch.distributed.fsdp import fully_shard
 
 HIDDEN, BATCH = 32, 16
-SHAPES = {"ddp": (1, 1, 0), "tp-dp": (2, 1, 2), "tp-pp-dp": (2, 2, 4), "pp4": (1, 4, 4)}
+SHAPES = {"ddp": (1, 1, 0), "fsdp": (1, 1, 0), "tp-dp": (2, 1, 2), "tp-pp-dp": (2, 2, 4), "pp4": (1, 4, 4)}
 """Layout -> (TP size, pipeline stages, ranks per data-parallel replica; 0: any world)."""
 FAULTS = ("none", "nan", "inf", "late", "stall", "leave", "kill", "size", "desync", "slow-data", "slow-compute")
 
@@ -163,7 +167,7 @@ def main() -> None:
     pp_groups = {(r, t): dist.new_group([at(r, s, t) for s in range(stages)]) for r in range(replicas)
                  for t in range(tp)} if stages > 1 else {}
     dp_groups = {(s, t): dist.new_group([at(r, s, t) for r in range(replicas)]) for s in range(stages)
-                 for t in range(tp)} if args.layout != "ddp" else {}
+                 for t in range(tp)} if args.layout not in ("ddp", "fsdp") else {}
     mp_groups = {r: dist.new_group(list(range(r * per_replica, (r + 1) * per_replica))) for r in range(replicas)} \
         if args.precision == "fp16" and stages > 1 else {}
     tp_group = tp_groups.get((replica, stage))
@@ -178,7 +182,10 @@ def main() -> None:
     torch.manual_seed(stage * tp + tp_index)  # the replicas of a shard start alike
     shard = Shard()
     pipelined = stages > 1
-    model = shard if pipelined else torch.nn.parallel.DistributedDataParallel(shard, process_group=dp_group)
+    if args.layout == "fsdp":
+        model = fully_shard(shard)
+    else:
+        model = shard if pipelined else torch.nn.parallel.DistributedDataParallel(shard, process_group=dp_group)
     optimizer = torch.optim.SGD(shard.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", growth_factor=2.0 ** 4, backoff_factor=2.0 ** -4, growth_interval=3,
                                   enabled=args.precision == "fp16")
@@ -211,6 +218,8 @@ def main() -> None:
                 partial = model(x)
             if poison is not None and args.layout == "tp-dp":  # into its partial result
                 partial, poison = partial + (poisoned(partial, poison) - partial.detach()), None
+            if poison is not None and args.layout == "fsdp":  # its gradients follow
+                partial, poison = partial + (poisoned(partial, poison) - partial.detach()), None
             if tp_group is not None:  # the pair's partial results summed; the identity backward
                 total = partial.detach().clone()
                 if fault.now("kill", step):
@@ -232,14 +241,14 @@ def main() -> None:
             time.sleep(compute_s)
             hook = None
             if not pipelined:
-                if poison is not None and tp_group is None:  # ddp: into its own gradient, before DDP's all_reduce
+                if poison is not None and args.layout == "ddp":  # into its own gradient, before DDP's all_reduce
                     value, poison = poison, None
                     hook = shard.linear.weight.register_hook(lambda grad: poisoned(grad, value))
                 if fault.now("kill", step):  # in DDP's place: as many elements as its gradients, then death
                     comm.all_reduce(torch.cat([p.detach().reshape(-1) for p in shard.parameters()]),
                                     dp_group, async_op=True)
                     os.kill(os.getpid(), signal.SIGKILL)
-                comm.before()  # in ddp, DDP's bucket all_reduce is the step's first collective
+                comm.before()  # in ddp, DDP's bucket all_reduce is the step's first collective (fsdp: a gather)
             if last:
                 scaler.scale(loss).backward()
             else:

@@ -1,5 +1,5 @@
 """The verdict matrix (``bench/detection.py --matrix``): its cells, the culprits' positions, and cells run
-end to end by ``run_cell`` — by default one healthy cell; ``COMMLENS_MATRIX_CELLS`` (comma-separated
+end to end by ``run_cell`` — by default ``SAMPLE``; ``COMMLENS_MATRIX_CELLS`` (comma-separated
 ``layout:fault:mode[:culprit][:precision][:wWORLD]``) runs those instead, each a test that passes where
 the alerts, ``diagnose --prometheus`` and ``diagnose`` on the job's folder name the culprit and only it:
 
@@ -16,7 +16,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench")
 
 from detection import EXPECTED, LAYOUTS, Cell, positions, run_cell  # noqa: E402
 
-CELLS = os.environ.get("COMMLENS_MATRIX_CELLS", "ddp:none:per-rank").split(",")
+SAMPLE = ("tp-pp-dp:nan:pod:6", "tp-pp-dp:kill:per-rank:3", "ddp:leave:per-rank:2:w4", "fsdp:nan:per-rank:3")
+"""What CI runs of the matrix (20 s to a minute each), none on rank 1: in an 8-rank TP x PP x DP job, a
+NaN sent back over the pipeline by a last stage (the ranks it reached through a recv and through their
+pair's all_reduce are no origin), and a rank killed with the in-process agent; a rank of a 4-rank DDP
+job leaving its loop while a peer still waits in the previous collective (gloo's broadcast relays
+through the rank that left); a NaN in an FSDP2 rank's gradients, reduce_scattered to the others. The
+whole matrix: ``python bench/detection.py --matrix``."""
+CELLS = os.environ["COMMLENS_MATRIX_CELLS"].split(",") if os.environ.get("COMMLENS_MATRIX_CELLS") else SAMPLE
 
 
 def test_the_culprits_positions_cover_every_place_in_each_layout():
@@ -40,7 +47,7 @@ def test_a_cell_is_parsed_and_its_culprit_drawn_with_the_seed():
     assert str(Cell.parse("ddp:leave:per-rank:2:w4")) == "ddp:leave:per-rank:2:w4"
     with pytest.raises(ValueError, match="give layout"):
         Cell.parse("ddp:explode:pod")
-    assert set(EXPECTED) >= {"none", "nan", "kill"} and set(LAYOUTS) == {"ddp", "tp-dp", "tp-pp-dp", "pp4"}
+    assert set(EXPECTED) >= {"none", "nan", "kill"} and set(LAYOUTS) == {"ddp", "fsdp", "tp-dp", "tp-pp-dp", "pp4"}
 
 
 @pytest.mark.long
