@@ -475,7 +475,8 @@ def _late_peers(facts: list[RankFacts]) -> list[Finding]:
     ended), that wait nowhere and failed nowhere themselves: late, stopped or gone. Live, the waits now;
     after the fact, those the spans show, resolved or not, the waited-on rank waiting nowhere over most
     of one (not a wait on a rank told to stop first: the job's teardown). A peer that waits itself is a
-    link of the chain, whose end another finding names."""
+    link of the chain, whose end another finding names. Nor a peer the job's teardown stopped: an op with a
+    rank fails once its process has ended, and a rank told to stop ended so."""
     by_rank = {f.rank: f for f in facts}
     waits: dict[tuple[int, str], list[tuple[str, str, bool]]] = collections.defaultdict(list)
     """(the waited-on rank, group) -> (op, evidence, whether live) of each wait on it."""
@@ -488,7 +489,8 @@ def _late_peers(facts: list[RankFacts]) -> list[Finding]:
                                               True))
             if group.p2p_failed is not None:
                 op, peer, at = group.p2p_failed
-                if not _waiting([by_rank.get(peer, RankFacts(peer))]):
+                culprit = by_rank.get(peer, RankFacts(peer))
+                if not _waiting([culprit]) and not culprit.stopped and culprit.signalled_ns is None:
                     waits[(peer, pg)].append((op, f"rank {f.rank}'s {op} with it failed (group {pg})", at is None))
             for start, end, op, peer in group.p2p_waits_seen:
                 culprit = by_rank.get(peer, RankFacts(peer))
