@@ -21,6 +21,8 @@ from grafana_foundation_sdk.models.dashboard import (DashboardCursorSync, Dashbo
                                                      FieldColorModeId, VariableRefresh, VariableSort)
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
+from commlens.agent.verdicts.catalogue import VERDICT_ALERTS
+
 HERE = pathlib.Path(__file__).resolve().parent
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 GROUP = 'job=~"$job", pg=~"$pg"'
@@ -51,6 +53,16 @@ def latest(title: str, description: str, expr: str) -> table.Panel:
     q = (prometheus.Dataquery().expr(expr).datasource(DATASOURCE).instant().format(PromQueryFormat.TABLE)
          .ref_id("A"))
     return table.Panel().title(title).description(description).datasource(DATASOURCE).height(8).span(12).with_target(q)
+
+
+def verdicts() -> table.Panel:
+    """The verdicts firing now: the alerts of the catalogue's kinds (``commlens.agent.verdicts``), each with
+    what it names."""
+    firing = f'ALERTS{{alertstate="firing", alertname=~"{"|".join(VERDICT_ALERTS)}", job=~"$job"}}'
+    return latest("Verdicts firing", "What commlens names now, live: each alert of a verdict with the rank, node "
+                  "or group it names (docs/runbooks.md says what to do). `commlens diagnose --prometheus` gives "
+                  "the same verdicts with their evidence.",
+                  f"max by (alertname, job, rank, node, pg, op) ({firing})").span(24)
 
 
 def arrival() -> statetimeline.Panel:
@@ -130,6 +142,8 @@ def overview() -> dashboard.Dashboard:
            f' - on (job, pg) group_right commlens_collective_last_seq{{state="enqueued", {SELECT}}}')
     return (base("commlens — collectives", "commlens-overview",
                  "Every collective of the chosen jobs, process groups and ranks.", rank_multi=True)
+            .with_row(dashboard.Row("Verdicts"))
+            .with_panel(verdicts())
             .with_row(dashboard.Row("Collectives"))
             .with_panel(graph("Latency p50 / p99 by op", "Time from issue to completion; exemplars link to the "
                               "collective's trace.", "s", *latency(SELECT)))

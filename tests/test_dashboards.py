@@ -18,6 +18,7 @@ from grafana_foundation_sdk.models.dashboard import Dashboard
 from monitoring import Demo, Prometheus, promtool, wait_for
 
 FOLDER = pathlib.Path(__file__).resolve().parent.parent / "dashboards"
+RULES = FOLDER.parent / "deploy" / "prometheus-rules.yaml"
 spec = importlib.util.spec_from_file_location("build", FOLDER / "build.py")
 build = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(build)
@@ -127,13 +128,14 @@ def test_every_panel_query_parses(tmp_path):
 def test_every_panel_shows_data_from_a_demo_with_a_nan_and_a_hang(tmp_path):
     world = 3
     inject = ["nan:rank=1:step=7", "hang:rank=2:step=3"]
-    with Demo(tmp_path, world, steps=8, inject=inject) as demo, Prometheus(tmp_path, demo) as prometheus:
+    with Demo(tmp_path, world, steps=8, inject=inject) as demo, Prometheus(tmp_path, demo, [RULES]) as prometheus:
         demo.wait_serving()
         # every rank's final metrics, in the rules' own terms: a NaN and a hang were counted
         wait_for(lambda: prometheus.by_rank('sum by (rank) (commlens_collectives_total)') and
                  len(prometheus.by_rank("commlens_info")) == world and
-                 prometheus.query("sum(commlens_nan_events_total) > 0 and sum(commlens_hangs_total) > 0"),
-                 "the NaN and the hang in Prometheus")
+                 prometheus.query("sum(commlens_nan_events_total) > 0 and sum(commlens_hangs_total) > 0") and
+                 prometheus.query('ALERTS{alertname="CommlensNaNOrigin", alertstate="firing"}'),
+                 "the NaN and the hang in Prometheus, and the NaN's origin named")
         empty = []
         for name in NAMES:
             rank = "1" if "rank" in name else ".+"  # the drill-down shows one rank: the one with the NaN
