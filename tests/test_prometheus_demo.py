@@ -64,7 +64,7 @@ def _check_contract(demo, prometheus):
 @pytest.mark.parametrize("fault, expected", [
     ("nan:rank=1:step=3", "verdict (step 3): NaN/Inf entered on rank 1 in all_reduce"),
     ("hang:rank=2:step=2", "verdict (step 2): late or missing: rank 2 in "),
-    ("slow:rank=0:ms=60", "verdict: straggler: rank 0 in all"),
+    ("slow:rank=0:ms=150", "verdict: straggler: rank 0 in all"),
     (None, "verdict: nothing wrong found"),
 ])
 def test_the_demo_verdict_names_the_injected_rank_and_step_from_telemetry_alone(tmp_path, fault, expected,
@@ -73,11 +73,12 @@ def test_the_demo_verdict_names_the_injected_rank_and_step_from_telemetry_alone(
     # descheduled 2.5 s between the ranks' meeting and DDP's first collective, and the verdict rightly
     # named that stall (a clean-clone run, torch 2.15.0). An injected hang stalls threshold + 2 s.
     monkeypatch.setenv("COMMLENS_HANG_THRESHOLD_S", "5")
-    # A straggler's 30 steps, not 12: its own time in collectives must stay under half its peers', and over
-    # 12 steps the ranks' start-up waits (DDP's first broadcasts) were most of both on a loaded machine
-    # (0.70 s against 1.13 s once, the 60 ms a step of lateness 0.72 s in all): "nothing wrong found".
+    # A straggler 150 ms late a step, not 60: a straggler spends under half the time in collectives of the
+    # peer that waits most (docs/verdicts.md), and with the suite's 4 workers on 2 cores each rank's own
+    # collectives took about 60 ms a step: the 60 ms straggler spent 0.52-0.62 of its peers' time in them,
+    # and the verdict was "nothing wrong found" in 2 runs of 3.
     faults = (Fault.parse(fault),) if fault else ()
-    outcome = run(WORLD, 30 if fault and fault.startswith("slow") else 5, str(tmp_path), faults)
+    outcome = run(WORLD, 12 if fault and fault.startswith("slow") else 5, str(tmp_path), faults)
     verdicts = [line for line in outcome.summary.splitlines() if line.startswith("verdict")]
     assert len(verdicts) == 1 and verdicts[0].startswith(expected), outcome.summary
     injected = [line for line in outcome.summary.splitlines() if line.startswith("injected")]

@@ -429,19 +429,19 @@ def test_two_pipeline_stages_that_both_receive_first_are_a_deadlock_named_with_t
 
 
 @pytest.mark.long
-@EXPORTERS
-def test_a_healthy_run_fires_nothing_and_leaves_nothing_pending(tmp_path, pod):
+def test_a_healthy_run_fires_nothing_and_leaves_nothing_pending(tmp_path):
     """The 4-rank script of pairs, pipeline stages, DDP and the job's loss (``tests/parallel_train.py``),
     in mixed precision with dynamic loss scaling (every few steps the scaled gradients overflow: Inf in
     every rank's gradient buckets, and the scaler skips the step), in 60 ms steps, watched for 90 s:
     longer than every rule's 20 s windows and every ``for`` but the loss scaler's and the bandwidth
-    drop's, so that the rules run over the healthy pipeline's waits and overflows many times. The suite's longest test, with the other exporter's
-    (both started first). 60 ms, not 20: the same watch at about half the CPU, on cores the other tests
-    share. On the way an operator takes a snapshot (``commlens dump``): every rank writes its dump
-    (with a pod sidecar, from shared memory), and the job trains on and stays healthy."""
+    drop's, so that the rules run over the healthy pipeline's waits and overflows many times. The suite's
+    longest test (started first); with the pod sidecar (the per-rank exporter serves the same series:
+    its healthy job is the matrix sample's FSDP2 one). 60 ms steps, not 20: the same watch at about
+    half the CPU, on cores the other tests share. On the way an operator takes a snapshot (``commlens
+    dump``): every rank writes its dump (from shared memory), and the job trains on and stays healthy."""
     world = 4
     with _stack(tmp_path, "none", world=world, steps=1800, script=PARALLEL_SCRIPT,
-                extra=["--step-ms", "60", "--amp"], pod=pod) as (webhook, training, prometheus):
+                extra=["--step-ms", "60", "--amp"], pod=True) as (webhook, training, prometheus):
         wait_for(lambda: prometheus.query("commlens:collective_wait_seconds:mean20s"), "the first recording")
         asked = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "dump", "--store", training.store,
                                 "--job-id", "verdict-test"], capture_output=True, text=True, timeout=60)
