@@ -314,6 +314,8 @@ def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = Non
             continue
         if each_span is not None:
             each_span(raw, attributes)
+    for rank in seen:  # a rank whose spans were all point-to-point ops it did not wait in long
+        ranks.setdefault(rank, RankFacts(rank))
     spent.settle(ranks)
     for f in ranks.values():  # a hang that the spans show resolved is no longer in flight
         for pg, group in f.groups.items():
@@ -471,14 +473,15 @@ def _p2p_span_fact(ranks: dict[int, RankFacts], span: dict, a: dict) -> None:
     """A point-to-point op that failed, or that it waited in long or past the hang threshold: on whom,
     and when."""
     failed = a.get(names.STATUS) in ("error", "timeout") and names.PEER in a
-    if not (a.get(names.SLOW) or a.get(names.HANG) or failed):
+    waited = bool(a.get(names.SLOW) or a.get(names.HANG))
+    if not (waited or failed):
         return
     facts = ranks.setdefault(int(a[names.RANK]), RankFacts(int(a[names.RANK])))
     start, end = int(span["startTimeUnixNano"]), None if a.get(names.IN_FLIGHT) else int(span["endTimeUnixNano"])
     group = facts.group(str(a[names.PG_NAME]))
     if failed and (group.p2p_failed is None or start < (group.p2p_failed[2] or start + 1)):
         group.p2p_failed = (a[names.OP], int(a[names.PEER]), start)
-    if not (a.get(names.SLOW) or a.get(names.HANG)):
+    if not waited:
         return
     facts.waits.append((start, end))
     if not a.get(names.HANG) or names.PEER not in a:

@@ -18,8 +18,10 @@ def test_records_lost_in_the_ring_spans_lost_on_the_way_out_and_a_frozen_rank_ea
     op, every 10 steps (the sidecar thread, woken as a quarter of the ring fills, gets no GIL while the
     training thread issues them: the job's own ring of 65536 slots holds them); spans go to an OTLP
     endpoint nobody listens on; rank 0 freezes (SIGSTOP: its endpoint no longer answers, its connections
-    stay open) while ranks 1 and 2 wait on it until the backend's timeout, and stay scraped. (CommlensLossScaleSkipping and
-    CommlensBusBandwidthDrop hold for 5 and 10 min: promtool's cases fire them.)"""
+    stay open) while ranks 1 and 2 wait on it until the backend's timeout, and stay scraped: over a
+    minute, as CommlensTargetDown holds for 1 min (a scrape or two missed is no target down).
+    (CommlensLossScaleSkipping and CommlensBusBandwidthDrop hold for 5 and 10 min: promtool's cases fire
+    them, and ``bench/slow_alerts.py`` once end to end.)"""
     losses = {"COMMLENS_RING_SLOTS": "16", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",
               "OTEL_EXPORTER_OTLP_TIMEOUT": "1000"}
     with TrainingJob(tmp_path, 3, "freeze", rank=0, step=600, extra=["--timeout-s", "150", "--metrics", "256"],

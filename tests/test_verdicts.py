@@ -149,6 +149,53 @@ def test_a_live_straggler_is_named_from_enough_collectives_and_never_while_it_wa
         assert found[0].evidence.endswith("the waits for it cost the job 0.6% of its time over the window")
 
 
+@pytest.mark.parametrize("last_ms, named", [(21.0, {3}), (39.0, set())], ids=["slow-last-stage", "healthy"])
+def test_a_live_pipeline_straggler_is_the_stage_that_spends_least_of_its_time_in_the_pipelines_ops(last_ms, named):
+    """A pipeline of 4 stages (group 1) over 20 s: the ends send and receive once per micro-batch each way,
+    the middle stages twice as often, so a middle stage waits least per op while the last stage, 21 ms
+    per op where the first waits 36 ms, spends 25 % of its time in the pipeline's ops and the others 47
+    to 59 %: it computes while they wait, and is named. At 39 ms per op it spends as much as the others:
+    nobody is."""
+    counts, waits_ms = {0: 260, 1: 520, 2: 520, 3: 240}, {0: 36.0, 1: 18.0, 2: 22.6, 3: last_ms}
+    texts = []
+    for at in (0, 1):
+        texts.append(["".join(f'{names.COLLECTIVE_DURATION}_{what}{{rank="{rank}",pg="1",op="recv"}} {value}\n'
+                              for what, value in (("sum", at * counts[rank] * waits_ms[rank] / 1e3),
+                                                  ("count", at * counts[rank]))) for rank in counts])
+    found = [f for f in findings(from_metrics_texts(*texts, 20.0)) if f.kind == "straggler"]
+    assert {rank for f in found for rank in f.ranks} == named, [f.line() for f in found]
+
+
+def test_after_the_fact_a_pipeline_straggler_is_named_by_its_share_of_time_in_the_pipelines_ops(tmp_path):
+    """Point-to-point spans of a pipeline of 4 stages (group 1), 40 steps of 100 ms: stage 3 computes
+    80 ms of each; stages 0 to 2 compute 20 ms and spend the rest in their sends and recvs, waiting for
+    it. Stage 3 spends 20 % of its time in the pipeline's ops, the others 80 %: it alone is named. A
+    pipeline of equal stages whose stage 3 was 5 s late once, the others waiting past the hang threshold
+    for it (the hang findings name it), names no straggler: over the job its share would take that in."""
+    ms = 1_000_000
+
+    def write(folder: pathlib.Path, late: bool) -> None:
+        for rank in range(4):
+            spans, hung, t = [], [], 10**18
+            for step in range(40):
+                extra = 5000 * ms if late and step == 20 and rank != 3 else 0
+                busy = ((50 if rank < 3 else 45) if late else (80 if rank < 3 else 20)) * ms  # in its ops
+                (hung if extra else spans).append((rank, "1", 2 * step + 1, t, t + busy // 2 + extra))
+                spans.append((rank, "1", 2 * step + 2, t + busy // 2 + extra, t + busy + extra))
+                t += 100 * ms + (5000 * ms if late and step == 20 else 0)
+            p2p = {names.P2P: 1, names.OP: "recv", names.PEER: (rank + 1) % 4}
+            _write_spans(folder / f"traces-{rank}.jsonl", spans, **p2p)
+            _write_spans(folder / f"traces-{rank}.jsonl", hung, **p2p, **{names.HANG: 1})
+
+    write(tmp_path, late=False)
+    found = findings(from_files(str(tmp_path), on_problem=pytest.fail))
+    assert [(f.kind, f.ranks) for f in found] == [("straggler", (3,))], [f.line() for f in found]
+    (tmp_path / "late").mkdir()
+    write(tmp_path / "late", late=True)
+    found = findings(from_files(str(tmp_path / "late"), on_problem=pytest.fail))
+    assert not [f for f in found if f.kind == "straggler"], [f.line() for f in found]
+
+
 def _killed(partner_failed: bool) -> list[str]:
     """A pod sidecar's metrics text as a torn-down job left it: rank 1 killed inside its pair's (group 1)
     all_reduce seq 31; rank 0 waited past the hang threshold in the job's loss all_reduce (group 0) seq
@@ -432,7 +479,7 @@ def test_two_pipeline_stages_that_both_receive_first_are_a_deadlock_named_with_t
 def test_a_healthy_run_fires_nothing_and_leaves_nothing_pending(tmp_path):
     """The 4-rank script of pairs, pipeline stages, DDP and the job's loss (``tests/parallel_train.py``),
     in mixed precision with dynamic loss scaling (every few steps the scaled gradients overflow: Inf in
-    every rank's gradient buckets, and the scaler skips the step), in 60 ms steps, watched for 90 s:
+    every rank's gradient buckets, and the scaler skips the step), in 60 ms steps, watched for 60 s:
     longer than every rule's 20 s windows and every ``for`` but the loss scaler's and the bandwidth
     drop's, so that the rules run over the healthy pipeline's waits and overflows many times. The suite's
     longest test (started first); with the pod sidecar (the per-rank exporter serves the same series:
@@ -440,7 +487,7 @@ def test_a_healthy_run_fires_nothing_and_leaves_nothing_pending(tmp_path):
     half the CPU, on cores the other tests share. On the way an operator takes a snapshot (``commlens
     dump``): every rank writes its dump (from shared memory), and the job trains on and stays healthy."""
     world = 4
-    with _stack(tmp_path, "none", world=world, steps=1800, script=PARALLEL_SCRIPT,
+    with _stack(tmp_path, "none", world=world, steps=1500, script=PARALLEL_SCRIPT,
                 extra=["--step-ms", "60", "--amp"], pod=True) as (webhook, training, prometheus):
         wait_for(lambda: prometheus.query("commlens:collective_wait_seconds:mean20s"), "the first recording")
         asked = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "dump", "--store", training.store,
@@ -451,7 +498,7 @@ def test_a_healthy_run_fires_nothing_and_leaves_nothing_pending(tmp_path):
         wait_for(lambda: prometheus.by_rank('commlens_abort_snapshots_total{reason="peer"}') ==
                  {rank: 1.0 for rank in range(world)}, "one snapshot on demand counted by every rank")
         started = time.monotonic()
-        while time.monotonic() - started < 90 and training.process.poll() is None:
+        while time.monotonic() - started < 60 and training.process.poll() is None:
             time.sleep(1)  # not synchronisation: the healthy run lasts this long while the rules evaluate
         assert training.process.poll() is None, "the job ended before the watch did: give it more steps"
         pending = prometheus.query('max_over_time(count_over_time(ALERTS{alertstate="pending"}[3s])[5m:1s])')
@@ -610,6 +657,36 @@ def test_a_rank_whose_own_endpoint_went_down_without_a_word_while_its_partner_wa
                      "in seq 31"], lines
     facts[0].group("1").hung = None  # nobody waits on it: it vanished, and is not known to have died
     assert not [f.line() for f in findings(facts)]
+
+
+@pytest.mark.parametrize("seen", [False, True], ids=["unseen", "seen"])
+def test_a_rank_that_vanished_as_torchrun_tore_the_job_down_is_named_killed_and_the_teardowns_failures_are_not(seen):
+    """Live facts of a TP x DP job (pairs 0-1 and 2-3 in groups 1 and 2, replicas 0-2 and 1-3 in groups 3
+    and 4) whose rank 1 was SIGKILLed inside its pair's all_reduce (seq 21): torchrun told the others to
+    stop within a scrape. Rank 0 had that all_reduce in flight (unseen: nobody was scraped waiting), or
+    failed in it (seen); rank 2's next all_reduce with rank 0 (group 3, seq 26) failed as rank 0's
+    process ended. Rank 1 is named killed, and nobody else: rank 0, behind in group 3, was stopped."""
+    facts = [RankFacts(rank) for rank in range(4)]
+    for f in facts:
+        f.group("0").issued = f.group("0").finished = 2
+        f.gone = f.unreachable = True
+        f.stopped = f.rank != 1
+    facts[1].vanished = True
+    facts[1].groups.clear()  # killed before its metrics were first scraped
+    facts[0].group("1").issued, facts[0].group("1").finished = 21, 20
+    facts[0].group("3").issued = facts[0].group("3").finished = 25
+    facts[2].group("3").issued = facts[2].group("3").finished = 26
+    facts[2].group("2").issued = facts[3].group("2").issued = 21
+    facts[3].group("4").issued = facts[3].group("4").finished = 25
+    if seen:
+        facts[0].group("1").failed, facts[2].group("3").failed = ("all_reduce", 21), ("all_reduce", 26)
+        facts[1].group("1").issued = facts[1].group("1").finished = 20
+    lines = [f.line() for f in findings(facts)]
+    assert len(lines) == 1 and lines[0].startswith("killed or crashed: rank 1 in "), lines
+    assert ("in all_reduce (group 1, seq 21)" if seen else "in a collective (group 1) —") in lines[0], lines
+    for f in facts[::2] + facts[3:]:
+        f.stopped = False  # nobody told to stop: it vanished while the others carried on, not known to have died
+    assert not [f.line() for f in findings(facts) if not seen]
 
 
 def test_a_pipeline_stage_whose_peers_ops_with_it_failed_is_named_and_the_stage_that_failed_itself_is_not():

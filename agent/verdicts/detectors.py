@@ -314,15 +314,22 @@ def _who(ranks: list[int]) -> str:
 
 
 def _waits_of_the_stop(pg: str, members: list[RankFacts]) -> set[int]:
-    """The seqs whose waits were the job being stopped, not a fault (after the fact): every rank behind
-    was signalled (SIGTERM) before the first rank waiting had waited the hang threshold, or, for a
-    collective that failed, at all (docs/running.md, "Snapshots on the way down")."""
-    if not any(f.signalled_ns for f in members):
-        return set()
-    threshold_ns = _threshold_s(pg, members) * 1e9
+    """The seqs whose waits were the job being stopped, not a fault: every rank behind was signalled
+    (SIGTERM) before the first rank waiting had waited the hang threshold, or, for a collective that
+    failed, at all (docs/running.md, "Snapshots on the way down"). Live, a collective that failed where
+    every rank behind was told to stop (its snapshot says "signal"): gloo fails at once on a peer whose
+    process ended, and a job torn down ends its ranks so."""
+    failed = {f.groups[pg].failed[1] for f in members if pg in f.groups and f.groups[pg].failed}
     stop = set()
+    for seq in failed:
+        behind = [f for f in members if pg not in f.groups or f.groups[pg].issued < seq]
+        if behind and all(f.stopped for f in behind):
+            stop.add(seq)
+    if not any(f.signalled_ns for f in members):
+        return stop
+    threshold_ns = _threshold_s(pg, members) * 1e9
     waited = {s for f in members if pg in f.groups for s in f.groups[pg].hangs_seen}
-    for seq in waited | {f.groups[pg].failed[1] for f in members if pg in f.groups and f.groups[pg].failed}:
+    for seq in waited | failed:
         starts = [f.groups[pg].arrivals[seq][1] for f in members if pg in f.groups and seq in f.groups[pg].arrivals]
         behind = [f for f in members if pg not in f.groups or f.groups[pg].issued < seq]
         deadline = min(starts) + threshold_ns if seq in waited and starts else float("inf")
@@ -429,7 +436,11 @@ def _lost_unseen(facts: list[RankFacts], found: list[Finding]) -> list[Finding]:
     for f in facts:
         if f.lost and f.rank not in named and (in_flight := _died_in(f, facts) if f.vanished else _in_flight(f)):
             pg = min(in_flight, key=lambda group: (len(group), group))
-            group = f.groups[pg]
+            group = f.groups.get(pg)
+            if group is None:  # never seen in it: killed before its metrics were first scraped
+                unseen.append(Finding("lost_rank", (f.rank,), pg, "a collective", None, f"{_death(f)}, and the job "
+                                      "was torn down: the others were told to stop"))
+                continue
             op = group.inputs.get(group.issued, ("a collective",))[0]
             unseen.append(Finding("lost_rank", (f.rank,), pg, op, group.issued, f"{_death(f)} inside it"))
     return unseen
@@ -456,12 +467,19 @@ def _died_in(f: RankFacts, facts: list[RankFacts]) -> set[str]:
     """The groups of a rank that ``vanished`` in which it died: where another rank failed, or waits (live)
     or was still waiting (after the fact) in a collective or on it (``_member``). None: it vanished while
     the others carried on unharmed, and is not known to have died. (Its own last scrape, or its spans,
-    may end before the collective it died in.)"""
-    return {pg for other in facts if other.rank != f.rank for pg, g in other.groups.items()
-            if _member(f, pg) and (
+    may end before the collective it died in.) Live, where the job was torn down before any rank was
+    seen waiting (torchrun stops every rank once one has died): the groups in which a rank told to stop
+    had a collective in flight, or else the default group "0" — the others said how they ended, it did
+    not."""
+    died_in = {pg for other in facts if other.rank != f.rank for pg, g in other.groups.items()
+               if _member(f, pg) and (
         g.failed or _still_hung(g) or (g.p2p_hung or ("", -1))[1] == f.rank or (g.p2p_failed or ("", -1))[1] == f.rank
         or any(end is None for _, end in g.hangs_seen.values())
         or any(end is None and peer == f.rank for _, end, _, peer in g.p2p_waits_seen))}
+    stopped = [other for other in facts if other.rank != f.rank and other.stopped and other.gone]
+    if died_in or not stopped:
+        return died_in
+    return {pg for other in stopped for pg in _in_flight(other) if _member(f, pg)} or {"0"}
 
 
 def _in_flight(f: RankFacts) -> set[str]:
@@ -577,15 +595,18 @@ def _dtypes(tensors: str) -> frozenset[str]:
 
 
 def _last_arrival(groups: dict[int, GroupFacts]) -> tuple[int, float, float] | None:
-    """Live: the member that waits least in a group's collectives, by over ``STRAGGLER_MIN_S`` and under
-    ``STRAGGLER_RATIO`` of the longest waiter's wait, from ``STRAGGLER_LIVE_EVIDENCE`` collectives of
-    each: it arrives last. (rank, its wait, the longest wait), or None."""
+    """Live: the member that spends least of its time in a group's ops, under ``STRAGGLER_RATIO`` of the
+    member that spends most, and waits over ``STRAGGLER_MIN_S`` less per op than the longest waiter,
+    from ``STRAGGLER_LIVE_EVIDENCE`` ops of each: it arrives last. (Members of a group of collectives
+    issue as many, and the share orders them as the mean wait does; a pipeline's ends exchange half as
+    often as its middle stages.) (rank, its wait, the longest wait), or None."""
     waits = {rank: g.wait_s for rank, g in groups.items() if g.wait_s is not None}
+    shares = {rank: groups[rank].waited_s or 0.0 for rank in waits}
     if len(waits) < 2 or min(g.completed for g in groups.values()) < STRAGGLER_LIVE_EVIDENCE:
         return None
     longest = max(waits.values())
-    rank = min(waits, key=waits.get)
-    if longest - waits[rank] > STRAGGLER_MIN_S and waits[rank] < STRAGGLER_RATIO * longest:
+    rank = min(shares, key=shares.get)
+    if longest - waits[rank] > STRAGGLER_MIN_S and shares[rank] < STRAGGLER_RATIO * max(shares.values()):
         return rank, waits[rank], longest
     return None
 
@@ -667,6 +688,8 @@ def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> 
                         f"waits {longest * 1e3:.1f} ms: it arrives about {(longest - wait) * 1e3:.1f} ms after the "
                         f"others; the waits for it cost the job {caused / len(everyone):.1%} of its time over the "
                         "window")]
+    if not any(g.arrivals for g in groups.values()):  # point-to-point ops alone: a pipeline's
+        return _pipeline_straggler(pg, groups, everyone)
     common = set.intersection(*(set(g.arrivals) for g in groups.values()))
     if len(common) < STRAGGLER_EVIDENCE:  # too few collectives seen by every rank to tell
         return []
@@ -693,6 +716,25 @@ def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> 
                         f"first rank (the next latest rank: {runner_up * 1e3:.1f} ms), last in {last[rank]}; "
                         f"{_cost(caused[rank] / len(common) * issued, everyone)}")]
     return []
+
+
+def _pipeline_straggler(pg: str, groups: dict[int, GroupFacts], everyone: list[RankFacts]) -> list[Finding]:
+    """After the fact, in a group of point-to-point ops alone (a pipeline's stages, which exchange as
+    often as their place in it makes them): the member that spent least of its time in the group's
+    ops, under ``STRAGGLER_RATIO`` of the member that spent most, computing while they waited for it
+    (``_computes_while_they_wait``), as live. Not in a group where a member waited long (a one-off stall
+    or a late rank, which ``_stalls`` and ``_hang`` name): over the job its share would take that in."""
+    shares = {rank: g.waited_s for rank, g in groups.items() if g.waited_s is not None}
+    if len(shares) < len(groups) or any(g.hangs_seen or g.p2p_waits_seen or g.slow_waits for g in groups.values()):
+        return []
+    rank, most = min(shares, key=shares.get), max(shares.values())
+    if not (shares[rank] < STRAGGLER_RATIO * most and _computes_while_they_wait(rank, groups, everyone)):
+        return []
+    caused = sum(share - shares[rank] for share in shares.values())
+    return [Finding("straggler", (rank,), pg, "all", None,
+                    f"it spent {shares[rank]:.0%} of its time in the group's point-to-point ops where the member "
+                    f"that spent most spent {most:.0%}: they wait for it; the waits for it cost the job "
+                    f"{caused / len(everyone):.1%} of its time")]
 
 
 def _computes_while_they_wait(rank: int, groups: dict[int, GroupFacts], everyone: list[RankFacts]) -> bool:
