@@ -4,17 +4,21 @@ It knows nothing of commlens: the tests run it under ``commlens run -- torchrun 
 
     torchrun --nproc-per-node 3 faulty_train.py --fault late --rank 1 --step 5 --steps 400
 
-Faults, all on rank ``--rank`` from step ``--step`` (``--fault none`` for a healthy run):
+Faults, all on rank ``--rank`` from step ``--step`` (``--fault none`` for a healthy run; several joined by
+commas, ``inf,slow``, strike together):
 
     nan      a parameter holds NaN before backward
-    inf      a tensor hook makes a gradient Inf
+    inf      a tensor hook makes a gradient Inf, every step from then on
     late     the rank sleeps ``--late-s`` seconds before the step's first collective
     leave    the rank leaves the training loop (and ends)
-    slow     the rank computes 30 ms longer every step
+    slow     the rank computes ``--slow-ms`` (30) longer every step
     desync   the rank issues all_gather where the others all_reduce
     kill     the rank SIGKILLs itself inside the step's last all_reduce (issued, not completed)
     freeze   the rank stops itself (SIGSTOP) inside that all_reduce, until it gets SIGCONT (the
              others come to it a second later: it cannot complete before the rank stops)
+
+``--amp``: mixed precision, the forward in float16 with dynamic loss scaling (``torch.amp.GradScaler``,
+as ``parallel_train.py --amp``): healthy, the scaler skips a step now and then; with ``inf`` every step.
 
 The wall time at which the fault happens is written to ``FAULT_TIME_FILE`` (when set), so that a
 benchmark can measure how long detection takes.
@@ -38,6 +42,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--step-ms", type=float, default=20, help="compute time of a step")
     parser.add_argument("--late-s", type=float, default=8)
+    parser.add_argument("--slow-ms", type=float, default=30)
+    parser.add_argument("--amp", action="store_true", help="float16 forward, dynamic loss scaling")
     parser.add_argument("--timeout-s", type=float, default=60, help="the backend's timeout")
     parser.add_argument("--metrics", type=int, default=0,
                         help="every 10 steps, all_reduce this many scalar metrics at once, each its own async op")
@@ -48,35 +54,40 @@ def main() -> None:
     model = torch.nn.parallel.DistributedDataParallel(
         torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", growth_factor=2.0 ** 4, backoff_factor=2.0 ** -4, growth_interval=3,
+                                  enabled=args.amp)
+    faults = set(args.fault.split(","))
     data = torch.Generator().manual_seed(rank)
     for step in range(args.steps):
         faulty = rank == args.rank and step >= args.step
         first = faulty and step == args.step
         if first:
             mark_fault_time()
-        if faulty and args.fault == "leave":
+        if faulty and "leave" in faults:
             break
-        if first and args.fault == "late":
+        if first and "late" in faults:
             time.sleep(args.late_s)
-        time.sleep((args.step_ms + (30 if faulty and args.fault == "slow" else 0)) / 1000)
+        time.sleep((args.step_ms + (args.slow_ms if faulty and "slow" in faults else 0)) / 1000)
         x = torch.randn(32, 64, generator=data)
-        loss = model(x).pow(2).mean()
-        if first and args.fault == "nan":
+        with torch.autocast("cpu", dtype=torch.float16, enabled=args.amp):
+            loss = model(x).float().pow(2).mean()
+        if first and "nan" in faults:
             with torch.no_grad():
                 model.module[0].weight[0, 0] = float("nan")
-        if first and args.fault == "inf":
+        if first and "inf" in faults:
             model.module[2].weight.register_hook(lambda grad: grad * float("inf"))
         optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         report = loss.detach().reshape(1)
-        if args.fault == "freeze" and step == args.step and rank != args.rank:
+        if "freeze" in faults and step == args.step and rank != args.rank:
             time.sleep(1)
-        if first and args.fault == "desync":
+        if first and "desync" in faults:
             dist.all_gather([torch.empty_like(report) for _ in range(dist.get_world_size())], report)
-        elif first and args.fault in ("kill", "freeze"):
+        elif first and faults & {"kill", "freeze"}:
             work = dist.all_reduce(report, async_op=True)
-            os.kill(os.getpid(), signal.SIGKILL if args.fault == "kill" else signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGKILL if "kill" in faults else signal.SIGSTOP)
             work.wait()
         else:
             dist.all_reduce(report)
