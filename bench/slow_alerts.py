@@ -13,7 +13,7 @@ a fraction). It polls Prometheus' ``ALERTS`` until both fire, and exits 1 if one
 
     python bench/slow_alerts.py [--deadline-s 1500]
 
-About 17 minutes (16.5 measured on 2 busy cores): 2-4 of healthy steps, the loss scaler's alert about
+About 17 minutes (16.5 measured on 2 busy cores): 2-4 min of healthy steps, the loss scaler's alert about
 10 min after the fault (the skipped steps outnumber the applied ones in its 5 min window, then 5 min
 ``for``), the bandwidth's about 14 (once the healthy collectives leave its 5 min window, then 10 min
 ``for``). Not a test.
