@@ -178,11 +178,11 @@ def test_the_ranks_found_late_are_one_nodes_all_and_only_the_node_is_named_slow(
     found = findings(facts)
     assert [(f.kind, f.node, f.ranks) for f in found] == [("node_slow", "node-1", (2, 3))], found
     assert found[0].line().startswith("slow node: node node-1 (ranks 2, 3) in the job — every rank of the node")
-    facts[4].group("4").wait_s = 0.0005
+    facts[4].group("4").wait_s, facts[4].group("4").waited_s = 0.0005, 0.025  # last in group 4 now
     assert {f.kind for f in findings(facts)} != {"node_slow"}
     for f in facts:
         f.node = "node-0"
-    facts[4].group("4").wait_s = 0.2
+    facts[4].group("4").wait_s, facts[4].group("4").waited_s = 0.2, 0.5
     assert {f.kind for f in findings(facts)} == {"straggler"}
 
 
@@ -205,9 +205,9 @@ def test_a_node_whose_ranks_arrive_last_while_waiting_in_their_own_groups_is_nam
     facts[0].group("4").hung = ("all_reduce", 7)
     assert not any(f.kind == "node_slow" for f in findings(facts))
     facts[0].group("4").hung = None
-    facts[3].group("5").wait_s = 0.02
+    facts[3].group("5").wait_s, facts[3].group("5").waited_s = 0.02, 0.4  # on time
     assert findings(facts) == []
-    facts[3].group("5").wait_s = 0.002
+    facts[3].group("5").wait_s, facts[3].group("5").waited_s = 0.002, 0.05
     facts[2].group("1").waited_s = facts[3].group("1").waited_s = 0.5  # waiting on the link as long as anyone
     assert not any(f.kind == "node_slow" for f in findings(facts))
 

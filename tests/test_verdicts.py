@@ -689,6 +689,20 @@ def test_a_rank_that_vanished_as_torchrun_tore_the_job_down_is_named_killed_and_
     assert not [f.line() for f in findings(facts) if not seen]
 
 
+def test_a_group_that_hangs_with_nobody_behind_while_a_rank_vanished_unseen_in_it_is_no_hang():
+    """Live facts of the same TP x DP job: rank 1 was scraped once, in its pair (group 1) only, before
+    it was killed there (seq 21, where rank 0 failed); rank 3 waits past the hang threshold in its
+    data-parallel all_reduce with rank 1 (group 4, seq 26), in which rank 1 was never seen. Rank 1 is
+    named killed; group 4's wait is no hang with no culprit."""
+    facts = [RankFacts(rank) for rank in range(4)]
+    facts[1].vanished = facts[1].unreachable = facts[1].gone = True
+    facts[1].group("1").issued = facts[1].group("1").finished = 3
+    facts[0].group("1").issued, facts[0].group("1").finished, facts[0].group("1").failed = 21, 20, ("all_reduce", 21)
+    facts[3].group("4").issued, facts[3].group("4").finished, facts[3].group("4").hung = 26, 25, ("all_reduce", 26)
+    lines = [f.line() for f in findings(facts)]
+    assert len(lines) == 1 and lines[0].startswith("killed or crashed: rank 1 in all_reduce (group 1, seq 21)"), lines
+
+
 def test_a_pipeline_stage_whose_peers_ops_with_it_failed_is_named_and_the_stage_that_failed_itself_is_not():
     """Live metrics of a pipeline of 4 stages (group 1) whose stage 2 left its loop: gloo fails rank 1's
     send to it and rank 3's recv from it at once, and rank 0 waits on rank 1 in its send. Rank 2 is named;

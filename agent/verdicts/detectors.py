@@ -213,6 +213,8 @@ def _hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[
         unmatched = _unmatched(pg, members, seq, ops, waiting, how, majority) or _unlike(pg, members, seq, waiting, majority)
         if unmatched:
             return [unmatched]
+        if any(f.vanished and f.lost for f in everyone):  # gone without a word, maybe before it was seen in pg
+            return []
         found.append(Finding("hang", tuple(waiting), pg, majority, seq,
                              f"ranks {waiting} wait in seq {seq} and no rank is behind: look at the network "
                              "or the backend"))
