@@ -229,7 +229,8 @@ def from_prometheus(url: str, job: str | None = None) -> dict[str, list[RankFact
     info = f"last_over_time({names.INFO}{{{selector}}}[15m])"
     for facts, labels, _ in each(info):
         facts.node = labels.get("node", "")
-    for facts, _, _ in each(f"{info} and on (job, instance) (up == 0)"):
+    # down for 2 scrapes at least: one missed is an endpoint too busy to answer in time (CommlensRankKilled's `for`)
+    for facts, _, _ in each(f"{info} and on (job, instance) (max_over_time(up[{int(2500 * interval)}ms]) == 0)"):
         facts.unreachable = True
     aborts = f'{names.total(names.ABORT_SNAPSHOTS)}{{reason="abort"{"," + selector if selector else ""}}}'
     for facts, _, _ in each(f"increase({aborts}[5m]) > 0"):
