@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from typing import Any, Callable, Mapping
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -36,7 +37,10 @@ NONFINITE_KINDS = ("nan", "inf")
 class _Scrapes:
     """Numbers scrapes as they start, so that the way down can wait for one that started after it. A
     scrape over HTTP (``serve``) is done once its response is sent: a process that exits right after
-    (SIGTERM's default, re-raised once its snapshot is scraped) does not cut it off."""
+    (SIGTERM's default, re-raised once its snapshot is scraped) does not cut it off. One sent after half
+    the scraper's timeout (Prometheus says it in ``X-Prometheus-Scrape-Timeout-Seconds``) is not done:
+    the scraper may have given up on it and recorded the endpoint down, and a rank's last values with
+    it (its clock started before this process took the connection, by as long as a busy GIL holds it)."""
 
     def __init__(self) -> None:
         self.started = 0
@@ -66,13 +70,17 @@ class _Scrapes:
             unsent.append(number)
 
     def serving(self) -> None:
-        """This thread serves a scrape over HTTP: what it reads is done once ``sent``."""
+        """This thread serves a scrape over HTTP: what it reads is done once ``sent`` in time."""
         self._unsent.numbers = []
+        self._unsent.since = time.monotonic()
 
-    def sent(self) -> None:
-        """This thread's scrape response is sent (or its connection gone)."""
-        for number in getattr(self._unsent, "numbers", None) or ():
-            self._done(number)
+    def sent(self, timeout_s: float | None = None) -> None:
+        """This thread's scrape response is sent (or its connection gone), to a scraper that gives up
+        after ``timeout_s`` (None: not said): done unless it took over half of that."""
+        numbers = getattr(self._unsent, "numbers", None) or ()
+        if timeout_s is None or time.monotonic() - self._unsent.since <= timeout_s / 2:
+            for number in numbers:
+                self._done(number)
         self._unsent.numbers = None
 
     def _done(self, number: int) -> None:
@@ -255,10 +263,22 @@ SCRAPE_IDLE_S = 10.0
 """A scrape's connection idle this long is dropped: how long ``server_close()`` may wait for one."""
 
 
+SCRAPE_TIMEOUT_HEADER = "X-Prometheus-Scrape-Timeout-Seconds"
+
+
+def _scrape_timeout_s(handler) -> float | None:
+    """How long the scraper of ``handler``'s request waits for its response, when it says (Prometheus does)."""
+    said = getattr(handler, "headers", None) and handler.headers.get(SCRAPE_TIMEOUT_HEADER)
+    try:
+        return float(said) if said else None
+    except ValueError:
+        return None
+
+
 def serve(collector: MetricsCollector | PodCollector, addr: str, port: int):
     """Serve ``collector`` on ``addr:port``; returns the server (``shutdown()`` stops it, ``server_close()``
     returns once every scrape under way has its whole response sent; ``wait_for_scrape`` counts a scrape
-    once its response is sent: the final scrape is not cut off by the process' exit)."""
+    once its response is sent in time (``_Scrapes``): the final scrape is not cut off by the process' exit)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
     server, _thread = start_http_server(port, addr=addr, registry=registry)
@@ -273,7 +293,7 @@ def serve(collector: MetricsCollector | PodCollector, addr: str, port: int):
         try:
             base.finish(handler)  # the response flushed
         finally:
-            collector.sent()
+            collector.sent(_scrape_timeout_s(handler))
 
     server.RequestHandlerClass = type("Handler", (base,), {"timeout": SCRAPE_IDLE_S, "setup": setup, "finish": finish})
     return server

@@ -268,3 +268,48 @@ def test_the_way_down_waits_for_a_scrape_that_starts_after_it_not_one_under_way(
     list(metrics.collect())
     way_down.join(30)
     assert waited == [True]
+
+
+def test_the_way_down_waits_for_a_scrape_sent_in_time_not_one_its_scraper_may_have_given_up_on():
+    """CI: a rank told to stop answered its last scrape later than Prometheus' timeout (8 ranks writing
+    their dumps on 2 loaded cores), so Prometheus recorded its endpoint down without the snapshot that
+    said it was told to stop, and the rank was named killed. A scrape whose response took over half the
+    timeout its scraper states does not end the wait."""
+    import threading
+    import urllib.request
+
+    from prometheus_client.core import GaugeMetricFamily
+
+    from commlens.exporters.prometheus import SCRAPE_TIMEOUT_HEADER, _Scrapes, serve
+
+    class Metrics(_Scrapes):
+        def families(self):
+            yield GaugeMetricFamily("commlens_test_up", "a family", value=1)
+
+    metrics = Metrics()
+    port = free_port()
+    server = serve(metrics, "127.0.0.1", port)
+
+    def scrape(timeout_s: str | None) -> None:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")
+        if timeout_s is not None:
+            request.add_header(SCRAPE_TIMEOUT_HEADER, timeout_s)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert b"commlens_test_up 1.0" in response.read()
+
+    try:
+        scrape(None)  # scraped before
+        waited = []
+        way_down = threading.Thread(target=lambda: waited.append(metrics.wait_for_scrape(30)))
+        way_down.start()
+        while not metrics.scraped._waiters:  # until the way down waits: a condition polled, not a sleep
+            threading.Event().wait(0.001)
+        scrape("0.000000001")  # a scraper that gave up before any response could reach it
+        way_down.join(0.5)
+        assert way_down.is_alive() and waited == []
+        scrape("30")
+        way_down.join(30)
+        assert waited == [True]
+    finally:
+        server.shutdown()
+        server.server_close()
