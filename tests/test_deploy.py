@@ -15,6 +15,8 @@ from commlens.agent.rules import at_interval, parse_interval
 from commlens.exporters import names
 from monitoring import promtool
 
+pytestmark = pytest.mark.torch_free  # no torch code: .ci/run runs it under one torch version
+
 DEPLOY = pathlib.Path(__file__).resolve().parent.parent / "deploy"
 
 

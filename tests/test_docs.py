@@ -7,6 +7,10 @@ import pathlib
 import re
 from typing import Iterator
 
+import pytest
+
+pytestmark = pytest.mark.torch_free  # no torch code: .ci/run runs it under one torch version
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 VARIABLE = re.compile(r'"((?:COMMLENS|OTEL|TORCHCOMM|TORCHELASTIC)_[A-Z0-9_]+)"')

@@ -15,6 +15,8 @@ from monitoring import promtool  # noqa: E402
 from rules_pinned import changes  # noqa: E402
 from test_scrape_intervals import FAULTS, RULES, SCRAPES  # noqa: E402
 
+pytestmark = pytest.mark.torch_free  # no torch code: .ci/run runs it under one torch version
+
 EXAMPLE = """      - alert: CommlensExample
         # a comment with 20 s and 0.5 in it
         expr: |

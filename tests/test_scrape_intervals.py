@@ -15,6 +15,8 @@ from commlens.agent.verdicts.catalogue import VERDICT_ALERTS
 from monitoring import Prometheus, promtool, wait_for
 from ports import free_port
 
+pytestmark = pytest.mark.torch_free  # no torch code: .ci/run runs it under one torch version
+
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
 FAULT_AT = 10
 """The fault strikes after this many scrapes."""
