@@ -56,6 +56,9 @@ class GroupFacts:
     slow_waits: dict[int, tuple[str, int, int]] = dataclasses.field(default_factory=dict)
     """seq -> (op, start ns, end ns) of each collective it waited in long (a slow outlier: several
     times its usual), but under the hang threshold (offline)."""
+    p2p_slow_waits: list[tuple[int, int, str, int]] = dataclasses.field(default_factory=list)
+    """(start ns, end ns, op, peer) of each point-to-point op it waited in long (a slow outlier), but
+    under the hang threshold, and that completed (offline)."""
 
 
 @dataclasses.dataclass

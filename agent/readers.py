@@ -485,9 +485,13 @@ def _p2p_span_fact(ranks: dict[int, RankFacts], span: dict, a: dict) -> None:
     if not waited:
         return
     facts.waits.append((start, end))
-    if not a.get(names.HANG) or names.PEER not in a:
+    if names.PEER not in a:
         return
     op, peer = a[names.OP], int(a[names.PEER])
+    if not a.get(names.HANG):
+        if end is not None and not failed:
+            group.p2p_slow_waits.append((start, end, op, peer))
+        return
     group.p2p_waits_seen = [w for w in group.p2p_waits_seen if w[0] != start]  # its end replaces its in-flight span
     group.p2p_waits_seen.append((start, end, op, peer))
 

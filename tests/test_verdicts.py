@@ -166,6 +166,39 @@ def test_a_live_pipeline_straggler_is_the_stage_that_spends_least_of_its_time_in
     assert {rank for f in found for rank in f.ranks} == named, [f.line() for f in found]
 
 
+@pytest.mark.parametrize("shares, named", [
+    ({0: 0.40, 1: 0.79, 2: 0.78, 3: 0.75}, {0}), ({0: 0.6, 1: 0.6, 2: 0.6, 3: 0.4}, set())],
+    ids=["slow-first-stage", "healthy-bubble"])
+def test_where_a_pipeline_waits_most_of_its_time_a_straggler_waits_a_quarter_of_the_wall_clock_less(tmp_path, shares,
+                                                                                                   named):
+    """A pipeline of 4 stages (group 1) over 20 s whose stages wait over half their time (its bubble):
+    stage 0 loads its data 60 ms longer a step and spends 40 % of its time in the pipeline's ops, waiting
+    for its gradients, where the others spend 75 to 79 %: over half as much, and 0.39 of the wall clock
+    less; it is named, live and after the fact (where the others' waits grew, one was a slow outlier: no
+    stall, under a second). A healthy pipeline whose last stage computes the loss besides, 40 % where
+    the others spend 60 %: 0.2 of the wall clock less, nobody."""
+    counts = {0: 80, 1: 160, 2: 160, 3: 80}  # ops in 20 s: the middle stages exchange twice as often
+    texts = []
+    for at in (0, 1):
+        texts.append(["".join(f'{names.COLLECTIVE_DURATION}_{what}{{rank="{rank}",pg="1",op="recv"}} {value}\n'
+                              for what, value in (("sum", at * shares[rank] * 20), ("count", at * counts[rank])))
+                      for rank in counts])
+    found = [f for f in findings(from_metrics_texts(*texts, 20.0)) if f.kind == "straggler"]
+    assert {rank for f in found for rank in f.ranks} == named, [f.line() for f in found]
+    spans = {rank: [] for rank in shares}  # after the fact: 40 steps of 100 ms, each op's share as above
+    for rank in shares:
+        for step in range(40):
+            t = 10**18 + step * 100_000_000
+            spans[rank].append((rank, "1", step + 1, t, t + round(shares[rank] * 100_000_000)))
+    p2p = {names.P2P: 1, names.OP: "recv"}
+    for rank, its in spans.items():  # rank 1's recv of step 5 a slow outlier, as where the fault began
+        _write_spans(tmp_path / f"traces-{rank}.jsonl", its[:5] + its[6:], **p2p, **{names.PEER: (rank + 1) % 4})
+        _write_spans(tmp_path / f"traces-{rank}.jsonl", its[5:6], **p2p, **{names.PEER: (rank + 1) % 4},
+                     **({names.SLOW: 1} if rank == 1 else {}))
+    found = [f for f in findings(from_files(str(tmp_path), on_problem=pytest.fail)) if f.kind == "straggler"]
+    assert {rank for f in found for rank in f.ranks} == named, [f.line() for f in found]
+
+
 def test_after_the_fact_a_pipeline_straggler_is_named_by_its_share_of_time_in_the_pipelines_ops(tmp_path):
     """Point-to-point spans of a pipeline of 4 stages (group 1), 40 steps of 100 ms: stage 3 computes
     80 ms of each; stages 0 to 2 compute 20 ms and spend the rest in their sends and recvs, waiting for
@@ -329,6 +362,31 @@ def test_a_stall_is_named_where_the_late_ranks_own_part_was_a_slow_outlier_too()
     found = findings(facts)
     assert [(f.kind, f.ranks, f.seq) for f in found] == [("stall", (1,), 31)], found
     assert found[0].evidence.startswith("ranks [0] waited 1.5 s in it, ")
+
+
+def test_a_pipeline_stage_that_paused_once_is_named_a_stall_and_the_stages_waiting_on_it_are_not():
+    """Facts of a 4-stage pipeline (group 1) whose stage 2 paused 1.5 s once, under the hang threshold:
+    stages 1 and 3 waited on it in ``recv`` (slow outliers), and stage 0 on stage 1, which was waiting
+    itself. Stage 2 alone is named, once, with the waits on it; with stage 2 waiting on stage 3 all the
+    while (the pause was stage 3's), stage 3 is named instead."""
+    ms = 1_000_000
+
+    def facts(pause_by: int) -> list[RankFacts]:
+        stages = [RankFacts(rank) for rank in range(4)]
+        start = 10**12
+        waits = {1: (2, 5 * ms), 3: (2, 2 * ms), 0: (1, 9 * ms)} if pause_by == 2 else \
+            {2: (3, 5 * ms), 1: (2, 8 * ms), 0: (1, 9 * ms)}
+        for rank, (peer, late) in waits.items():
+            wait = (start + late, start + 1_500 * ms, "recv", peer)
+            stages[rank].group("1").p2p_slow_waits.append(wait)
+            stages[rank].waits.append(wait[:2])
+        return stages
+
+    found = findings(facts(2))
+    assert [(f.kind, f.ranks, f.op) for f in found] == [("stall", (2,), "recv")], [f.line() for f in found]
+    assert found[0].evidence.startswith("ranks [1, 3] waited 1.5 s on it in recv, "), found[0].evidence
+    found = findings(facts(3))
+    assert [(f.kind, f.ranks) for f in found] == [("stall", (3,))], [f.line() for f in found]
 
 
 def test_a_one_off_stall_under_the_hang_threshold_is_named_after_the_fact_and_only_its_rank(tmp_path):

@@ -21,7 +21,10 @@ from .finding import Finding
 STRAGGLER_MIN_S = 0.005
 """A straggler arrives at least this much later, on average, than the group's first rank ..."""
 STRAGGLER_RATIO = 0.5
-"""... and waits less than this fraction of what the group's longest waiter waits (live) ..."""
+"""... and spends less than this fraction of the time in its ops that the member that spends most does ..."""
+STRAGGLER_GAP = 0.25
+"""... or, where that member spends over twice this in its ops (a pipeline's bubble: its first stage waits
+for its gradients however slow it is), this much less of the wall clock (``_waits_less``)."""
 STRAGGLER_EVIDENCE = 30
 """After the fact, a straggler is only named from at least this many collectives seen by every rank."""
 STRAGGLER_LIVE_EVIDENCE = 10
@@ -56,7 +59,7 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
             stuck = [f for f in stuck if f.kind == "desync" or (f.seq or 0) < mismatched[0].seq] + mismatched
         found += stuck
         if not stuck and not any(f.pg == pg for f in links) and not any(f.lost for f in members):
-            found += _straggler(pg, members, facts) + _stalls(pg, members, facts)
+            found += _straggler(pg, members, facts) + _stalls(pg, members, facts) + _peer_stalls(pg, members, facts)
     found = _once_each(found + _lost_unseen(facts, found))
     lost = {rank for f in found if f.kind == "lost_rank" for rank in f.ranks}
     # a killed rank that a pipeline peer waits on is named once, as killed
@@ -321,21 +324,19 @@ def _waits_of_the_stop(pg: str, members: list[RankFacts]) -> set[int]:
     failed, at all (docs/running.md, "Snapshots on the way down"). Live, a collective that failed where
     every rank behind was told to stop (its snapshot says "signal"): gloo fails at once on a peer whose
     process ended, and a job torn down ends its ranks so."""
+    def behind(seq: int) -> list[RankFacts]:
+        return [f for f in members if pg not in f.groups or f.groups[pg].issued < seq]
+
     failed = {f.groups[pg].failed[1] for f in members if pg in f.groups and f.groups[pg].failed}
-    stop = set()
-    for seq in failed:
-        behind = [f for f in members if pg not in f.groups or f.groups[pg].issued < seq]
-        if behind and all(f.stopped for f in behind):
-            stop.add(seq)
+    stop = {seq for seq in failed if behind(seq) and all(f.stopped for f in behind(seq))}
     if not any(f.signalled_ns for f in members):
         return stop
     threshold_ns = _threshold_s(pg, members) * 1e9
     waited = {s for f in members if pg in f.groups for s in f.groups[pg].hangs_seen}
     for seq in waited | failed:
         starts = [f.groups[pg].arrivals[seq][1] for f in members if pg in f.groups and seq in f.groups[pg].arrivals]
-        behind = [f for f in members if pg not in f.groups or f.groups[pg].issued < seq]
         deadline = min(starts) + threshold_ns if seq in waited and starts else float("inf")
-        if starts and behind and all(f.signalled_ns is not None and f.signalled_ns < deadline for f in behind):
+        if starts and behind(seq) and all(f.signalled_ns is not None and f.signalled_ns < deadline for f in behind(seq)):
             stop.add(seq)
     return stop
 
@@ -412,10 +413,14 @@ def _waiting_earlier(pg: str, members: list[RankFacts], late: dict[int, str], se
 
 def _once_each(found: list[Finding]) -> list[Finding]:
     """A killed rank named once: its first finding (the group it died in first), the others' waits in
-    its other groups added to the evidence."""
+    its other groups added to the evidence. A rank's stall named once: by the collective it held up,
+    where there is one (its pipeline peers' waits on it are the same pause)."""
     first: dict[tuple[int, ...], Finding] = {}
     kept = []
+    stalled = {f.ranks for f in found if f.kind == "stall" and f.seq is not None}
     for f in found:
+        if f.kind == "stall" and f.seq is None and f.ranks in stalled:
+            continue
         if f.kind == "lost_rank" and f.ranks in first:
             where = f"{f.op} (group {f.pg}" + (f", seq {f.seq})" if f.seq is not None else ")")
             also = f.evidence.split("; ", 1)[1] if "; " in f.evidence else ""
@@ -597,8 +602,8 @@ def _dtypes(tensors: str) -> frozenset[str]:
 
 
 def _last_arrival(groups: dict[int, GroupFacts]) -> tuple[int, float, float] | None:
-    """Live: the member that spends least of its time in a group's ops, under ``STRAGGLER_RATIO`` of the
-    member that spends most, and waits over ``STRAGGLER_MIN_S`` less per op than the longest waiter,
+    """Live: the member that spends least of its time in a group's ops, well under the member that spends
+    most (``_waits_less``), and waits over ``STRAGGLER_MIN_S`` less per op than the longest waiter,
     from ``STRAGGLER_LIVE_EVIDENCE`` ops of each: it arrives last. (Members of a group of collectives
     issue as many, and the share orders them as the mean wait does; a pipeline's ends exchange half as
     often as its middle stages.) (rank, its wait, the longest wait), or None."""
@@ -608,7 +613,7 @@ def _last_arrival(groups: dict[int, GroupFacts]) -> tuple[int, float, float] | N
         return None
     longest = max(waits.values())
     rank = min(shares, key=shares.get)
-    if longest - waits[rank] > STRAGGLER_MIN_S and shares[rank] < STRAGGLER_RATIO * max(shares.values()):
+    if longest - waits[rank] > STRAGGLER_MIN_S and _waits_less(shares[rank], max(shares.values())):
         return rank, waits[rank], longest
     return None
 
@@ -723,14 +728,14 @@ def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> 
 def _pipeline_straggler(pg: str, groups: dict[int, GroupFacts], everyone: list[RankFacts]) -> list[Finding]:
     """After the fact, in a group of point-to-point ops alone (a pipeline's stages, which exchange as
     often as their place in it makes them): the member that spent least of its time in the group's
-    ops, under ``STRAGGLER_RATIO`` of the member that spent most, computing while they waited for it
+    ops, well under the member that spent most (``_waits_less``), computing while they waited for it
     (``_computes_while_they_wait``), as live. Not in a group where a member waited long (a one-off stall
     or a late rank, which ``_stalls`` and ``_hang`` name): over the job its share would take that in."""
     shares = {rank: g.waited_s for rank, g in groups.items() if g.waited_s is not None}
-    if len(shares) < len(groups) or any(g.hangs_seen or g.p2p_waits_seen or g.slow_waits for g in groups.values()):
+    if len(shares) < len(groups) or any(_waited_long(g) for g in groups.values()):
         return []
     rank, most = min(shares, key=shares.get), max(shares.values())
-    if not (shares[rank] < STRAGGLER_RATIO * most and _computes_while_they_wait(rank, groups, everyone)):
+    if not (_waits_less(shares[rank], most) and _computes_while_they_wait(rank, groups, everyone)):
         return []
     caused = sum(share - shares[rank] for share in shares.values())
     return [Finding("straggler", (rank,), pg, "all", None,
@@ -739,15 +744,32 @@ def _pipeline_straggler(pg: str, groups: dict[int, GroupFacts], everyone: list[R
                     f"{caused / len(everyone):.1%} of its time")]
 
 
+def _waited_long(g: GroupFacts) -> bool:
+    """Whether the rank waited in the group past the hang threshold, or for a stall's ``STALL_MIN_S``
+    (after the fact)."""
+    slow = [end - start for _, start, end in g.slow_waits.values()] + [end - start for start, end, _, _ in g.p2p_slow_waits]
+    return bool(g.hangs_seen or g.p2p_waits_seen) or any(seconds / 1e9 >= STALL_MIN_S for seconds in slow)
+
+
 def _computes_while_they_wait(rank: int, groups: dict[int, GroupFacts], everyone: list[RankFacts]) -> bool:
     """Whether ``rank``, last to arrive in a group of ``groups``' members, straggles: arriving last in one
-    group because it waited in another is not straggling. A straggler spends under ``STRAGGLER_RATIO``
-    of the time in its ops, all its groups together, of the member that spends most (live over the
+    group because it waited in another is not straggling. A straggler spends well under the time in its
+    ops, all its groups together, of the member that spends most (``_waits_less``; live over the
     window, after the fact over the job: ``GroupFacts.waited_s``), its own compute holding them up; and
     one that waits now past the hang threshold is a link of a chain that another finding names."""
     waited = {f.rank: _in_collectives(f) for f in everyone if f.rank in groups}
-    return not _waiting(f for f in everyone if f.rank == rank) and \
-        waited[rank] < STRAGGLER_RATIO * max(waited.values())
+    return not _waiting(f for f in everyone if f.rank == rank) and _waits_less(waited[rank], max(waited.values()))
+
+
+def _waits_less(share: float, most: float) -> bool:
+    """Whether a member that spends ``share`` of its time in its ops waits so much less than the one that
+    spends ``most`` that it is what they wait for: under ``STRAGGLER_RATIO`` of it, or ``STRAGGLER_GAP``
+    of the wall clock less. (Where most wait over half their time, a pipeline's bubble, the ratio would
+    ask a straggler to wait hardly at all: a first stage waits for its gradients however slow it is.)
+
+    >>> _waits_less(0.1, 0.3), _waits_less(0.4, 0.79), _waits_less(0.35, 0.55)
+    (True, True, False)"""
+    return share < most - min(STRAGGLER_RATIO * most, STRAGGLER_GAP)  # as commlens:rank_last_in_group
 
 
 def _stalls(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:
@@ -773,6 +795,46 @@ def _stalls(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> lis
                                  f"wait and under the hang threshold, while ranks {late} waited nowhere; "
                                  f"{_cost(sum(end - start for _, start, end in waiting.values()) / 1e9, everyone)}"))
     return found
+
+
+def _peer_stalls(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:
+    """One-off stalls of a peer, after the fact: point-to-point ops of the group that ranks waited in long
+    on one peer (a slow outlier of at least ``STALL_MIN_S``, under the hang threshold), together, while
+    that peer waited nowhere: it stalled (a pipeline's stage that paused once). A peer that waited
+    itself meanwhile, on its own peer or in a collective, is a link of the chain, named where its wait
+    leads."""
+    by_rank = {f.rank: f for f in everyone}
+    on_peer: dict[int, list[tuple[int, int, int, str]]] = collections.defaultdict(list)
+    for f in members:
+        for start, end, op, peer in f.groups[pg].p2p_slow_waits if pg in f.groups else ():
+            if (end - start) / 1e9 >= STALL_MIN_S:
+                on_peer[peer].append((start, end, f.rank, op))
+    found = []
+    for peer, waits in sorted(on_peer.items()):
+        if peer not in by_rank:
+            continue
+        for episode in _overlapping(sorted(waits)):
+            since, until = max(w[0] for w in episode), min(w[1] for w in episode)
+            if _waited_within(by_rank[peer], since, until):
+                continue
+            waiters = sorted({rank for _, _, rank, _ in episode})
+            op = collections.Counter(op for *_, op in episode).most_common(1)[0][0]
+            found.append(Finding("stall", (peer,), pg, op, None,
+                                 f"ranks {waiters} waited {(until - since) / 1e9:.1f} s on it in {op}, several times "
+                                 f"their usual wait and under the hang threshold, while it waited nowhere; "
+                                 f"{_cost(sum(end - start for start, end, _, _ in episode) / 1e9, everyone)}"))
+    return found
+
+
+def _overlapping(waits: list[tuple[int, int, int, str]]) -> list[list[tuple[int, int, int, str]]]:
+    """``waits`` (start ns, end ns, ...; sorted) in runs that overlap: one episode each."""
+    episodes: list[list[tuple[int, int, int, str]]] = []
+    for wait in waits:
+        if episodes and wait[0] < min(w[1] for w in episodes[-1]):
+            episodes[-1].append(wait)
+        else:
+            episodes.append([wait])
+    return episodes
 
 
 def _cost(caused_s: float, everyone: list[RankFacts]) -> str:
