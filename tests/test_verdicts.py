@@ -199,6 +199,23 @@ def test_where_a_pipeline_waits_most_of_its_time_a_straggler_waits_a_quarter_of_
     assert {rank for f in found for rank in f.ranks} == named, [f.line() for f in found]
 
 
+def test_a_stragglers_partner_last_in_its_pipeline_group_because_it_waits_for_it_is_a_link_not_named(tmp_path):
+    """A CI-shaped matrix cell (``tp-pp-dp:slow-compute:pod:3``): rank 3 computes longer; its pair's rank 2
+    waits 60 ms an op for it (group 2), so sends its gradients late, and its first stage, rank 0, waits
+    82 % of its time in their pipeline group 5 where rank 2 waits 20 %: rank 2 is last there, 0.44 of
+    its time in collectives in all, 0.38 under rank 0. But rank 3, last in the pair, spends 0.204: rank 2
+    waits for it. Rank 3 alone is named."""
+    shares = {("2", 3): 0.004, ("2", 2): 0.24, ("5", 0): 0.82, ("5", 2): 0.2, ("6", 1): 0.82, ("6", 3): 0.2}
+    texts = []
+    for at in (0, 1):
+        texts.append(["".join(f'{names.COLLECTIVE_DURATION}_{what}{{rank="{rank}",pg="{pg}",op="all_reduce"}} {value}\n'
+                              for (pg, r), share in shares.items() if r == rank
+                              for what, value in (("sum", at * share * 20), ("count", at * 80)))
+                      for rank in range(4)])
+    found = [f for f in findings(from_metrics_texts(*texts, 20.0)) if f.kind == "straggler"]
+    assert {rank for f in found for rank in f.ranks} == {3}, [f.line() for f in found]
+
+
 def test_after_the_fact_a_pipeline_straggler_is_named_by_its_share_of_time_in_the_pipelines_ops(tmp_path):
     """Point-to-point spans of a pipeline of 4 stages (group 1), 40 steps of 100 ms: stage 3 computes
     80 ms of each; stages 0 to 2 compute 20 ms and spend the rest in their sends and recvs, waiting for

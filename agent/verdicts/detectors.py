@@ -60,7 +60,7 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
         found += stuck
         if not stuck and not any(f.pg == pg for f in links) and not any(f.lost for f in members):
             found += _straggler(pg, members, facts) + _stalls(pg, members, facts) + _peer_stalls(pg, members, facts)
-    found = _once_each(found + _lost_unseen(facts, found))
+    found = _once_each(_held_by_stragglers(found, facts) + _lost_unseen(facts, found))
     lost = {rank for f in found if f.kind == "lost_rank" for rank in f.ranks}
     # a killed rank that a pipeline peer waits on is named once, as killed
     found += [f for f in _late_peers(facts) if not set(f.ranks) <= lost]
@@ -723,6 +723,21 @@ def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> 
                         f"first rank (the next latest rank: {runner_up * 1e3:.1f} ms), last in {last[rank]}; "
                         f"{_cost(caused[rank] / len(common) * issued, everyone)}")]
     return []
+
+
+def _held_by_stragglers(found: list[Finding], facts: list[RankFacts]) -> list[Finding]:
+    """``found`` without the stragglers that share a group with another straggler that spends less of its
+    time in its ops, all groups together, than they do: they wait for it there, and arrive last
+    elsewhere because of it (a tensor-parallel partner, late to its pipeline's sends): links of its
+    chain (as ``commlens:rank_held_by_straggler``)."""
+    waited = {f.rank: _in_collectives(f) for f in facts}
+    by_rank = {f.rank: f for f in facts}
+    stragglers = [(f.ranks[0], f.pg) for f in found if f.kind == "straggler"]
+
+    def held(rank: int) -> bool:
+        return any(other != rank and waited[other] < waited[rank] and _member(by_rank[rank], pg)
+                   for other, pg in stragglers)
+    return [f for f in found if f.kind != "straggler" or not held(f.ranks[0])]
 
 
 def _pipeline_straggler(pg: str, groups: dict[int, GroupFacts], everyone: list[RankFacts]) -> list[Finding]:
