@@ -56,8 +56,14 @@ def ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
-def is_free(port: int, addr: str = "127.0.0.1") -> bool:
+def is_free(port: int, addr: str = "127.0.0.1", reuse_address: bool = False) -> bool:
+    """Whether ``port`` can be bound on ``addr`` now; ``reuse_address``: as a server that sets
+    ``SO_REUSEADDR`` binds it (the metrics endpoints: prometheus-client's server, Python's
+    ``HTTPServer``), to which a port whose last connections sit in TIME_WAIT is free, and one with a
+    listener is not."""
     with socket.socket() as s:
+        if reuse_address:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((addr, port))
         except OSError:
@@ -68,8 +74,10 @@ def is_free(port: int, addr: str = "127.0.0.1") -> bool:
 def refuse_taken(addr: str, base: int, count: int, whose: str | None, remedy: str) -> None:
     """Raise ``ConfigError`` when one of the metrics ports ``base .. base + count - 1`` (``whose`` 0, 1,
     … serve on them; None: one port) is taken on ``addr`` (none when base is 0): said before the job
-    starts, not in a rank that would then train unobserved. ``remedy``: what the user can do."""
-    taken = [base + i for i in range(count) if base and not is_free(base + i, addr)]
+    starts, not in a rank that would then train unobserved. ``remedy``: what the user can do. Taken as
+    the metrics server would find it: a job run again at once on the same ports is not refused for its
+    last job's scrapes, whose connections sit in TIME_WAIT for a minute."""
+    taken = [base + i for i in range(count) if base and not is_free(base + i, addr, reuse_address=True)]
     if taken:
         which = f"port {taken[0]}" + (f" ({whose} {taken[0] - base})" if whose else "")
         raise ConfigError(f"COMMLENS_METRICS_PORT={base} is not accepted: {which} is in use on {addr}; {remedy}")

@@ -6,7 +6,9 @@ directory of its dumps::
     recorder = FlightRecorderHook(max_entries=1024)
     recorder.register_with_comm()          # every torch.distributed group; or a group, or a torchcomms comm
     ...
-    recorder.dump_file(dist.get_rank())    # $TORCHCOMM_FR_DUMP_TEMP_FILE<rank>
+    json_trace = recorder.dump_json()      # or .dump(): the same, as a dict
+    recorder.dump_file(rank=dist.get_rank())  # $TORCHCOMM_FR_DUMP_TEMP_FILE<rank>
+    recorder.unregister()
     # $ torchfrtrace DIR
 
 ``dump_ring(ring)`` builds the same dump from any ring, also one attached from another process
@@ -106,6 +108,11 @@ class FlightRecorderHook:
     def dump(self) -> dict:
         """The dump as a dict, in PyTorch's flight-recorder schema."""
         return _dump(*self.entries(), _comm_lib_version())
+
+    def dump_json(self) -> str:
+        """The dump as JSON text, as torchcomms' ``FlightRecorderHook.dump_json`` gives it (its
+        ``process_group`` pairs become lists)."""
+        return json.dumps(self.dump())
 
     def dump_file(self, rank: int) -> str:
         """``write_dump`` of this recorder's dump; returns its path."""

@@ -65,13 +65,13 @@ def record_and_dump(rank, world_size, prefix):
     with pytest.raises(OSError) as refused:
         recorder.dump_file(rank)
     os.environ["TORCHCOMM_FR_DUMP_TEMP_FILE"] = prefix
-    path = recorder.dump_file(rank)
+    path = recorder.dump_file(rank=rank)  # as torchcomms' examples call it
     with pytest.raises(ValueError, match="max_entries=0 is not accepted"):
         ch.FlightRecorderHook(max_entries=0)
     with pytest.raises(ValueError, match="COMMLENS_RING_SLOTS"):
         ch.FlightRecorderHook(max_entries=1 << 20)
-    return {"empty": empty_dump, "empty_json": json.dumps(empty.dump()), "path": path, "refused": str(refused.value),
-            "dump": pickle.loads(open(path, "rb").read())}
+    return {"empty": empty_dump, "empty_json": empty.dump_json(), "json": json.loads(recorder.dump_json()),
+            "path": path, "refused": str(refused.value), "dump": pickle.loads(open(path, "rb").read())}
 
 
 def test_recorder_keeps_its_window_and_reports_bad_input_clearly(run_ranks, tmp_path):
@@ -81,3 +81,4 @@ def test_recorder_keeps_its_window_and_reports_bad_input_clearly(run_ranks, tmp_
         assert r["path"].endswith(f"dumps/rank_{rank}")
         entries = r["dump"]["entries"]
         assert [e["collective_seq_id"] for e in entries] == [3, 4, 5]  # the last 3 of 5; not the 6th
+        assert [e["collective_seq_id"] for e in r["json"]["entries"]] == [3, 4, 5]  # dump_json: the same, as text

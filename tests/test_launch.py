@@ -175,3 +175,35 @@ def test_run_imports_torch_only_to_build_the_extensions_and_not_once_they_are_bu
                              env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CXX": "false"}, cwd=tmp_path)
     assert unbuilt.stdout.strip() == "torch loaded: True", unbuilt  # it tried to build them (no compiler here)
     assert "could not be built" in unbuilt.stderr, unbuilt.stderr
+
+
+def test_run_starts_at_once_on_a_port_whose_last_jobs_scrapes_sit_in_time_wait(tmp_path):
+    """A job run again at once on its metrics port: the connections that served the last job's scrapes
+    sit in TIME_WAIT for a minute. Nothing holds the port, and the metrics server binds it (it sets
+    SO_REUSEADDR), so the check must not refuse it; a listener it must (the server cannot bind that)."""
+    import socket
+
+    from commlens.agent import ConfigError
+    from commlens.agent.ports import is_free, refuse_taken
+
+    base = free_ports(1)
+    with socket.socket() as listener:  # the last job's endpoint, scraped once
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", base))
+        listener.listen(1)
+        with socket.create_connection(("127.0.0.1", base)) as scraper:
+            served, _ = listener.accept()
+            served.close()  # the server closes first, as an HTTP/1.0 one does: TIME_WAIT on its side
+            assert scraper.recv(1) == b""
+    assert not is_free(base)  # a plain bind is refused: the port's last connection is still there
+    marker = tmp_path / "started"
+    job = _commlens("run", "--metrics-addr", "127.0.0.1", "--metrics-port", str(base), "--", sys.executable, "-c",
+                    f"open({str(marker)!r}, 'w')", stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 0 and marker.exists(), err
+    with socket.socket() as listener:  # a server of its own on the port, which sets SO_REUSEADDR too
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", base))
+        listener.listen(1)
+        with pytest.raises(ConfigError, match=f"port {base} is in use on 127.0.0.1"):
+            refuse_taken("127.0.0.1", base, 1, None, "choose another")
