@@ -601,50 +601,70 @@ def _dtypes(tensors: str) -> frozenset[str]:
     return frozenset(tensor.partition("[")[0] for tensor in tensors.split("], "))
 
 
-def _last_arrival(groups: dict[int, GroupFacts]) -> tuple[int, float, float] | None:
-    """Live: the member that spends least of its time in a group's ops, well under the member that spends
-    most (``_waits_less``), and waits over ``STRAGGLER_MIN_S`` less per op than the longest waiter,
-    from ``STRAGGLER_LIVE_EVIDENCE`` ops of each: it arrives last. (Members of a group of collectives
-    issue as many, and the share orders them as the mean wait does; a pipeline's ends exchange half as
-    often as its middle stages.) (rank, its wait, the longest wait), or None."""
+def _least_waiting(groups: dict[int, GroupFacts]) -> tuple[int, float, float] | None:
+    """Live: the member that spends least of its time in a group's ops, and waits over ``STRAGGLER_MIN_S``
+    less per op than the longest waiter, from ``STRAGGLER_LIVE_EVIDENCE`` ops of each: it arrives last.
+    (Members of a group of collectives issue as many, and the share orders them as the mean wait does;
+    a pipeline's ends exchange half as often as its middle stages.) (rank, its wait, the longest wait),
+    or None. As ``commlens:rank_least_in_group``."""
     waits = {rank: g.wait_s for rank, g in groups.items() if g.wait_s is not None}
     shares = {rank: groups[rank].waited_s or 0.0 for rank in waits}
     if len(waits) < 2 or min(g.completed for g in groups.values()) < STRAGGLER_LIVE_EVIDENCE:
         return None
     longest = max(waits.values())
     rank = min(shares, key=shares.get)
-    if longest - waits[rank] > STRAGGLER_MIN_S and _waits_less(shares[rank], max(shares.values())):
-        return rank, waits[rank], longest
-    return None
+    return (rank, waits[rank], longest) if longest - waits[rank] > STRAGGLER_MIN_S else None
+
+
+def _last_arrival(groups: dict[int, GroupFacts]) -> tuple[int, float, float] | None:
+    """Live: the member that arrives last (``_least_waiting``) and spends well under the time in the
+    group's ops of the member that spends most (``_waits_less``): what the others wait for. As
+    ``commlens:rank_last_in_group``."""
+    arrival = _least_waiting(groups)
+    shares = [g.waited_s or 0.0 for g in groups.values()]
+    if arrival is None or not _waits_less(groups[arrival[0]].waited_s or 0.0, max(shares)):
+        return None
+    return arrival
+
+
+def _computing_node(facts: list[RankFacts]) -> str | None:
+    """Live, across nodes: the node each of whose ranks spends less of its time in collectives (all its
+    groups) than any rank of another node, by over ``NODE_SLOW_MARGIN``: it computes while they wait.
+    As ``commlens:node_computing``."""
+    nodes = {f.rank: f.node for f in facts}
+    if len(set(nodes.values())) < 2:
+        return None
+    waited = {f.rank: _in_collectives(f) for f in facts}
+    node = nodes[min(waited, key=waited.get)]
+    theirs = [w for rank, w in waited.items() if nodes[rank] == node]
+    others = [w for rank, w in waited.items() if nodes[rank] != node]
+    return node if max(theirs) + NODE_SLOW_MARGIN < min(others) else None
 
 
 def _node_last(found: list[Finding], facts: list[RankFacts]) -> list[Finding]:
-    """Live, when nothing worse is found: a node every rank of which arrives last in a group it shares
-    with other nodes (``_last_arrival``), the only such node, whose ranks spend less time in collectives
-    than any other node's, its endpoints answering and nobody waiting past the hang threshold: the
-    node is slow, and named in place of its ranks' straggler findings. Its ranks may wait in the
-    groups they share, as everything they do is slow: the stragglers' test of waiting in no other
-    group does not hold for them (as CommlensNodeSlow)."""
-    nodes = {f.rank: f.node for f in facts}
-    if len(set(nodes.values())) < 2 or _waiting(facts) or any(f.gone or f.unreachable for f in facts):
+    """Live, when nothing worse is found: the node that computes while the others wait
+    (``_computing_node``), every rank of which arrives last in a group it shares with other nodes
+    (``_least_waiting``), its endpoints answering and nobody waiting past the hang threshold: the node
+    is slow, and named in place of its ranks' straggler findings. Its ranks may wait in the groups
+    they share, as everything they do is slow: the stragglers' test of waiting in no other group does
+    not hold for them (as CommlensNodeSlow). Behind a slow link the ranks that send across it arrive
+    last, but spend as much of their time in collectives as anyone: no node computes while others wait."""
+    if _waiting(facts) or any(f.gone or f.unreachable for f in facts) or (node := _computing_node(facts)) is None:
         return _slow_node(found, facts)
-    last: dict[str, set[int]] = collections.defaultdict(set)
+    nodes = {f.rank: f.node for f in facts}
+    ranks = sorted(rank for rank, n in nodes.items() if n == node)
+    last: set[int] = set()
     for pg in {pg for f in facts for pg in f.groups}:
         groups = {f.rank: f.groups[pg] for f in facts if pg in f.groups}
-        if len({nodes[rank] for rank in groups}) > 1 and (arrival := _last_arrival(groups)) is not None:
-            last[nodes[arrival[0]]].add(arrival[0])
-    slow = [node for node, ranks in last.items() if ranks == {r for r, n in nodes.items() if n == node}]
-    # it computes while the others wait: each of its ranks spends less time in collectives than any
-    # other node's (behind a slow link, the ranks that send across it arrive last and wait as long)
-    waited = {f.rank: _in_collectives(f) for f in facts}
-    if len(slow) != 1 or max(waited[r] for r in last[slow[0]]) + NODE_SLOW_MARGIN >= \
-            min(w for r, w in waited.items() if nodes[r] != slow[0]):
+        if len({nodes[rank] for rank in groups}) > 1 and (arrival := _least_waiting(groups)) is not None:
+            last.add(arrival[0])
+    if not set(ranks) <= last:
         return _slow_node(found, facts)
-    node, ranks = slow[0], sorted(last[slow[0]])
     return [Finding("node_slow", tuple(ranks), "", "", None,
                     f"every rank of the node arrives last, by over {STRAGGLER_MIN_S * 1e3:.0f} ms per collective, "
-                    "in a group it shares with other nodes, and its endpoints answer: the host is alive but slow "
-                    "(its CPU throttled or shared, memory, its devices)", node=node)] + \
+                    "in a group it shares with other nodes, and spends less of its time in collectives than any "
+                    "rank of another node, and its endpoints answer: the host is alive but slow (its CPU "
+                    "throttled or shared, memory, its devices)", node=node)] + \
         [f for f in found if not set(f.ranks) <= set(ranks)]
 
 
