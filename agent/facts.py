@@ -16,7 +16,8 @@ class GroupFacts:
     issued: int = 0
     """The last collective sequence number it issued."""
     finished: int | None = None
-    """The last collective sequence number it completed (live, or from a killed rank's dump; None: not known)."""
+    """The last collective sequence number it completed (live, or from the dump of a rank killed or told to
+    stop; None: not known)."""
     hung: tuple[str, int] | None = None
     """(op, seq) of its oldest collective in flight past the hang threshold."""
     hung_bytes: int | None = None

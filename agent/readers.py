@@ -591,5 +591,5 @@ def _dump_fact(facts: RankFacts, dump: dict, collectives: list[tuple[str, int, s
         group = facts.group(pg)
         group.issued = max(group.issued, seq)
         group.inputs[seq] = (op, inputs)
-        if facts.lost:  # its ring at its death: what it had completed, and so what it died in
+        if facts.lost or facts.signalled_ns is not None:  # its ring at its death or when told to stop
             group.finished = max(group.finished or 0, seq if completed else 0)

@@ -437,19 +437,29 @@ def _once_each(found: list[Finding]) -> list[Finding]:
 def _lost_unseen(facts: list[RankFacts], found: list[Finding]) -> list[Finding]:
     """A killed rank that no other finding names, because no rank was seen waiting on it (live: the job
     torn down within a scrape; after the fact: its peers completed the collective it died in): named in
-    the collective it had in flight, whose op its dump holds and the metrics do not."""
+    the collective it had in flight, whose op its dump holds and the metrics do not; one that vanished,
+    in the collective its peers were still in, which it never issued (``_died_in``)."""
     named = {rank for f in found if f.kind == "lost_rank" for rank in f.ranks}
     unseen = []
     for f in facts:
         if f.lost and f.rank not in named and (in_flight := _died_in(f, facts) if f.vanished else _in_flight(f)):
             pg = min(in_flight, key=lambda group: (len(group), group))
             group = f.groups.get(pg)
-            if group is None:  # never seen in it: killed before its metrics were first scraped
+            theirs = [(other.groups[pg].issued, other.groups[pg].inputs.get(other.groups[pg].issued, ("a collective",))[0])
+                      for other in facts if other is not f and pg in _in_flight(other)]
+            if f.vanished and theirs:  # the peers' collective it never issued
+                seq, op = max(theirs)
+                unseen.append(Finding("lost_rank", (f.rank,), pg, op, seq, f"{_death(f)}, before it issued it: the "
+                                      "others were still in it when the job was torn down"))
+            elif group is None:  # never seen in it: killed before its metrics were first scraped
                 unseen.append(Finding("lost_rank", (f.rank,), pg, "a collective", None, f"{_death(f)}, and the job "
                                       "was torn down: the others were told to stop"))
-                continue
-            op = group.inputs.get(group.issued, ("a collective",))[0]
-            unseen.append(Finding("lost_rank", (f.rank,), pg, op, group.issued, f"{_death(f)} inside it"))
+            elif not group.issued and not group.inputs:  # a group of point-to-point ops alone
+                unseen.append(Finding("lost_rank", (f.rank,), pg, "a point-to-point op", None,
+                                      f"{_death(f)}: its peers' ops with it failed or waited"))
+            else:
+                op = group.inputs.get(group.issued, ("a collective",))[0]
+                unseen.append(Finding("lost_rank", (f.rank,), pg, op, group.issued, f"{_death(f)} inside it"))
     return unseen
 
 
@@ -474,23 +484,27 @@ def _died_in(f: RankFacts, facts: list[RankFacts]) -> set[str]:
     """The groups of a rank that ``vanished`` in which it died: where another rank failed, or waits (live)
     or was still waiting (after the fact) in a collective or on it (``_member``). None: it vanished while
     the others carried on unharmed, and is not known to have died. (Its own last scrape, or its spans,
-    may end before the collective it died in.) Live, where the job was torn down before any rank was
-    seen waiting (torchrun stops every rank once one has died): the groups in which a rank told to stop
-    had a collective in flight, or else the default group "0" — the others said how they ended, it did
+    may end before the collective it died in.) Collectives first: where only point-to-point ops on it
+    failed or waited, the collectives that ranks told to stop were still in (torchrun stops every rank
+    once one has died), which it never issued. Live, where the job was torn down before any rank was
+    seen waiting: those groups, or else the default group "0" — the others said how they ended, it did
     not."""
-    died_in = {pg for other in facts if other.rank != f.rank for pg, g in other.groups.items()
-               if _member(f, pg) and (
-        g.failed or _still_hung(g) or (g.p2p_hung or ("", -1))[1] == f.rank or (g.p2p_failed or ("", -1))[1] == f.rank
-        or any(end is None for _, end in g.hangs_seen.values())
+    others = [other for other in facts if other.rank != f.rank]
+    in_collectives = {pg for other in others for pg, g in other.groups.items() if _member(f, pg) and (
+        g.failed or _still_hung(g) or any(end is None for _, end in g.hangs_seen.values()))}
+    on_it = {pg for other in others for pg, g in other.groups.items() if _member(f, pg) and (
+        (g.p2p_hung or ("", -1))[1] == f.rank or (g.p2p_failed or ("", -1))[1] == f.rank
         or any(end is None and peer == f.rank for _, end, _, peer in g.p2p_waits_seen))}
-    stopped = [other for other in facts if other.rank != f.rank and other.stopped and other.gone]
-    if died_in or not stopped:
-        return died_in
-    return {pg for other in stopped for pg in _in_flight(other) if _member(f, pg)} or {"0"}
+    told = {pg for other in others if (other.stopped and other.gone) or other.signalled_ns is not None
+            for pg in _in_flight(other) if _member(f, pg)}
+    if in_collectives or on_it:
+        return in_collectives or told or on_it
+    return (told or {"0"}) if any(other.stopped and other.gone for other in others) else set()
 
 
 def _in_flight(f: RankFacts) -> set[str]:
-    """The groups in which rank ``f`` had a collective issued and not completed (live, or a killed rank's dump)."""
+    """The groups in which rank ``f`` had a collective issued and not completed (live, or the dump of a rank
+    killed or told to stop)."""
     return {pg for pg, g in f.groups.items() if g.finished is not None and g.issued > g.finished}
 
 
