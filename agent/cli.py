@@ -40,17 +40,44 @@ def _fault(text: str):
 
 
 _RUN_OPTIONS = {
-    "job-id": "COMMLENS_JOB_ID", "metrics-port": "COMMLENS_METRICS_PORT", "metrics-addr": "COMMLENS_METRICS_ADDR",
-    "hang-threshold": "COMMLENS_HANG_THRESHOLD_S", "trace-file": "COMMLENS_TRACE_FILE",
-    "otlp-endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT", "otlp-protocol": "OTEL_EXPORTER_OTLP_PROTOCOL",
-    "service-name": "OTEL_SERVICE_NAME", "module-attribution": "COMMLENS_MODULE_ATTRIBUTION",
-    "ring-dir": "COMMLENS_RING_DIR", "metrics-detail": "COMMLENS_METRICS_DETAIL",
+    "job-id": ("COMMLENS_JOB_ID", "ID", "the job's id: the `job` of its telemetry and the name of its folder (default: "
+               "a new one, from the time and the process)"),
+    "metrics-port": ("COMMLENS_METRICS_PORT", "PORT", "the metrics port; with --in-process, local rank R serves on "
+                     "PORT+R; 0: no metrics (default 9464)"),
+    "metrics-addr": ("COMMLENS_METRICS_ADDR", "ADDR", "the address the metrics endpoints listen on (default 0.0.0.0)"),
+    "hang-threshold": ("COMMLENS_HANG_THRESHOLD_S", "SECONDS", "how long a collective may wait before it is "
+                       "reported hung, at least 0.1 (default 300)"),
+    "trace-file": ("COMMLENS_TRACE_FILE", "PATH", "the spans' file where no OTLP endpoint is set, {rank} replaced "
+                   "(default: traces-{rank}.jsonl in the job's folder)"),
+    "otlp-endpoint": ("OTEL_EXPORTER_OTLP_ENDPOINT", "URL", "an OTLP receiver for the spans, e.g. "
+                      "http://collector:4318 (default: none; spans go to --trace-file)"),
+    "otlp-protocol": ("OTEL_EXPORTER_OTLP_PROTOCOL", "PROTOCOL", "grpc or http/protobuf (default http/protobuf)"),
+    "service-name": ("OTEL_SERVICE_NAME", "NAME", "the spans' service.name (default commlens)"),
+    "module-attribution": ("COMMLENS_MODULE_ATTRIBUTION", "BOOL", "true: each collective's span names the module "
+                           "that issued it (default false)"),
+    "ring-dir": ("COMMLENS_RING_DIR", "DIR", "an existing folder shared with a pod sidecar (commlens sidecar) running "
+                 "beside, where the ranks write their rings (default: none)"),
+    "metrics-detail": ("COMMLENS_METRICS_DETAIL", "DETAIL", "what per-collective series are split by: group, op or "
+                       "full (default group)"),
 }
+"""option -> (the variable it sets, its value's name, what it is: unit, accepted values, default)."""
 
 
 def _settings(args: argparse.Namespace) -> dict[str, str]:
-    return {variable: getattr(args, option.replace("-", "_")) for option, variable in _RUN_OPTIONS.items()
+    return {variable: getattr(args, option.replace("-", "_")) for option, (variable, _, _) in _RUN_OPTIONS.items()
             if getattr(args, option.replace("-", "_")) is not None}
+
+
+def _in_options(message: str, settings: dict[str, str]) -> str:
+    """A refusal of a variable the user set by its option, said with the option as typed.
+
+    >>> _in_options("COMMLENS_HANG_THRESHOLD_S='-3' is not accepted: ...", {"COMMLENS_HANG_THRESHOLD_S": "-3"})
+    '--hang-threshold -3 (COMMLENS_HANG_THRESHOLD_S) is not accepted: ...'"""
+    for option, (variable, _, _) in _RUN_OPTIONS.items():
+        for given in (f"{variable}={settings.get(variable)!r}", f"{variable}={settings.get(variable)}"):
+            if variable in settings and message.startswith(given):
+                return f"--{option} {settings[variable]} ({variable})" + message[len(given):]
+    return message
 
 
 def _version() -> str:
@@ -84,10 +111,10 @@ def main(argv: list[str] | None = None) -> int:
                                   description="Reads the rings that ranks started with COMMLENS_RING_DIR write, and "
                                   "exports for all of them: one metrics port, spans, dumps. Runs until SIGTERM. "
                                   "Options set the COMMLENS_*/OTEL_* variable named in their help.")
-    for option, variable in _RUN_OPTIONS.items():
-        launch.add_argument(f"--{option}", help=f"sets {variable}")
-        sidecar.add_argument(f"--{option}", help=f"sets {variable}")
-    launch.add_argument("--out", help="the job's folder for its trace files and dumps (default: "
+    for option, (variable, value, what) in _RUN_OPTIONS.items():
+        for command in (launch, sidecar):
+            command.add_argument(f"--{option}", metavar=value, help=f"{what}; sets {variable}")
+    launch.add_argument("--out", metavar="DIR", help="the job's folder for its trace files and dumps (default: "
                         "./commlens-out/<job id>, the job id a new one unless --job-id or COMMLENS_JOB_ID gives it)")
     where = launch.add_mutually_exclusive_group()
     where.add_argument("--sidecar", dest="sidecar", action="store_const", const=True,
@@ -137,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error("run needs a command: commlens run [options] -- COMMAND [ARGS...]")
             return run_command(command, _settings(args), args.sidecar, args.out)
         except ConfigError as error:
-            print(f"commlens {args.command}: {error}", file=sys.stderr)
+            print(f"commlens {args.command}: {_in_options(str(error), _settings(args))}", file=sys.stderr)
             return 2
     if args.command == "assets":
         import pathlib

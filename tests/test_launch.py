@@ -73,8 +73,8 @@ def test_run_refuses_a_metrics_port_in_use_before_the_command_starts(tmp_path, o
                         stderr=subprocess.PIPE, text=True)
         _, err = job.communicate(timeout=60)
     which = f"port {base + held}" + (f" ({whose})" if whose else "")
-    assert job.returncode == 2 and f"COMMLENS_METRICS_PORT={base} is not accepted: {which} is in use on 127.0.0.1" \
-        in err, err
+    assert job.returncode == 2 and f"--metrics-port {base} (COMMLENS_METRICS_PORT) is not accepted: {which} is in " \
+        "use on 127.0.0.1" in err, err
     assert not marker.exists()
 
 
@@ -159,6 +159,27 @@ def test_the_command_says_its_version_and_helps_without_importing_torch():
                             capture_output=True, text=True)
     assert "which rank, which collective, why" in helped.stdout and "commlens run -- torchrun" in helped.stdout
     assert helped.stdout.strip().endswith("torch loaded: False"), helped.stdout
+
+
+def test_runs_help_says_each_options_unit_and_default_and_a_refusal_names_the_option_typed(tmp_path):
+    """``commlens run --help``: each option with its value's kind, its default and the variable it sets; a
+    value refused is answered with the option as the user typed it, what is accepted, and exit 2, before
+    the command starts."""
+    helped = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "run", "--help"], capture_output=True,
+                            text=True)
+    flat = " ".join(helped.stdout.split())
+    for option, shown in [("--hang-threshold SECONDS", "(default 300); sets COMMLENS_HANG_THRESHOLD_S"),
+                          ("--metrics-port PORT", "(default 9464); sets COMMLENS_METRICS_PORT"),
+                          ("--otlp-protocol PROTOCOL", "grpc or http/protobuf (default http/protobuf)"),
+                          ("--metrics-detail DETAIL", "group, op or full (default group)")]:
+        assert option in flat and shown in flat, helped.stdout
+    marker = tmp_path / "started"
+    refused = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "run", "--hang-threshold", "-3", "--",
+                              sys.executable, "-c", f"open({str(marker)!r}, 'w')"], capture_output=True, text=True,
+                             cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stderr.strip() == (
+        "commlens run: --hang-threshold -3 (COMMLENS_HANG_THRESHOLD_S) is not accepted: it must be a number >= 0.1")
+    assert not marker.exists()
 
 
 def test_run_imports_torch_only_to_build_the_extensions_and_not_once_they_are_built(tmp_path):
