@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import sys
+import urllib.error
+import urllib.parse
 
 from .facts import RankFacts
 from .verdicts import Finding, findings
@@ -38,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.window > 0:
         parser.error(f"--window {args.window} is not accepted: give the seconds between the two scrapes, above 0")
+    if args.prometheus and urllib.parse.urlsplit(args.prometheus).scheme not in ("http", "https"):
+        parser.error(f"--prometheus {args.prometheus!r} is not accepted: give its URL, e.g. http://prom:9090")
     if args.folder is not None and not os.path.isdir(args.folder):
         parser.error(f"{args.folder!r} is not a folder: give the folder of a job's trace files and dumps")
     unread: list[str] = []
@@ -50,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             jobs = {"": from_files(args.folder, on_problem=problem)}
     except OSError as error:
-        print(f"commlens diagnose: cannot read the telemetry: {error}", file=sys.stderr)
+        source = args.prometheus or args.folder or " ".join(args.metrics)
+        print(f"commlens diagnose: cannot read the telemetry from {source}: {_why(error)}", file=sys.stderr)
         return 2
     if not any(jobs.values()):
         where = args.folder or " ".join(args.metrics or ()) or f"{args.prometheus}" + (f" (job {args.job})" if args.job else "")
@@ -64,6 +69,14 @@ def main(argv: list[str] | None = None) -> int:
         for line in lines:
             print(f"{job}: {line}" if job else line)
     return 1 if wrong else 2 if incomplete else 0
+
+
+def _why(error: OSError) -> str:
+    """What went wrong, in the words of the socket or the server, not urllib's wrapping of them."""
+    if isinstance(error, urllib.error.HTTPError):
+        return f"HTTP {error.code} {error.reason}"
+    reason = getattr(error, "reason", error)  # a URLError wraps the socket's error
+    return getattr(reason, "strerror", None) or str(reason)
 
 
 NOTHING_WRONG = "nothing wrong found"

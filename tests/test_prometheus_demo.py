@@ -132,6 +132,17 @@ def test_the_demo_never_writes_over_another_jobs_folder_and_diagnose_without_tel
     out, err = capsys.readouterr()
     assert out == "" and f"commlens: skipped the metrics endpoint {nobody}: " in err, err
     assert f"commlens diagnose: no telemetry in {nobody}: no commlens metrics" in err, err
+    with socket.socket() as bound:  # a Prometheus URL where nothing listens: the URL and the socket's words
+        bound.bind(("127.0.0.1", 0))
+        nowhere = f"http://127.0.0.1:{bound.getsockname()[1]}"
+        assert main(["diagnose", "--prometheus", nowhere]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"commlens diagnose: cannot read the telemetry from {nowhere}: Connection refused\n", err
+    with pytest.raises(SystemExit) as refused:  # a bare host: a usage error that says what is accepted
+        main(["diagnose", "--prometheus", "prom:9090"])
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and "--prometheus 'prom:9090' is not accepted: give its URL, e.g. http://prom:9090" \
+        in err, err
 
 
 def test_the_demo_refuses_a_metrics_port_in_use_in_one_line_before_any_rank_starts(capsys, monkeypatch, tmp_path):
