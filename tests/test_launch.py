@@ -228,3 +228,39 @@ def test_run_starts_at_once_on_a_port_whose_last_jobs_scrapes_sit_in_time_wait(t
         listener.listen(1)
         with pytest.raises(ConfigError, match=f"port {base} is in use on 127.0.0.1"):
             refuse_taken("127.0.0.1", base, 1, None, "choose another")
+
+
+def test_a_job_run_twice_in_a_row_on_one_port_while_prometheus_scrapes_starts_at_once_both_times(tmp_path):
+    """As people rerun a failed job: ``commlens run`` on one metrics port, Prometheus scraping its pod
+    sidecar every second; once the job ends (its sidecar closing the scrapes' connections: TIME_WAIT
+    on the port), the same command again starts at once and is scraped in turn."""
+    import types
+
+    from monitoring import Prometheus, wait_for
+
+    port = free_port()
+    target = types.SimpleNamespace(targets=[f"127.0.0.1:{port}"], __exit__=lambda *exc: None)
+    scrapes = f'sum_over_time(up{{instance="127.0.0.1:{port}"}}[10m])'
+    with Prometheus(tmp_path, target) as prometheus:
+        wait_for(lambda: prometheus.query("vector(1)"), "Prometheus answering")
+        for attempt in (1, 2):
+            done = tmp_path / f"done-{attempt}"
+            before = sum(float(r["value"][1]) for r in prometheus.query(scrapes))
+            job = _commlens("run", "--metrics-addr", "127.0.0.1", "--metrics-port", str(port), "--", sys.executable,
+                            "-c", f"import os, time\nwhile not os.path.exists({str(done)!r}):\n    time.sleep(0.05)",
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+            try:
+                wait_for(lambda: sum(float(r["value"][1]) for r in prometheus.query(scrapes)) >= before + 2,
+                         f"attempt {attempt} scraped twice", explain=lambda: job.poll())
+            finally:
+                done.touch()
+                _, err = job.communicate(timeout=60)
+            assert job.returncode == 0 and "is not accepted" not in err, err
+            if attempt == 1:  # what the second start meets: the served scrapes' connections, closed
+                assert _time_wait(port), "no connection of the first job's scrapes in TIME_WAIT"
+
+
+def _time_wait(port: int) -> bool:
+    """Whether a TCP connection on local ``port`` is in TIME_WAIT (``/proc/net/tcp``: state 06)."""
+    rows = pathlib.Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return any(int(row.split()[1].split(":")[1], 16) == port and row.split()[3] == "06" for row in rows)
