@@ -250,7 +250,7 @@ def build_extensions() -> None:
     before a job's ranks start, which would otherwise each build them while their peers' hang
     clocks run (``commlens run``, ``commlens demo``); marked ready where every one loads."""
     if (native.forwarder() is not None or not native.AVAILABLE) and ddp.cpp_hook() is not None and \
-            (cuda.native() is not None or not torch.cuda.is_available()):
+            (not torch.cuda.is_available() or cuda.native() is not None):  # the GPU's only where there is one
         extension.mark_ready()
 
 

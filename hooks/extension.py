@@ -18,6 +18,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from types import ModuleType
@@ -85,6 +86,8 @@ def load(source: str) -> ModuleType:
 def _build(name: str, path: str, cached: str) -> None:
     from torch.utils import cpp_extension
 
+    print(f"commlens: building its C++ extension {os.path.basename(path)} for this torch, once per machine "
+          "(about 25 s)", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as build:  # torch's lock file in a shared one outlives a killed builder
         cpp_extension.load(name, [path], extra_cflags=CFLAGS, build_directory=build)
         shutil.copyfile(os.path.join(build, name + ".so"), f"{cached}.{os.getpid()}")

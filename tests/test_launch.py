@@ -195,7 +195,12 @@ def test_run_imports_torch_only_to_build_the_extensions_and_not_once_they_are_bu
                               str(tmp_path / "t.jsonl"), "--", "true"], capture_output=True, text=True, timeout=300,
                              env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CXX": "false"}, cwd=tmp_path)
     assert unbuilt.stdout.strip() == "torch loaded: True", unbuilt  # it tried to build them (no compiler here)
-    assert "could not be built" in unbuilt.stderr, unbuilt.stderr
+    assert "commlens: building its C++ extension" in unbuilt.stderr and "could not be built" in unbuilt.stderr, \
+        unbuilt.stderr  # said before the build's seconds, not after
+    import torch
+
+    if not torch.cuda.is_available():  # the GPU's extension is built only where there is a GPU
+        assert "_gpu.cpp" not in unbuilt.stderr and "GPU extension" not in unbuilt.stderr, unbuilt.stderr
 
 
 def test_run_starts_at_once_on_a_port_whose_last_jobs_scrapes_sit_in_time_wait(tmp_path):
