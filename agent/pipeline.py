@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 from commlens.exporters.otlp import BatchSpanProcessor
 from commlens.exporters.prometheus import MetricsCollector
-from commlens.exporters.telemetry import GroupInFlight, StatsSnapshot
+from commlens.exporters.telemetry import Collective, GroupInFlight, StatsSnapshot
 from commlens.hooks.flight_recorder import write_dump
 from commlens.hooks.ring import ERRORS, Ring
 
@@ -63,10 +63,19 @@ class RankPipeline:
             self._errors_before = dict(self.telemetry_errors())
         c = self.config
         self.sidecar = Sidecar(ring, c.rank, c.hang_threshold_s, c.slow_factor, on_collective=self.spans.queue,
-                               sample=self.spans.sampled, on_hang=lambda _: self.on_hang(),
+                               sample=self.spans.sampled, on_hang=self._hung,
                                on_snapshot=self.on_snapshot, stats=self.stats, resume=True, detail=c.metrics_detail,
                                beside_training=self.beside_training)
         return self.sidecar
+
+    def _hung(self, collective: Collective) -> None:
+        """A collective newly past the hang threshold: said on the console at once, one line (the job's
+        terminal: ``commlens run``'s ranks and pod sidecar write to it), then ``on_hang()``."""
+        where = f"group {collective.pg}" + ("" if collective.is_p2p else f", seq {collective.seq}")
+        print(f"commlens: rank {collective.rank} has waited over {self.config.hang_threshold_s:g} s in {collective.op} "
+              f"({where}), past the hang threshold; `commlens diagnose` names whom it waits for", file=sys.stderr,
+              flush=True)
+        self.on_hang()
 
     def write_dump(self, reason: str, dump: Callable[[], dict], drain: bool = False, blocking: bool = True) -> str | None:
         """Write the rank's flight-recorder dump ``dump()`` for ``reason``, then (``drain``) drain the

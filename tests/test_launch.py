@@ -5,6 +5,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -269,3 +270,30 @@ def _time_wait(port: int) -> bool:
     """Whether a TCP connection on local ``port`` is in TIME_WAIT (``/proc/net/tcp``: state 06)."""
     rows = pathlib.Path("/proc/net/tcp").read_text().splitlines()[1:]
     return any(int(row.split()[1].split(":")[1], 16) == port and row.split()[3] == "06" for row in rows)
+
+
+@pytest.mark.parametrize("where", ["--in-process", "--sidecar"])
+def test_a_live_hang_is_said_on_the_console_while_the_job_still_waits(tmp_path, where):
+    """A user watching ``commlens run``'s terminal sees a hang when it is found, not after the job:
+    rank 0 waits in an all_reduce for rank 1, held back (``tests/children/held_in_a_collective.py``)
+    until the test has read that line; then the job ends well."""
+    script = pathlib.Path(__file__).resolve().parent / "children" / "held_in_a_collective.py"
+    released = tmp_path / "released"
+    job = _commlens("run", where, "--hang-threshold", "1", "--metrics-port", "0", "--", "torchrun",
+                    "--nproc-per-node", "2", "--master-port", str(free_port()), str(script), str(released),
+                    cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    said, deadline = [], threading.Timer(90, released.touch)  # a line never said fails the test, not hangs it
+    deadline.start()
+    try:
+        for line in job.stderr:
+            said.append(line)
+            if line.startswith("commlens: rank 0 has waited over 1 s in all_reduce (group 0, seq "):
+                break
+    finally:
+        released.touch()
+        deadline.cancel()
+        said += job.stderr.readlines()
+        job.wait(60)
+    assert any(line.endswith("past the hang threshold; `commlens diagnose` names whom it waits for\n")
+               for line in said), "".join(said)
+    assert job.returncode == 0, "".join(said)
