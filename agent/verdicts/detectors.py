@@ -438,7 +438,7 @@ def _lost_unseen(facts: list[RankFacts], found: list[Finding]) -> list[Finding]:
     """A killed rank that no other finding names, because no rank was seen waiting on it (live: the job
     torn down within a scrape; after the fact: its peers completed the collective it died in): named in
     the collective it had in flight, whose op its dump holds and the metrics do not; one that vanished,
-    in the collective its peers were still in, which it never issued (``_died_in``)."""
+    in the collective its peers were still in (``_died_in``)."""
     named = {rank for f in found if f.kind == "lost_rank" for rank in f.ranks}
     unseen = []
     for f in facts:
@@ -447,10 +447,10 @@ def _lost_unseen(facts: list[RankFacts], found: list[Finding]) -> list[Finding]:
             group = f.groups.get(pg)
             theirs = [(other.groups[pg].issued, other.groups[pg].inputs.get(other.groups[pg].issued, ("a collective",))[0])
                       for other in facts if other is not f and pg in _in_flight(other)]
-            if f.vanished and theirs:  # the peers' collective it never issued
+            if f.vanished and theirs:  # the collective its peers were in: it died in it, or before it
                 seq, op = max(theirs)
-                unseen.append(Finding("lost_rank", (f.rank,), pg, op, seq, f"{_death(f)}, before it issued it: the "
-                                      "others were still in it when the job was torn down"))
+                unseen.append(Finding("lost_rank", (f.rank,), pg, op, seq, f"{_death(f)}; the others were still in "
+                                      "it when the job was torn down"))
             elif group is None:  # never seen in it: killed before its metrics were first scraped
                 unseen.append(Finding("lost_rank", (f.rank,), pg, "a collective", None, f"{_death(f)}, and the job "
                                       "was torn down: the others were told to stop"))
@@ -486,7 +486,7 @@ def _died_in(f: RankFacts, facts: list[RankFacts]) -> set[str]:
     the others carried on unharmed, and is not known to have died. (Its own last scrape, or its spans,
     may end before the collective it died in.) Collectives first: where only point-to-point ops on it
     failed or waited, the collectives that ranks told to stop were still in (torchrun stops every rank
-    once one has died), which it never issued. Live, where the job was torn down before any rank was
+    once one has died). Live, where the job was torn down before any rank was
     seen waiting: those groups, or else the default group "0" — the others said how they ended, it did
     not."""
     others = [other for other in facts if other.rank != f.rank]
