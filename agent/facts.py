@@ -22,6 +22,9 @@ class GroupFacts:
     """(op, seq) of its oldest collective in flight past the hang threshold."""
     hung_bytes: int | None = None
     """The payload bytes of that collective (live)."""
+    hung_lately: bool = False
+    """Live: it waited past the hang threshold in this group within the window its waits are measured over
+    (the window's waits are that one's, over or not)."""
     p2p_hung: tuple[str, int, float] | None = None
     """(op, peer, seconds) of its oldest point-to-point op in flight past the hang threshold: it waits
     on the global rank ``peer`` (live)."""
