@@ -95,3 +95,20 @@ def test_every_relative_link_of_the_readme_and_the_docs_resolves():
             if not file.exists() or anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text()):
                 broken.append(f"{doc.relative_to(ROOT)}: {target}")
     assert broken == []
+
+
+def test_each_packages_public_api_is_the_list_in_docs_api():
+    """``__all__`` of each package that has one is what docs/api.md lists under it: a name added or
+    removed on one side only fails here (a promise broken, or kept without being made)."""
+    import importlib
+
+    text = (ROOT / "docs/api.md").read_text().replace("\n  ", " ")  # each list item on one line
+    sections = re.split(r"^## `([\w.]+)`$", text, flags=re.M)[1:]
+    listed = {package: {name for item in re.findall(r"^- (.+?): ", body, re.M)
+                        for name in re.findall(r"`([A-Za-z_]\w*)", item)}
+              for package, body in zip(sections[::2], sections[1::2])}
+    packages = {"commlens.hooks", "commlens.agent", "commlens.agent.verdicts", "commlens.exporters"}
+    public = {package: set(getattr(importlib.import_module(package), "__all__", ())) for package in packages}
+    assert {package for package, names in public.items() if names} == set(listed), "packages with an __all__"
+    for package, names in listed.items():
+        assert names == public[package], (package, names ^ public[package])
