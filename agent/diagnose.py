@@ -18,7 +18,7 @@ import urllib.parse
 
 from .facts import RankFacts
 from .verdicts import Finding, findings
-from .readers import NO_TELEMETRY, from_endpoints, from_files, from_prometheus, kept_and_said
+from .readers import NO_TELEMETRY, NO_TELEMETRY_EXIT, from_endpoints, from_files, from_prometheus, kept_and_said
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,19 +56,19 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         source = args.prometheus or args.folder or " ".join(args.metrics)
         print(f"commlens diagnose: cannot read the telemetry from {source}: {_why(error)}", file=sys.stderr)
-        return 2
+        return NO_TELEMETRY_EXIT
     if not any(jobs.values()):
         where = args.folder or " ".join(args.metrics or ()) or f"{args.prometheus}" + (f" (job {args.job})" if args.job else "")
         what = NO_TELEMETRY if args.folder else "no commlens metrics"
         print(f"commlens diagnose: no telemetry in {where}: {what}", file=sys.stderr)
-        return 2
+        return NO_TELEMETRY_EXIT
     wrong = incomplete = False
     for job, facts in sorted(jobs.items()):
         lines = report(facts, unread)
         wrong, incomplete = wrong or not lines[0].startswith(NOTHING_WRONG), incomplete or bool(caveats(facts, unread))
         for line in lines:
             print(f"{job}: {line}" if job else line)
-    return 1 if wrong else 2 if incomplete else 0
+    return 1 if wrong else NO_TELEMETRY_EXIT if incomplete else 0
 
 
 def _why(error: OSError) -> str:

@@ -32,6 +32,9 @@ from .facts import RankFacts
 DURATION_SUM, DURATION_COUNT = f"{names.COLLECTIVE_DURATION}_sum", f"{names.COLLECTIVE_DURATION}_count"
 NO_TELEMETRY = "no trace file (*.jsonl) with commlens spans and no flight-recorder dump"
 """What a job's folder without telemetry lacks, as the commands that read one say it."""
+NO_TELEMETRY_EXIT = 3
+"""The exit status of ``diagnose``, ``timeline`` and ``report`` where the telemetry is missing, could not be
+read, or (``diagnose``, nothing wrong found) is incomplete: 2 is a usage error, 1 something wrong."""
 NOT_STARTED = "not-started-{rank}.json"
 """A rank's note in its job's folder that commlens did not start in it (``{"rank": 3, "error": "..."}``):
 ``commlens run``'s ``sitecustomize`` (agent/autostart) writes it, under the name it sets, and trains on."""

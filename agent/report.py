@@ -20,7 +20,7 @@ from .diagnose import caveats, notes
 from .diagnose import verdict as verdict_lines
 from .facts import RankFacts
 from .verdicts import findings
-from .readers import NO_TELEMETRY, kept_and_said
+from .readers import NO_TELEMETRY, NO_TELEMETRY_EXIT, kept_and_said
 from .timeline import Slice, aligned, clock_offsets, read_facts
 
 WIDTH = 1100
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         path = write(args.folder, args.output)
     except ValueError as error:
         print(f"commlens report: {error}", file=sys.stderr)
-        return 2
+        return NO_TELEMETRY_EXIT
     print(f"report: {path} (open it in a browser)")
     return 0
 

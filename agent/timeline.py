@@ -24,7 +24,7 @@ from commlens.exporters import names
 
 from .facts import RankFacts
 from .verdicts import findings
-from .readers import clock_offsets as _offsets, from_files, say_skipped
+from .readers import NO_TELEMETRY_EXIT, clock_offsets as _offsets, from_files, say_skipped
 
 
 class Slice(NamedTuple):
@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = write(args.folder, args.output, args.last, args.steps)
     except ValueError as error:
-        parser.error(str(error))
+        print(f"commlens timeline: {error}", file=sys.stderr)
+        return NO_TELEMETRY_EXIT
     print(f"timeline: {path} ({OPEN_IN})")
     return 0
 

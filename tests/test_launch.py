@@ -53,7 +53,8 @@ def test_a_bad_option_fails_before_the_command_starts(tmp_path):
     job = _commlens("run", "--hang-threshold", "-1", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')",
                     stderr=subprocess.PIPE, text=True)
     _, err = job.communicate(timeout=60)
-    assert job.returncode == 2 and "COMMLENS_HANG_THRESHOLD_S='-1'" in err and ">= 0.1" in err
+    assert job.returncode == 2 and err.strip() == ("commlens run: --hang-threshold -1 (COMMLENS_HANG_THRESHOLD_S) is "
+                                                   "not accepted: it must be a number >= 0.1"), err  # as typed
     assert not marker.exists()
 
 
@@ -128,13 +129,13 @@ def test_a_rank_that_cannot_start_commlens_trains_on_and_the_verdict_names_it_un
     assert (folder / "verdict.txt").read_text().splitlines()[1].startswith(unseen)
     diagnosed = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "diagnose", str(folder)],
                                capture_output=True, text=True, timeout=60)
-    assert diagnosed.returncode == 2 and diagnosed.stdout.splitlines()[1].startswith(unseen), diagnosed
+    assert diagnosed.returncode == 3 and diagnosed.stdout.splitlines()[1].startswith(unseen), diagnosed
     refused = _commlens("run", "--in-process", "--metrics-port", "0", "--trace-file", "/no/such/folder/t-{rank}.jsonl",
                         "--", sys.executable, "-c", f"open({str(tmp_path / 'started')!r}, 'w')", cwd=tmp_path, env=env,
                         stderr=subprocess.PIPE, text=True)
     _, err = refused.communicate(timeout=60)
-    assert refused.returncode == 2 and "COMMLENS_TRACE_FILE='/no/such/folder/t-{rank}.jsonl': cannot write in " \
-        "'/no/such/folder'" in err and not (tmp_path / "started").exists(), err
+    assert refused.returncode == 2 and "--trace-file /no/such/folder/t-{rank}.jsonl (COMMLENS_TRACE_FILE): cannot " \
+        "write in '/no/such/folder'" in err and not (tmp_path / "started").exists(), err
 
 
 def test_a_sigterm_to_run_alone_ends_the_command_and_run_cleans_up_after_it(tmp_path):
@@ -163,10 +164,8 @@ def test_the_command_says_its_version_and_helps_without_importing_torch():
 
 
 @pytest.mark.torch_free
-def test_runs_help_says_each_options_unit_and_default_and_a_refusal_names_the_option_typed(tmp_path):
-    """``commlens run --help``: each option with its value's kind, its default and the variable it sets; a
-    value refused is answered with the option as the user typed it, what is accepted, and exit 2, before
-    the command starts."""
+def test_runs_help_says_each_options_unit_and_default():
+    """``commlens run --help``: each option with its value's kind, its default and the variable it sets."""
     helped = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "run", "--help"], capture_output=True,
                             text=True)
     flat = " ".join(helped.stdout.split())
@@ -175,13 +174,6 @@ def test_runs_help_says_each_options_unit_and_default_and_a_refusal_names_the_op
                           ("--otlp-protocol PROTOCOL", "grpc or http/protobuf (default http/protobuf)"),
                           ("--metrics-detail DETAIL", "group, op or full (default group)")]:
         assert option in flat and shown in flat, helped.stdout
-    marker = tmp_path / "started"
-    refused = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "run", "--hang-threshold", "-3", "--",
-                              sys.executable, "-c", f"open({str(marker)!r}, 'w')"], capture_output=True, text=True,
-                             cwd=tmp_path)
-    assert refused.returncode == 2 and refused.stderr.strip() == (
-        "commlens run: --hang-threshold -3 (COMMLENS_HANG_THRESHOLD_S) is not accepted: it must be a number >= 0.1")
-    assert not marker.exists()
 
 
 def test_run_imports_torch_only_to_build_the_extensions_and_not_once_they_are_built(tmp_path):

@@ -128,14 +128,14 @@ def test_the_demo_never_writes_over_another_jobs_folder_and_diagnose_without_tel
     with socket.socket() as bound:  # bound, not listening: live, an endpoint that refuses every connection
         bound.bind(("127.0.0.1", 0))
         nobody = f"http://127.0.0.1:{bound.getsockname()[1]}/metrics"
-        assert main(["diagnose", "--metrics", nobody, "--window", "0.1"]) == 2
+        assert main(["diagnose", "--metrics", nobody, "--window", "0.1"]) == 3
     out, err = capsys.readouterr()
     assert out == "" and f"commlens: skipped the metrics endpoint {nobody}: " in err, err
     assert f"commlens diagnose: no telemetry in {nobody}: no commlens metrics" in err, err
     with socket.socket() as bound:  # a Prometheus URL where nothing listens: the URL and the socket's words
         bound.bind(("127.0.0.1", 0))
         nowhere = f"http://127.0.0.1:{bound.getsockname()[1]}"
-        assert main(["diagnose", "--prometheus", nowhere]) == 2
+        assert main(["diagnose", "--prometheus", nowhere]) == 3
     out, err = capsys.readouterr()
     assert out == "" and err == f"commlens diagnose: cannot read the telemetry from {nowhere}: Connection refused\n", err
     with pytest.raises(SystemExit) as refused:  # a bare host: a usage error that says what is accepted

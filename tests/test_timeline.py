@@ -190,7 +190,7 @@ def test_damaged_files_are_named_and_skipped_and_a_folder_without_telemetry_is_r
     for command in ("diagnose", "timeline", "report"):
         done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", command, str(tmp_path / "empty")],
                               capture_output=True, text=True, timeout=60)
-        assert done.returncode == 2 and f"no telemetry in {tmp_path / 'empty'}" in done.stderr, done
+        assert done.returncode == 3 and f"no telemetry in {tmp_path / 'empty'}" in done.stderr, done
         assert "nothing wrong" not in done.stdout and not list((tmp_path / "empty").iterdir())
 
 
