@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .ports import free_port, free_ports, reserve
-from .stats import DURATION_BUCKETS
 
 FAULTS = ("nan", "slow", "hang", "desync", "size", "skip")
 DEMO_HANG_THRESHOLD_S = "2"
@@ -256,8 +255,10 @@ def summarize(results: list[dict], out_dir: str, faults: tuple[Fault, ...] = ())
     on the job's trace files and dumps, with the training step of each finding; the injected faults
     are listed apart, labelled as such — no verdict line is derived from them."""
     from .verdicts import findings
-    from .readers import from_files
+    from .timeline import durations_ms, quantile, read_facts
 
+    found, facts = read_facts(out_dir)  # the report's read: its percentiles, its verdict
+    durations = durations_ms(found, lambda s: (s.op,))
     lines = [f"{'op':<16}{'count':>8}{'p50 ms':>10}{'p99 ms':>10}{'busbw MB/s':>12}"]
     ops: dict[str, dict] = {}
     for result in results:
@@ -268,12 +269,13 @@ def summarize(results: list[dict], out_dir: str, faults: tuple[Fault, ...] = ())
             seen["bus_bytes"] += mine["bus_bytes"]
     for op, seen in sorted(ops.items()):
         busbw = seen["bus_bytes"] / seen["seconds"] / 1e6 if seen["seconds"] > 0 else 0.0
-        lines.append(f"{op:<16}{sum(seen['buckets']):>8}{_quantile(seen['buckets'], 0.5) * 1e3:>10.3f}"
-                     f"{_quantile(seen['buckets'], 0.99) * 1e3:>10.3f}{busbw:>12.1f}")
+        spans = durations.get((op,))
+        p50, p99 = (f"{quantile(spans, q):>10.3f}" for q in (0.5, 0.99)) if spans else (f"{'-':>10}",) * 2
+        lines.append(f"{op:<16}{sum(seen['buckets']):>8}{p50}{p99}{busbw:>12.1f}")
     lines.append(f"{'rank':<6}{'nan events':>12}{'hangs':>8}{'in collectives s':>18}")
     lines += [f"{result['rank']:<6}{result['nan_events']:>12}{result['hangs']:>8}{result['collective_seconds']:>18.3f}"
               for result in results]
-    verdict = findings(from_files(out_dir))
+    verdict = findings(facts)
     for finding in verdict:
         step = f" (step {_step(results[0], finding.seq)})" if finding.seq is not None and results else ""
         lines.append(f"verdict{step}: {finding.line()}")
@@ -283,21 +285,6 @@ def summarize(results: list[dict], out_dir: str, faults: tuple[Fault, ...] = ())
         where = f"ms={fault.ms}" if fault.kind == "slow" else f"step {fault.step}"
         lines.append(f"injected (not used by the verdict): {fault.kind} on rank {fault.rank}, {where}")
     return "\n".join(lines)
-
-
-def _quantile(buckets: list[int], q: float) -> float:
-    """The ``q`` quantile of a latency histogram's ``buckets`` (counts per ``DURATION_BUCKETS``, then
-    +Inf), interpolated within its bucket as Prometheus' ``histogram_quantile`` does."""
-    total = sum(buckets)
-    if not total:
-        return 0.0
-    rank, running = q * total, 0
-    for index, count in enumerate(buckets[:len(DURATION_BUCKETS)]):
-        if count and running + count >= rank:
-            low = DURATION_BUCKETS[index - 1] if index else 0.0
-            return low + (DURATION_BUCKETS[index] - low) * (rank - running) / count
-        running += count
-    return DURATION_BUCKETS[-1]  # in +Inf: the largest finite bound, as Prometheus answers
 
 
 def _step(result: dict, seq: int) -> int:

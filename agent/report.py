@@ -21,7 +21,7 @@ from .diagnose import verdict as verdict_lines
 from .facts import RankFacts
 from .verdicts import findings
 from .readers import NO_TELEMETRY, NO_TELEMETRY_EXIT, kept_and_said
-from .timeline import Slice, aligned, clock_offsets, read_facts
+from .timeline import Slice, aligned, clock_offsets, durations_ms, quantile, read_facts
 
 WIDTH = 1100
 """The timeline's width in pixels."""
@@ -149,10 +149,7 @@ def _ranks(found: list[Slice], ranks: list[int]) -> str:
 def _latency(found: list[Slice]) -> str:
     """Per op and group: percentiles, and the distribution on one log scale for all rows (bars: the spans
     in each bin, against the row's fullest; hover for the counts)."""
-    by: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
-    for s in found:
-        if not s.in_flight:
-            by[(s.op, s.pg)].append(max((s.end_ns - s.start_ns) / 1e6, 1e-3))
+    by = durations_ms(found, lambda s: (s.op, s.pg))
     if not by:
         return "<p class=meta>none completed</p>"
     low = math.floor(math.log10(min(min(v) for v in by.values())))
@@ -160,23 +157,19 @@ def _latency(found: list[Slice]) -> str:
     bins, width = BINS_PER_DECADE * (high - low), 4
     rows = []
     for (op, pg), values in sorted(by.items()):
-        values.sort()
         counts = collections.Counter(min(bins - 1, int((math.log10(v) - low) * BINS_PER_DECADE)) for v in values)
         top = max(counts.values())
         bars = "".join(f"<rect x={b * width} y={18 - 18 * n / top:.1f} width={width - 1} "
                        f"height={18 * n / top:.1f} fill=#5b7bd5><title>{n:,} spans from "
                        f"{10 ** (low + b / BINS_PER_DECADE):.3g} ms</title></rect>" for b, n in sorted(counts.items()))
-        rows.append(f"<tr><td>{_e(op)}</td><td>{_e(pg)}</td><td>{len(values):,}</td><td>{_at(values, 0.1):.3f}</td>"
-                    f"<td>{_at(values, 0.5):.3f}</td><td>{_at(values, 0.9):.3f}</td><td>{_at(values, 0.99):.3f}</td>"
+        rows.append(f"<tr><td>{_e(op)}</td><td>{_e(pg)}</td><td>{len(values):,}</td><td>{quantile(values, 0.1):.3f}</td>"
+                    f"<td>{quantile(values, 0.5):.3f}</td><td>{quantile(values, 0.9):.3f}</td>"
+                    f"<td>{quantile(values, 0.99):.3f}</td>"
                     f"<td>{values[-1]:.3f}</td><td class=text><svg width={bins * width} height=18 role=img "
                     f"aria-label='latency distribution of {_e(op)} in group {_e(pg)}'>{bars}</svg></td></tr>")
     return ("<table><tr><th>op</th><th>group</th><th>spans</th><th>p10 ms</th><th>median ms</th><th>p90 ms</th>"
             f"<th>p99 ms</th><th>max ms</th><th class=text>distribution, {10 ** low:g} to {10 ** high:g} ms (log)</th>"
             "</tr>" + "".join(rows) + "</table>")
-
-
-def _at(values: list[float], q: float) -> float:
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def _anomalies(found: list[Slice]) -> str:

@@ -61,6 +61,23 @@ def _slice(span: dict, a: dict) -> Slice | None:
                  markers)
 
 
+def durations_ms(found: Iterable[Slice], key: Callable[[Slice], tuple]) -> dict[tuple, list[float]]:
+    """The completed collectives' durations in ms (at least 1 µs: a log scale's), sorted, by ``key``."""
+    by: dict[tuple, list[float]] = collections.defaultdict(list)
+    for s in found:
+        if not s.in_flight:
+            by[key(s)].append(max((s.end_ns - s.start_ns) / 1e6, 1e-3))
+    return {k: sorted(v) for k, v in by.items()}
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted ``values``, nearest rank: one of them, as the report and the demo show it.
+
+    >>> quantile([1.0, 2.0, 3.0, 4.0], 0.5)
+    3.0"""
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
 def read_facts(folder: str, on_problem: Callable[[str], None] = say_skipped) -> tuple[list[Slice], list[RankFacts]]:
     """The collectives in ``folder``'s trace files, one per rank and collective (a hung one's completed
     span replaces the in-flight one of its hang snapshot), and the facts ``commlens diagnose``'s

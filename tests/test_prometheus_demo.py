@@ -3,11 +3,14 @@
 import json
 import os
 import subprocess
+import re
 import urllib.request
 
 import pytest
 
+from commlens.agent import report
 from commlens.agent.demo import Fault, run
+from commlens.agent.timeline import read_facts
 from commlens.hooks import native
 from monitoring import Demo, Prometheus, installed, wait_for
 
@@ -83,6 +86,12 @@ def test_the_demo_verdict_names_the_injected_rank_and_step_from_telemetry_alone(
     assert len(verdicts) == 1 and verdicts[0].startswith(expected), outcome.summary
     injected = [line for line in outcome.summary.splitlines() if line.startswith("injected")]
     assert len(injected) == len(faults) and all("(not used by the verdict)" in line for line in injected)
+    # the summary's percentiles are the report's: one computation (all of the demo's all_reduces are group 0's)
+    shown = next(line.split() for line in outcome.summary.splitlines() if line.startswith("all_reduce "))
+    page = report.page(str(tmp_path), *read_facts(str(tmp_path)), [])
+    row = re.search(r"<tr><td>all_reduce</td><td>0</td><td>[\d,]+</td><td>[\d.]+</td><td>([\d.]+)</td><td>[\d.]+</td>"
+                    r"<td>([\d.]+)</td><td>([\d.]+)</td>", page)
+    assert row and shown[2:4] == [row[1], row[2]] and float(shown[3]) <= float(row[3]), (shown, row and row.groups())
     for rank in range(WORLD):  # the embedded default sink: OTLP JSON, one export request per line
         lines = (tmp_path / f"traces-rank{rank}.jsonl").read_text().splitlines()
         spans = [s for line in lines for rs in json.loads(line)["resourceSpans"] for ss in rs["scopeSpans"]
