@@ -445,8 +445,7 @@ def _lost_unseen(facts: list[RankFacts], found: list[Finding]) -> list[Finding]:
         if f.lost and f.rank not in named and (in_flight := _died_in(f, facts) if f.vanished else _in_flight(f)):
             pg = min(in_flight, key=lambda group: (len(group), group))
             group = f.groups.get(pg)
-            theirs = [(other.groups[pg].issued, other.groups[pg].inputs.get(other.groups[pg].issued, ("a collective",))[0])
-                      for other in facts if other is not f and pg in _in_flight(other)]
+            theirs = [_last_issued(other.groups[pg]) for other in facts if other is not f and pg in _in_flight(other)]
             if f.vanished and theirs:  # the collective its peers were in: it died in it, or before it
                 seq, op = max(theirs)
                 unseen.append(Finding("lost_rank", (f.rank,), pg, op, seq, f"{_death(f)}; the others were still in "
@@ -458,9 +457,15 @@ def _lost_unseen(facts: list[RankFacts], found: list[Finding]) -> list[Finding]:
                 unseen.append(Finding("lost_rank", (f.rank,), pg, "a point-to-point op", None,
                                       f"{_death(f)}: its peers' ops with it failed or waited"))
             else:
-                op = group.inputs.get(group.issued, ("a collective",))[0]
-                unseen.append(Finding("lost_rank", (f.rank,), pg, op, group.issued, f"{_death(f)} inside it"))
+                seq, op = _last_issued(group)
+                unseen.append(Finding("lost_rank", (f.rank,), pg, op, seq, f"{_death(f)} inside it"))
     return unseen
+
+
+def _last_issued(group: GroupFacts) -> tuple[int, str]:
+    """The sequence number and op of the last collective a rank issued in a group ("a collective" where
+    its input was not seen)."""
+    return group.issued, group.inputs.get(group.issued, ("a collective",))[0]
 
 
 def _death(f: RankFacts) -> str:
