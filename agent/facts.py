@@ -23,8 +23,8 @@ class GroupFacts:
     hung_bytes: int | None = None
     """The payload bytes of that collective (live)."""
     hung_lately: bool = False
-    """Live: it waited past the hang threshold in this group within the window its waits are measured over
-    (the window's waits are that one's, over or not)."""
+    """Live: it waited past the hang threshold in this group (in a collective or a point-to-point op)
+    within the window its waits are measured over (the window's waits are that one's, over or not)."""
     p2p_hung: tuple[str, int, float] | None = None
     """(op, peer, seconds) of its oldest point-to-point op in flight past the hang threshold: it waits
     on the global rank ``peer`` (live)."""

@@ -87,7 +87,7 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str], window_s: fl
                     endings[rank].add(s.labels["reason"])
                 elif index == 0:  # the state as first seen: a hang may resolve during the window
                     _metric_fact(facts, s.name, s.labels, s.value)
-                if s.name == names.HUNG_SEQ:
+                if s.name in (names.HUNG_SEQ, names.P2P_HUNG):
                     facts.group(pg).hung_lately = True
     for (rank, pg), (sum0, count0, sum1, count1) in totals.items():
         seconds, count = sum1 - sum0, count1 - count0
@@ -228,7 +228,8 @@ def from_prometheus(url: str, job: str | None = None) -> dict[str, list[RankFact
         facts.group(labels["pg"]).waited_s = value
     for facts, labels, value in each(f"{by} (increase({DURATION_COUNT}{{{selector}}}[{window}]))"):
         facts.group(labels["pg"]).completed = round(value)
-    for facts, labels, _ in each(f"max_over_time({hung}[{window}])"):
+    p2p_hung = f"{names.P2P_HUNG}{{{selector}}}"
+    for facts, labels, _ in each(f"max_over_time({hung}[{window}]) or max_over_time({p2p_hung}[{window}])"):
         facts.group(labels["pg"]).hung_lately = True
     for facts, labels, value in each(f"min_over_time((sum by (job, rank) (rate({DURATION_SUM}{{{selector}}}"
                                      f"[{window}])))[5m:5s])"):

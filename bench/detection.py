@@ -320,6 +320,10 @@ class Cell:
                 world = int(part[1:])
             else:
                 culprit = part
+        ranks = world or LAYOUTS[layout].world
+        if culprit not in ("*", "-") and not (culprit.isdigit() and int(culprit) < ranks):
+            raise ValueError(f"{text!r}: culprit {culprit!r} is not a rank of the job: give 0 to {ranks - 1}, "
+                             "or * to draw one")
         return cls.make(layout, fault, mode, precision, world, seed, None if culprit in ("*", "-") else int(culprit))
 
     @classmethod
@@ -493,7 +497,11 @@ def matrix_main(argv: list[str]) -> None:
     parser.add_argument("--json", help="write every cell's result here")
     parser.add_argument("--keep", help="keep each cell's folder (its job's files, logs) under this folder")
     args = parser.parse_args(argv)
-    cells = [Cell.parse(text, args.seed) for text in args.cells.split(",")] if args.cells else [
+    try:
+        cells = [Cell.parse(text, args.seed) for text in args.cells.split(",")] if args.cells else []
+    except ValueError as error:
+        parser.error(str(error))
+    cells = cells or [
         Cell.make(layout, fault, mode, args.precision, seed=args.seed) for layout in args.layouts.split(",")
         for fault in args.faults.split(",") for mode in args.modes.split(",")]
     header = (f"{'cell':<34}{'P/R alerts':>11}{'P/R live':>10}{'P/R offline':>12}{'fire s':>8}{'wall s':>8}  ok    "

@@ -49,6 +49,8 @@ def test_a_cell_is_parsed_and_its_culprit_drawn_with_the_seed():
     assert str(Cell.parse("ddp:leave:per-rank:2:w4")) == "ddp:leave:per-rank:2:w4"
     with pytest.raises(ValueError, match="give layout"):
         Cell.parse("ddp:explode:pod")
+    with pytest.raises(ValueError, match="culprit '3' is not a rank of the job: give 0 to 2"):
+        Cell.parse("ddp:slow-data:per-rank:3")  # the layout's 3 ranks
     assert set(EXPECTED) >= {"none", "nan", "kill"} and set(LAYOUTS) == {"ddp", "fsdp", "tp-dp", "tp-pp-dp", "pp4"}
 
 

@@ -720,8 +720,8 @@ def _straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> 
     if len(groups) < 2:
         return []
     if all(g.wait_s is not None for g in groups.values()):  # live: lateness from waits
-        if any(g.hung_lately for g in groups.values()):  # the window's waits are a hang's: a late rank's, once
-            return []
+        if any(g.hung_lately for f in everyone for g in f.groups.values()):
+            return []  # the window's waits are a hang's (a late rank's, once), here or where a chain of waits began
         last = _last_arrival(groups)
         if last is None:
             return []
