@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.bench
+
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench" / "agent_cost.py"
 
 
