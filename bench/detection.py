@@ -24,7 +24,7 @@ straggler ≤ 10 s; a slow node and a slow link ≤ 30 s; a kill ≤ 5 s; precis
     python bench/detection.py [--runs 3] [--faults nan,inf,late,leave,slow,desync,tp-late,late-send,kill,size,node-kill,node-cut,node-throttle,node-limit]
 
 ``--matrix``: the verdict matrix instead, on ``tests/matrix_train.py`` (an ordinary training script in
-four layouts: ``ddp``, ``tp-dp``, ``tp-pp-dp``, ``pp4``), one job per cell, a cell being layout x fault
+five layouts: ``ddp``, ``fsdp``, ``tp-dp``, ``tp-pp-dp``, ``pp4``), one job per cell, a cell being layout x fault
 x exporter (``per-rank``: ``commlens run --in-process``; ``pod``: ``commlens run --sidecar``) x the
 culprit's position (first or last pipeline stage, either TP member, either replica, rank 0; drawn with
 ``--seed`` unless the cell names it). Each cell scores three readers: the alerts that name a rank
@@ -33,7 +33,7 @@ live once the fault's alert fires, and ``commlens diagnose`` on the job's folder
 seconds from the fault to its alert firing. ``run_cell(tmp_path, cell)`` does one (``tests`` may call
 it).
 
-    python bench/detection.py --matrix [--layouts ddp,tp-dp,tp-pp-dp,pp4] [--faults nan,kill,...]
+    python bench/detection.py --matrix [--layouts ddp,fsdp,tp-dp,tp-pp-dp,pp4] [--faults nan,kill,...]
         [--modes per-rank,pod] [--seed 0] [--precision fp32] [--json results.json]
     python bench/detection.py --matrix --cells tp-pp-dp:nan:pod:6,ddp:leave:per-rank:2:w4,tp-pp-dp:none:pod:0:bf16
 

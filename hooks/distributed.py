@@ -186,10 +186,10 @@ def _wrapper(op: OpName, original: Callable, describe: Callable, kind: str) -> C
 
 
 def _all_reduce_in_c(original: Callable, general: Callable) -> Callable:
-    """``all_reduce`` with its common case in C (``_all_reduce.c``; why: docs/architecture.md): synchronous,
-    one tensor (on a GPU where the GPU extension is built), a known group, no hooks but the NaN check's,
-    outside a DDP bucket. It records what ``recorder.run_unhooked`` records, START and END; every other
-    case goes to ``general``."""
+    """``all_reduce`` with its common case in C (``_all_reduce.c``; the training thread's cost:
+    docs/performance.md): synchronous, one tensor (on a GPU where the GPU extension is built), a known
+    group, no hooks but the NaN check's, outside a DDP bucket. It records what ``recorder.run_unhooked``
+    records, START and END; every other case goes to ``general``."""
     parameters = inspect.signature(original).parameters
     if list(parameters) != ["tensor", "op", "group", "async_op"]:  # another torch's all_reduce: no shortcut
         return general

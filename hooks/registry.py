@@ -13,6 +13,8 @@ Example::
 from __future__ import annotations
 
 import collections
+import functools
+import inspect
 import warnings
 from typing import Any, Callable
 
@@ -42,8 +44,8 @@ class _Hooks:
             report: tuple[Reporter, Found] | None = None) -> RemovableHandle:
         if not callable(hook):
             raise TypeError(f"register_{self.kind}_hook() takes a callable; got {type(hook).__name__} {hook!r}")
-        if any(existing is hook for existing, _ in self.entries):
-            raise ValueError(f"{hook!r} is already registered as a {self.kind}-hook; "
+        if any(_unwrapped(existing) is _unwrapped(hook) for existing, _ in self.entries):
+            raise ValueError(f"{hook!r} is already registered among the {self.kind} hooks; "
                              "remove its handle before registering it again")
         if input_check:
             self.input_checks = self.input_checks + (hook,)
@@ -72,6 +74,11 @@ class _Hooks:
                 if propagate and in_caller:
                     raise
                 _report(self.kind, hook, error)
+
+
+def _unwrapped(hook: Hook) -> Hook:
+    """The hook the user registered (``register_abort_hook`` wraps torchcomms' no-argument form)."""
+    return getattr(hook, "_commlens_registered", hook)
 
 
 class RemovableHandle:
@@ -156,5 +163,23 @@ def register_post_hook(hook: Hook, *, propagate: bool = False) -> RemovableHandl
 
 def register_abort_hook(hook: Hook) -> RemovableHandle:
     """Call ``hook(AbortHookArgs)`` when a collective fails or times out, before the error reaches
-    the caller."""
+    the caller; or ``hook()``, torchcomms' form, where it takes no argument."""
+    if callable(hook) and _takes_no_argument(hook):
+        hook = _called_without_arguments(hook)
     return abort_hooks.add(hook, False)
+
+
+def _called_without_arguments(hook: Hook) -> Hook:
+    def call(args: object) -> None:
+        hook()
+    functools.update_wrapper(call, hook)
+    call._commlens_registered = hook  # what the user registered: a second registration of it is refused
+    return call
+
+
+def _takes_no_argument(hook: Hook) -> bool:
+    try:
+        parameters = inspect.signature(hook).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: called as documented
+        return False
+    return not any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in parameters)

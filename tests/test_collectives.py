@@ -269,7 +269,7 @@ def test_registering_bad_hooks_fails_at_once_with_a_clear_error():
         pass
 
     handle = ch.register_post_hook(hook)
-    with pytest.raises(ValueError, match="already registered as a post-hook"):
+    with pytest.raises(ValueError, match="already registered among the post hooks"):
         ch.register_post_hook(hook)
     handle.remove()
     ch.register_post_hook(hook).remove()

@@ -179,6 +179,13 @@ def abort_on_timeout(rank, world_size):
     ch.instrument()
     events = []
     ch.register_abort_hook(lambda a: events.append(("abort", a.name.value, a.status)))
+
+    def saving_debug_info():  # torchcomms' form: no argument
+        events.append(("about to abort",))
+
+    ch.register_abort_hook(saving_debug_info)
+    with pytest.raises(ValueError, match="already registered among the abort hooks"):
+        ch.register_abort_hook(saving_debug_info)
     store = dist.distributed_c10d._get_default_store()
     if rank == 1:  # never joins the all_reduce, and stays connected until rank 0 has seen why
         store.wait(["rank 0 done"], datetime.timedelta(seconds=60))
@@ -191,9 +198,9 @@ def abort_on_timeout(rank, world_size):
     return events
 
 
-def test_abort_hooks_fire_before_a_timeout_reaches_the_caller(run_ranks):
+def test_abort_hooks_fire_before_a_timeout_reaches_the_caller_with_or_without_an_argument(run_ranks):
     events, _ = run_ranks(abort_on_timeout, 2, timeout_s=2)
-    assert events == [("abort", "all_reduce", "timeout"), ("caller saw the error",)]
+    assert events == [("abort", "all_reduce", "timeout"), ("about to abort",), ("caller saw the error",)]
 
 
 class StandInComm:
