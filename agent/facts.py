@@ -1,12 +1,13 @@
 """What the verdict is drawn from: each rank's facts about each of its groups.
 
 Readers (``readers.py``) fill ``RankFacts`` from metrics, Prometheus or a job's files; the detectors
-(``verdicts.findings``) turn them into ``Finding``s.
+(``verdicts.detectors``) turn them into ``Finding``s; both write sets of ranks as ``ranges``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable
 
 
 @dataclasses.dataclass
@@ -109,3 +110,14 @@ class RankFacts:
 
     def group(self, pg: str) -> GroupFacts:
         return self.groups.setdefault(pg, GroupFacts())
+
+
+def ranges(ranks: Iterable[int]) -> str:
+    """Sorted ranks as runs: ``ranges([0, 1, 2, 5])`` is ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

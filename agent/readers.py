@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Iterator
 from commlens.exporters import names
 from commlens.hooks.flight_recorder import DUMP_REASONS, DUMP_SIGNALLED, ENDED
 
-from .facts import RankFacts
+from .facts import RankFacts, ranges
 
 DURATION_SUM, DURATION_COUNT = f"{names.COLLECTIVE_DURATION}_sum", f"{names.COLLECTIVE_DURATION}_count"
 NO_TELEMETRY = "no trace file (*.jsonl) with commlens spans and no flight-recorder dump"
@@ -261,18 +261,37 @@ def from_prometheus(url: str, job: str | None = None) -> dict[str, list[RankFact
 
 
 def scrape_interval_s(url: str, job: str | None = None) -> int:
-    """The longest scrape interval of Prometheus' active targets (of ``job``), in seconds: 1 where its
-    targets API does not say (a query front-end without one)."""
-    address = url.rstrip("/") + "/api/v1/targets?state=active"
+    """The longest scrape interval of the active targets (of ``job``), in seconds, as Prometheus' targets
+    API says; where it says nothing (VictoriaMetrics fed by vmagents, a query front-end), the spacing of
+    ``up``'s samples over the last 5 min; 1 where neither does."""
+    return max(_targets_intervals(url, job) or _up_spacings(url, job), default=1) or 1
+
+
+def _targets_intervals(url: str, job: str | None) -> list[int]:
     try:
-        with urllib.request.urlopen(address, timeout=10) as response:
-            targets = json.load(response)["data"]["activeTargets"]
+        targets = _get_json(url.rstrip("/") + "/api/v1/targets?state=active")["data"]["activeTargets"]
     except (OSError, ValueError, KeyError, TypeError):
-        return 1
-    seconds = [sum(int(n) * {"h": 3600, "m": 60, "s": 1}[unit] for n, unit in re.findall(r"(\d+)([hms])(?!s)",
-                                                                                       target.get("scrapeInterval", "")))
-               for target in targets if not job or target.get("labels", {}).get("job") == job]
-    return max(seconds, default=1) or 1
+        return []
+    return [sum(int(n) * {"h": 3600, "m": 60, "s": 1}[unit] for n, unit in re.findall(r"(\d+)([hms])(?!s)",
+                                                                                    target.get("scrapeInterval", "")))
+            for target in targets if not job or target.get("labels", {}).get("job") == job]
+
+
+def _up_spacings(url: str, job: str | None) -> list[int]:
+    """The median spacing of each target's ``up`` samples (a scrape writes one) over the last 5 min."""
+    selector = f'{{job="{job}"}}' if job else ""
+    try:
+        series = _get_json(url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode(
+            {"query": f"up{selector}[5m]"}))["data"]["result"]
+        stamps = [[float(t) for t, _ in s["values"]] for s in series]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [round(statistics.median(b - a for a, b in zip(t, t[1:]))) for t in stamps if len(t) > 1]
+
+
+def _get_json(address: str) -> dict:
+    with urllib.request.urlopen(address, timeout=10) as response:
+        return json.load(response)
 
 
 # -- sources: trace files and dumps -----------------------------------------------------------------
@@ -364,7 +383,7 @@ def from_files(folder: str, each_span: Callable[[dict, dict], None] | None = Non
             f.signalled_ns -= offsets.get(f.rank, 0)
     missing = sorted(set(range(world)) - seen - set(ranks))
     if missing:  # another node's, where each node keeps its own folder; or lost
-        on_problem(f"rank{'s' * (len(missing) > 1)} {_ranges(missing)} of the job's {world}: nothing of "
+        on_problem(f"rank{'s' * (len(missing) > 1)} {ranges(missing)} of the job's {world}: nothing of "
                    f"{'them' if len(missing) > 1 else 'it'} in {folder} (no span, no dump)")
     return [ranks[rank] for rank in sorted(ranks)]
 
@@ -558,17 +577,6 @@ def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[
     for kind, attribute in (("nan", names.NAN), ("inf", names.INF)):
         if a.get(attribute) and (group.nonfinite is None or seq < group.nonfinite[0]):
             group.nonfinite = (seq, op, kind)
-
-
-def _ranges(ranks: list[int]) -> str:
-    """Sorted ranks as runs: ``_ranges([0, 1, 2, 5])`` is ``"0-2, 5"``."""
-    runs: list[list[int]] = []
-    for rank in ranks:
-        if runs and rank == runs[-1][1] + 1:
-            runs[-1][1] = rank
-        else:
-            runs.append([rank, rank])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _collectives(path: str, entries: list) -> list[tuple[str, int, str, str, bool]]:

@@ -6,13 +6,14 @@ rank 0's ``/metrics`` is the template. It is replicated for every simulated rank
 target, a node, as its pod sidecar serves them; commlens_info's ``node`` is ``node-<target>``) with the
 rank and group labels a job of that size has: the world group, tensor-parallel groups of 8,
 data-parallel groups across them, and groups of 64; counters grow at a steady rate. Of the ranks, all
-but 64 are one job, ``train``, with three ranks made faulty, each in another group: one never issues
-the collective its tensor-parallel group hangs in (late), one is where NaN entered (its first
-non-finite sequence number is the lowest), one waits least in every group it is in (a straggler: it
-arrives last to each collective, and spends less time in collectives than any member of its groups).
-The other 64 (8 nodes) are a second job, ``train-node``, as its own job because an unreachable node
-silences the rank alerts of its job: one node stops answering scrapes after its second, and the ranks
-of the other nodes then wait in a world-group collective its ranks have not issued.
+but 128 are one job, ``train``, with two ranks made faulty, each in another group: one never issues the
+collective its tensor-parallel group hangs in (late), one is where NaN entered (the first non-finite
+input, in a world collective that reached the others through its output). 64 are a second job,
+``train-slow``, one of whose ranks waits least in every group it is in (a straggler: it arrives last to
+each collective, and spends less time in collectives than any member of its groups): a job that hangs
+names no straggler. The last 64 (8 nodes) are a third, ``train-node``, as its own job because an
+unreachable node silences the rank alerts of its job: one node stops answering scrapes after its second,
+and the ranks of the other nodes then wait in a world-group collective its ranks have not issued.
 
 Debian's Prometheus scrapes the targets every 10 s (the straggler rule's longest interval) and
 evaluates ``deploy/prometheus-rules.yaml``.
@@ -50,7 +51,7 @@ from commlens.agent.ports import free_port, free_ports
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RANKS_PER_TARGET, TP, EP = 8, 8, 64
-NODE_JOB_RANKS = 64  # the job in which a node becomes unreachable: 8 nodes
+SMALL_JOB_RANKS = 64  # each of the two small jobs (8 nodes): the straggler's, the unreachable node's
 GROWING = ("_total", "_sum", "_count", "_bucket")
 WAIT_S = 0.02  # mean seconds in a collective; the straggler waits 1 ms
 EXPECTED = {"CommlensRankLate": "late", "CommlensNaNOrigin": "nan", "CommlensStraggler": "straggler",
@@ -111,9 +112,11 @@ class Job:
                        for fault, rank in faults.items()}
         if "late" in faults:  # the group that hangs, and its ranks that have not issued the collective
             self.hung_pg, self.behind = f"tp{faults['late'] // TP}", {faults["late"]}
-        else:
+        elif "node" in faults:
             self.hung_pg, self.behind = "0", set(range(faults["node"] * RANKS_PER_TARGET,
                                                        (faults["node"] + 1) * RANKS_PER_TARGET))
+        else:  # nothing hangs
+            self.hung_pg, self.behind = None, set()
         samples = [s for f in text_string_to_metric_families(text) for s in f.samples
                    if not s.name.endswith("_created")]
         self.targets, self.hung = zip(*(self._target(samples, first) for first in range(0, ranks, RANKS_PER_TARGET)))
@@ -153,10 +156,11 @@ class Job:
             if self.hung_pg in groups.values() and rank not in self.behind:
                 hung.append(("commlens_collective_hung_seq", {"pg": self.hung_pg, "op": "all_reduce",
                                                               "rank": str(rank)}, 500, 0.0))
-            if "nan" in self.faults:
-                nan_seq = 1000 if rank == self.faults["nan"] else 1001
-                lines.append(("commlens_nonfinite_first_seq", {"pg": "0", "op": "all_reduce", "kind": "nan",
-                                                               "rank": str(rank)}, nan_seq, 0.0))
+            if "nan" in self.faults:  # NaN entered on one rank in world collective 1000, reached the rest in it
+                seq = 1000 if rank == self.faults["nan"] else 1001
+                nan = {"pg": "0", "op": "all_reduce", "kind": "nan", "rank": str(rank)}
+                lines += [("commlens_nonfinite_first_seq", nan, seq, 0.0), ("commlens_nonfinite_entry_seq", nan, seq, 0.0),
+                          ("commlens_nonfinite_issued_before_seq", {"pg": "0", "rank": str(rank)}, seq - 1, 0.0)]
         return _exposed(lines), _exposed(hung)
 
     def text(self, target: int) -> bytes | None:
@@ -169,6 +173,17 @@ class Job:
         hanging = self.down is None or down
         return ("".join(f"{series} {value + growth * t}\n" for series, value, growth
                         in self.targets[target] + (self.hung[target] if hanging else []))).encode()
+
+
+def faulty_jobs(text: str, ranks: int) -> list[Job]:
+    """``ranks`` simulated ranks in three jobs: ``train`` (all but 128: a late rank, a NaN origin),
+    ``train-slow`` (64: a straggler; a job that hangs names none) and ``train-node`` (64, 8 nodes: one
+    becomes unreachable; its job's rank alerts are silenced while it is)."""
+    n = ranks - 2 * SMALL_JOB_RANKS
+    train = Job("train", text, n, 0, {"late": n // 2 + 3, "nan": n // 3 + 1})
+    slow = Job("train-slow", text, SMALL_JOB_RANKS, len(train.targets), {"straggler": SMALL_JOB_RANKS - 5})
+    node = Job("train-node", text, SMALL_JOB_RANKS, len(train.targets) + len(slow.targets), {"node": 3})
+    return [train, slow, node]
 
 
 def serve(jobs: list[Job]) -> http.server.ThreadingHTTPServer:
@@ -215,10 +230,8 @@ def _panels() -> list[tuple[str, str]]:
 
 
 def measure(text: str, ranks: int, out: pathlib.Path) -> dict:
-    n = ranks - NODE_JOB_RANKS
-    train = Job("train", text, n, 0, {"late": n // 2 + 3, "nan": n // 3 + 1, "straggler": n - 5})
-    node_job = Job("train-node", text, NODE_JOB_RANKS, len(train.targets), {"node": 3})
-    jobs = [train, node_job]
+    jobs = faulty_jobs(text, ranks)
+    train = jobs[0]
     server = serve(jobs)
     port = free_ports(1)
     scrape_configs = [{"job_name": job.name, "static_configs": [
@@ -249,7 +262,7 @@ def measure(text: str, ranks: int, out: pathlib.Path) -> dict:
                 break
         series = _api(port, "status/tsdb")["headStats"]["numSeries"]
         node_series = int(_api(port, "query", query='count({instance="pod-0"})')["result"][0]["value"][1])
-        down = f"pod-{node_job.first_node + node_job.down}"
+        down = f"pod-{jobs[-1].first_node + jobs[-1].down}"
         up = _api(port, "query", query=f'avg_over_time(up{{instance!="{down}"}}[1m])')["result"]
         scraped = sum(float(r["value"][1]) for r in up) / max(1, len(up))
         slowest_scrape = float(_api(port, "query", query="max(scrape_duration_seconds)")["result"][0]["value"][1])
@@ -269,7 +282,7 @@ def measure(text: str, ranks: int, out: pathlib.Path) -> dict:
         prometheus.terminate()
         prometheus.wait()
         server.shutdown()
-    faulty = {**train.faulty, **node_job.faulty}
+    faulty = {fault: subject for job in jobs for fault, subject in job.faulty.items()}
     verdicts = {alert: (named.get(alert, set()) == {faulty[fault]}) for alert, fault in EXPECTED.items()}
     return {"series": series, "node_series": node_series, "scraped": scraped, "slowest_scrape": slowest_scrape,
             "rules": rules, "node_rules": node_rules, "slowest": max(queries), "rss_gib": rss, "verdicts": verdicts,

@@ -711,6 +711,20 @@ def test_a_nan_sent_over_the_pipeline_is_named_where_it_entered_and_not_where_it
         "31, whose input held it on rank 3), rank 3 (a recv from rank 5 in group 6)"]
 
 
+
+def test_the_ranks_a_nan_reached_the_same_way_are_said_once_as_runs():
+    """Metrics of a 64-rank job: rank 40's input to world all_reduce 1000 held NaN; the other 63 saw it
+    first in 1001, having issued 1000 (its output): one way, said once, not 63 times."""
+    def rank(r: int, seq: int) -> str:
+        return (f'commlens_nonfinite_first_seq{{pg="0",op="all_reduce",kind="nan",rank="{r}"}} {seq}\n'
+                f'commlens_nonfinite_entry_seq{{pg="0",op="all_reduce",kind="nan",peer="",rank="{r}"}} {seq}\n'
+                f'commlens_nonfinite_issued_before_seq{{pg="0",peer="",rank="{r}"}} {seq - 1}\n')
+    scrape = [rank(r, 1000 if r == 40 else 1001) for r in range(64)]
+    assert [f.line() for f in findings(from_metrics_texts(scrape, scrape, 5.0))] == [
+        "NaN/Inf entered on rank 40 in all_reduce (group 0, seq 1000) — its input held NaN before any non-finite "
+        "value reached it; it reached ranks 0-39, 41-63 (the output of group 0's seq 1000, whose input held it on "
+        "rank 40)"]
+
 @pytest.mark.parametrize("seen", [False, True], ids=["unseen", "seen"])
 def test_a_rank_whose_own_endpoint_went_down_without_a_word_while_its_partner_waits_was_killed(seen):
     """Live facts, in-process agents: rank 1's endpoint is down, its last scrapes said nothing of how its

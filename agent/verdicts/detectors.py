@@ -14,7 +14,7 @@ import dataclasses
 import statistics
 from typing import Any, Iterable
 
-from ..facts import GroupFacts, RankFacts
+from ..facts import GroupFacts, RankFacts, ranges
 from .catalogue import KINDS
 from .finding import Finding
 
@@ -102,8 +102,11 @@ def _nan_origins(facts: list[RankFacts]) -> list[Finding]:
             origins[f.entry[:3]].append(f.rank)
     if not origins:  # entries that reached each other (issued both ways round): no entry to tell
         return _nan_origins_by_group(facts)
-    reached = "; it reached " + ", ".join(f"rank {rank} ({why})" for rank, why in sorted(how.items())) \
-        if how else "; no other rank saw any"
+    ways: dict[str, list[int]] = collections.defaultdict(list)  # ranks reached the same way, together
+    for rank, why in sorted(how.items()):
+        ways[why].append(rank)
+    reached = "; it reached " + ", ".join(f"rank{'s' * (len(ranks) > 1)} {ranges(ranks)} ({why})"
+                                          for why, ranks in ways.items()) if how else "; no other rank saw any"
     found = []
     for (pg, op, seq), ranks in sorted(origins.items(), key=lambda item: item[1]):
         kind, peer = by_rank[ranks[0]].entry[3:]
