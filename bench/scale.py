@@ -310,13 +310,19 @@ def main() -> int:
               f"that succeeded over the last minute {result['scraped']:.0%}, slowest "
               f"{result['slowest_scrape'] * 1e3:.0f} ms; rule groups: {rules} (node rules: {node_rules}); slowest "
               f"panel query {seconds * 1e3:.0f} ms ({panel}); Prometheus {result['rss_gib']:.2f} GiB resident")
-        for alert, right in result["verdicts"].items():
-            fault = EXPECTED[alert]
-            print(f"  {alert}: names {result['named'].get(alert, [])} — the {fault} fault is "
-                  f"{result['faulty'][fault]}: {'right' if right else 'WRONG'}")
-        for alert in sorted(set(result["named"]) - set(EXPECTED)):
-            print(f"  also firing: {alert} on {', '.join(result['named'][alert])}")
+        print_verdicts(result)
     return 0
+
+
+def print_verdicts(result: dict) -> None:
+    """Each fault's alert, the ranks (or node) it names and whether that is its culprit alone; then the
+    other alerts firing."""
+    for alert, right in result["verdicts"].items():
+        fault = EXPECTED[alert]
+        print(f"  {alert}: names {result['named'].get(alert, [])} — the {fault} fault is "
+              f"{result['faulty'][fault]}: {'right' if right else 'WRONG'}")
+    for alert in sorted(set(result["named"]) - set(EXPECTED)):
+        print(f"  also firing: {alert} on {', '.join(result['named'][alert])}")
 
 
 if __name__ == "__main__":

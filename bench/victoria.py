@@ -27,7 +27,7 @@ import urllib.request
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from scale import EXPECTED, ROOT, faulty_jobs, serve, template  # noqa: E402
+from scale import EXPECTED, ROOT, faulty_jobs, print_verdicts, serve, template  # noqa: E402
 
 from commlens.agent.ports import free_ports  # noqa: E402
 
@@ -139,12 +139,7 @@ def main() -> int:
         groups = ", ".join(f"{name} {seconds * 1e3:.0f} ms" for name, seconds in result["evaluation"].items())
         print(f"{ranks:,} ranks, {args.agents} vmagents: {result['series']:,} series in VictoriaMetrics; vmalert's "
               f"rule groups: {groups}; alerts read {result['seconds']:.0f} s after the start")
-        for alert, right in result["verdicts"].items():
-            fault = EXPECTED[alert]
-            print(f"  {alert}: names {result['named'].get(alert, [])} — the {fault} fault is "
-                  f"{result['faulty'][fault]}: {'right' if right else 'WRONG'}")
-        for alert in sorted(set(result["named"]) - set(EXPECTED)):
-            print(f"  also firing: {alert} on {', '.join(result['named'][alert])}")
+        print_verdicts(result)
         print("  commlens diagnose --prometheus <VictoriaMetrics> --job train: "
               + result["diagnose"].replace("\n", "\n    "))
     return 0
