@@ -18,7 +18,7 @@ thread 2-3x as much per collective and varies by +-10 µs from one job to the ne
 them a yardstick without commlens: each all_reduce preceded by 1.2 µs of plain Python, the hooks' own
 cost, to show what that much work on the training thread costs it there. The NaN/Inf check's cost is timed within
 each default trial of an all_reduce (slices with and without it, alternated), beside one ``torch.sum``
-over the same payload, its goal's yardstick (issue 19: at most 1.2x that).
+over the same payload, its goal's yardstick (at most 1.2x that).
 
 Last, what the agent costs a job between collectives: the CPU its threads use per second in a
 one-rank job that issues none (``--idle-s``).

@@ -5,11 +5,11 @@ C for all-ones exponents (2^18 floats: 1 MiB of float32), a larger one summed by
 only a tensor found non-finite is counted element by element. What it adds to a collective is timed
 on the training thread's hot path (``instrument()``'s all_reduce with a backend that returns at once,
 so that no backend noise is in it), with ``NanCheckHook`` against without; beside it the check's pass
-alone, one ``torch.sum`` of the same tensor (the floor, issue 19's goal: the check adds at most 1.2x
+alone, one ``torch.sum`` of the same tensor (the floor; the goal: the check adds at most 1.2x
 a sum), and a real world-size-1 gloo all_reduce with and without the check. Then the same payloads
 holding one Inf each (a diverged job, an overflow storm: every collective's input is counted and its
 NAN record written): what the check adds on the hot path then, over what it adds to the finite
-payload (issue 34's goal: at most 2x). Medians of ``--repeats`` interleaved rounds (min - max of the
+payload (the goal: at most 2x). Medians of ``--repeats`` interleaved rounds (min - max of the
 added time beside it), torch on one thread.
 
     python bench/nan_check.py

@@ -1,5 +1,5 @@
 """The agent-cost benchmark runs every configuration on every workload (its quick mode; no timing is
-judged here: the figures come from full runs, reported in docs/performance.md)."""
+judged here: the figures come from full runs, bench/run_all.py, reported in docs/figures.md)."""
 
 import pathlib
 import re

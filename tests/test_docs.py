@@ -112,3 +112,24 @@ def test_each_packages_public_api_is_the_list_in_docs_api():
     assert {package for package, names in public.items() if names} == set(listed), "packages with an __all__"
     for package, names in listed.items():
         assert names == public[package], (package, names ^ public[package])
+
+
+def test_the_figures_page_is_what_the_bench_results_say_and_no_other_page_judges_a_goal():
+    """docs/figures.md is bench/run_all.py's rendering of bench/results/ (a figure edited by hand, or one no
+    bench measured, fails here); every other page points there instead of saying a goal is met."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import run_all
+
+    assert (ROOT / "docs" / "figures.md").read_text() == run_all.render(), "run python bench/run_all.py --render"
+    for bench in run_all.BENCHES:  # each result says what ran it, where and when
+        if not (run_all.RESULTS / f"{bench.name}.txt").exists():
+            continue  # figures.md says it has none
+        meta, output = run_all.read_result(bench.name)
+        assert meta["command"] == f"python {' '.join(bench.argv)}" and output.strip(), bench.name
+        assert set(meta) == {"command", "date", "commit", "machine", "seconds"}, meta
+    for page in DOCS:  # gpu.md: measured on a device (bench/gpu_checks.sh), which run_all cannot run here
+        if page.name not in ("figures.md", "gpu.md"):
+            judged = re.findall(r"[^.|]*\b(?:met|missed)\b[^.|]*", page.read_text())
+            assert not judged, (page.name, judged)
