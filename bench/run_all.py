@@ -88,7 +88,9 @@ def _all_right(size: str) -> Callable[[str], float]:
 
 
 def _matrix_rows(out: str) -> list[list[str]]:
-    return [line.split() for line in out.splitlines() if re.match(r"\S+:\S+:\S+:\S+\s+\S+/", line)]
+    """The table's rows: cell, P/R by alerts, live, offline ("ok" for a healthy cell), fire s, wall s, ok/FAIL."""
+    rows = (line.split() for line in out.splitlines() if re.match(r"[\w-]+:[\w-]+:[\w-]+:\S+\s", line))
+    return [row for row in rows if len(row) >= 7 and row[6] in ("ok", "FAIL")]
 
 
 def _cells_held(out: str) -> float:
