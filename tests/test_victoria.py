@@ -1,7 +1,9 @@
 """The shipped rules past one Prometheus: two vmagents sharing the targets, VictoriaMetrics, vmalert
 (``bench/victoria.py``, on ``bench/scale.py``'s simulated job at a small size): every alert names its
 culprit and only it, and ``commlens diagnose --prometheus`` reads the verdict back through
-VictoriaMetrics' Prometheus API."""
+VictoriaMetrics' Prometheus API. About 80 s, most of it waiting: the template job's two ranks, then the
+stack at a 2 s interval until the straggler's 20 s windows fill and every alert's `for` has passed (a
+shorter interval would not be the scrape vmagents run); marked long and bench (CI runs it once)."""
 
 import pathlib
 import sys
