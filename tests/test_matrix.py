@@ -55,6 +55,7 @@ def test_a_cell_is_parsed_and_its_culprit_drawn_with_the_seed():
 
 
 @pytest.mark.long
+@pytest.mark.bench  # the matrix is the bench's: its cells run under one torch in CI, as the matrix does
 @pytest.mark.parametrize("text", CELLS)
 def test_the_cell_names_its_culprit_and_only_it(tmp_path, text):
     """A healthy cell: nothing named by any reader. A faulty one: the culprit alone, by every reader that

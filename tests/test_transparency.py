@@ -1,7 +1,7 @@
 """commlens changes nothing a program can see: same results, errors, objects and logging data.
 
-PyTorch's own gloo distributed tests run plain and with commlens in every rank (``pytorch_suite.py``)
-and must end the same; the rest checks, on real 2-rank gloo jobs, each way commlens could show.
+PyTorch's own gloo distributed tests, each passing plain, must pass with commlens in every rank
+(``pytorch_suite.py``); the rest checks, on real 2-rank gloo jobs, each way commlens could show.
 """
 
 import copy
@@ -43,17 +43,18 @@ SUITE = [  # every one runs on gloo, CPU, 2 ranks
 
 @pytest.fixture(scope="session")  # not module: a worker may run other modules' tests between the suite's
 def suite(tmp_path_factory):
-    """Each selected test's outcome, plain and with commlens, and the spans the commlens ranks wrote."""
+    """Each selected test's outcome with commlens in every rank, and the spans its ranks wrote. Every
+    selected test passes on gloo without commlens (``python tests/pytorch_suite.py plain OUT.json NAME``
+    says so for a test that fails here): the plain run is not repeated in every CI run, where it doubled
+    the suite's 2.5 minutes."""
     tmp = tmp_path_factory.mktemp("suite")
-    outcomes = {}
-    for mode in ("plain", "commlens"):
-        env = {**os.environ, "COMMLENS_METRICS_PORT": "0", "COMMLENS_TRACE_FILE": str(tmp / "traces-{rank}.jsonl")}
-        for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-            env.pop(variable, None)
-        subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "pytorch_suite.py"), mode,
-                        str(tmp / f"{mode}.json"), *SUITE], env=env, cwd=tmp, check=True, timeout=1200,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        outcomes[mode] = json.loads((tmp / f"{mode}.json").read_text())
+    env = {**os.environ, "COMMLENS_METRICS_PORT": "0", "COMMLENS_TRACE_FILE": str(tmp / "traces-{rank}.jsonl")}
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(variable, None)
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "pytorch_suite.py"), "commlens",
+                    str(tmp / "commlens.json"), *SUITE], env=env, cwd=tmp, check=True, timeout=1200,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    outcomes = json.loads((tmp / "commlens.json").read_text())
     spans = [json.loads(line) for rank in (0, 1) for line in (tmp / f"traces-{rank}.jsonl").read_text().splitlines()]
     return outcomes, spans
 
@@ -66,10 +67,9 @@ def ON_THE_SUITES_WORKER(test):
 
 @ON_THE_SUITES_WORKER
 @pytest.mark.parametrize("name", SUITE)
-def test_pytorchs_own_distributed_test_ends_the_same_under_commlens(suite, name):
+def test_pytorchs_own_distributed_test_passes_under_commlens(suite, name):
     outcomes, _ = suite
-    assert outcomes["plain"][name] == "passed"
-    assert outcomes["commlens"][name] == outcomes["plain"][name]
+    assert outcomes[name] == "passed", f"{outcomes[name]} (plain: python tests/pytorch_suite.py plain OUT.json {name})"
 
 
 @ON_THE_SUITES_WORKER
