@@ -16,6 +16,8 @@ import os
 import urllib.parse
 from typing import Mapping
 
+from commlens.hooks.flight_recorder import ATTEMPT_ENV
+
 from .stats import DETAILS
 
 PROTOCOLS = ("grpc", "http/protobuf")
@@ -37,6 +39,10 @@ class Config:
     local_rank: int = 0
     world_size: int = 1
     job: str = "local"
+    attempt: int = 0
+    """The job's elastic restarts before this run of the rank (torchrun's ``TORCHELASTIC_RESTART_COUNT``):
+    a restarted attempt numbers its collectives from 0 again, and writes its files in its own folder
+    (``flight_recorder.attempt_path``)."""
     drain_interval_s: float = 0.5
     """The longest between two drains: the in-process sidecar drains sooner when a quarter of the ring has
     filled; the pod sidecar, which no rank can wake, every ``POD_DRAIN_S`` at most."""
@@ -112,6 +118,7 @@ class Config:
         return cls(
             rank=rank, local_rank=local_rank, world_size=env.integer("WORLD_SIZE", 1, minimum=1),
             job=env.get("COMMLENS_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "local",
+            attempt=env.integer(ATTEMPT_ENV, 0, minimum=0),
             drain_interval_s=env.number("COMMLENS_DRAIN_INTERVAL_MS", 500, minimum=1, maximum=1000) / 1000,
             hang_threshold_s=env.number("COMMLENS_HANG_THRESHOLD_S", 300, minimum=0.1),
             slow_factor=env.number("COMMLENS_SLOW_FACTOR", 5, minimum=1),

@@ -18,12 +18,14 @@ import urllib.parse
 
 from .facts import RankFacts
 from .verdicts import Finding, findings
-from .readers import NO_TELEMETRY, NO_TELEMETRY_EXIT, from_endpoints, from_files, from_prometheus, kept_and_said
+from .readers import (NO_TELEMETRY, NO_TELEMETRY_EXIT, attempts_in, from_endpoints, from_files, from_prometheus,
+                      kept_and_said)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``commlens diagnose``: print the verdict; exit status 1 when something is wrong, else 2 when the
-    telemetry is missing or incomplete (``caveats``), else 0."""
+    """``commlens diagnose``: print the verdict (of each job; of each attempt of a job restarted by
+    torchrun); exit status 1 when something is wrong in any, else 2 when the telemetry is missing or
+    incomplete (``caveats``), else 0."""
     import argparse
 
     parser = argparse.ArgumentParser(
@@ -44,26 +46,31 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--prometheus {args.prometheus!r} is not accepted: give its URL, e.g. http://prom:9090")
     if args.folder is not None and not os.path.isdir(args.folder):
         parser.error(f"{args.folder!r} is not a folder: give the folder of a job's trace files and dumps")
-    unread: list[str] = []
-    problem = kept_and_said(unread)
+    jobs: list[tuple[str, list[RankFacts], list[str]]] = []
+    """Each job's (or attempt's) label, facts, and what of its telemetry could not be read."""
     try:
         if args.prometheus:
-            jobs = from_prometheus(args.prometheus, args.job)
+            jobs = [(job, facts, []) for job, facts in sorted(from_prometheus(args.prometheus, args.job).items())]
         elif args.metrics:
-            jobs = {"": from_endpoints(args.metrics, args.window, on_problem=problem)}
+            unread: list[str] = []
+            jobs = [("", from_endpoints(args.metrics, args.window, on_problem=kept_and_said(unread)), unread)]
         else:
-            jobs = {"": from_files(args.folder, on_problem=problem)}
+            attempts = attempts_in(args.folder)
+            for attempt, folder in attempts:  # an elastic restart's attempts, each judged alone
+                unread = []
+                label = f"attempt {attempt}" if len(attempts) > 1 else ""
+                jobs.append((label, from_files(folder, on_problem=kept_and_said(unread)), unread))
     except OSError as error:
         source = args.prometheus or args.folder or " ".join(args.metrics)
         print(f"commlens diagnose: cannot read the telemetry from {source}: {_why(error)}", file=sys.stderr)
         return NO_TELEMETRY_EXIT
-    if not any(jobs.values()):
+    if not any(facts for _, facts, _ in jobs):
         where = args.folder or " ".join(args.metrics or ()) or f"{args.prometheus}" + (f" (job {args.job})" if args.job else "")
         what = NO_TELEMETRY if args.folder else "no commlens metrics"
         print(f"commlens diagnose: no telemetry in {where}: {what}", file=sys.stderr)
         return NO_TELEMETRY_EXIT
     wrong = incomplete = False
-    for job, facts in sorted(jobs.items()):
+    for job, facts, unread in jobs:
         lines = report(facts, unread)
         wrong, incomplete = wrong or not lines[0].startswith(NOTHING_WRONG), incomplete or bool(caveats(facts, unread))
         for line in lines:

@@ -23,7 +23,7 @@ import time
 from commlens.hooks import extension
 from .config import Config, ConfigError
 from .ports import refuse_taken
-from .readers import NO_TELEMETRY, NOT_STARTED, kept_and_said
+from .readers import NO_TELEMETRY, NOT_STARTED, attempts_in, kept_and_said
 
 OUT_ROOT = "commlens-out"
 """Where each job's folder goes, under the current folder, unless ``--out`` says."""
@@ -69,9 +69,20 @@ def make_job_folder(folder: str) -> None:
 
 def conclude(folder: str) -> tuple[list[str], list[str]]:
     """Write the verdict (``verdict.txt``, as ``commlens diagnose`` prints it), the report
-    (``report.html``) and the timeline (``timeline.json``) of the job in ``folder``; returns the
-    verdict's lines and the paths written (none where the folder holds no telemetry). What cannot be
-    read is named on stderr and in the verdict."""
+    (``report.html``) and the timeline (``timeline.json``) of the job in ``folder``, and of each attempt
+    of it that torchrun restarted in its own (``attempt-N``, the lines then prefixed "attempt N: ");
+    returns the verdict's lines and the paths written (none where a folder holds no telemetry). What
+    cannot be read is named on stderr and in the verdict."""
+    attempts = attempts_in(folder)
+    said, written = [], []
+    for attempt, where in attempts:
+        lines, paths = _conclude_one(where)
+        said += [f"attempt {attempt}: {line}" for line in lines] if len(attempts) > 1 else lines
+        written += paths
+    return said, written
+
+
+def _conclude_one(folder: str) -> tuple[list[str], list[str]]:
     from . import diagnose, report, timeline
     from .verdicts import findings
 
@@ -146,8 +157,9 @@ def run(command: list[str], settings: dict[str, str], sidecar: bool | None = Non
                     lines, written = [f"none written: {error!r}"], []
                 for line in lines:
                     print(f"commlens run: verdict: {line}", file=sys.stderr)
-                print(f"commlens run: the job's files are in {folder}" + (f" (wrote {', '.join(map(os.path.basename, written))})"
-                      if written else ""), file=sys.stderr)
+                print(f"commlens run: the job's files are in {folder}" + (
+                    f" (wrote {', '.join(os.path.relpath(path, folder) for path in written)})" if written else ""),
+                    file=sys.stderr)
     finally:
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)

@@ -22,6 +22,7 @@ from commlens.exporters.otlp import (BatchSpanProcessor, GrpcSpanExporter, HttpS
                                      SpanExporter)
 from commlens.exporters.otlp_metrics import MetricsPusher
 from commlens.exporters.prometheus import serve
+from commlens.hooks.flight_recorder import attempt_path
 
 from .config import Config, ConfigError
 
@@ -30,14 +31,17 @@ def span_processor(config: Config, beside_training: bool = False) -> BatchSpanPr
     """``beside_training``: the processor runs in the training process (``BatchSpanProcessor``)."""
     return BatchSpanProcessor(span_exporter(config), resource(config), config.job, config.world_size,
                               config.sampler_ratio, config.sampler.endswith("always_off"), config.span_queue,
-                              budget_per_s=config.span_budget_per_s, beside_training=beside_training)
+                              budget_per_s=config.span_budget_per_s, beside_training=beside_training,
+                              attempt=config.attempt)
 
 
 def span_exporter(config: Config) -> SpanExporter:
-    """OTLP over gRPC or HTTP to the configured endpoint; without one, the trace file."""
+    """OTLP over gRPC or HTTP to the configured endpoint; without one, the trace file (the attempt's)."""
     if config.otlp_endpoint is None:
-        path = config.trace_file.format(rank=config.rank)
+        path = attempt_path(config.trace_file.format(rank=config.rank), config.attempt)
         try:
+            if config.attempt:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             return JsonLinesSpanExporter(path)
         except OSError as error:
             raise ConfigError(f"COMMLENS_TRACE_FILE={config.trace_file!r}: cannot write {path!r} "
@@ -53,7 +57,8 @@ def resource(config: Config) -> dict:
     OpenTelemetry's rules."""
     from opentelemetry.sdk.resources import Resource
 
-    own = {names.JOB: config.job, names.RANK: config.rank, "host.name": socket.gethostname()}
+    own = {names.JOB: config.job, names.RANK: config.rank, names.ATTEMPT: config.attempt,
+           "host.name": socket.gethostname()}
     for variable, key in (("K8S_POD_NAME", "k8s.pod.name"), ("K8S_NAMESPACE_NAME", "k8s.namespace.name"),
                           ("K8S_NODE_NAME", "k8s.node.name")):
         if os.environ.get(variable):

@@ -40,7 +40,7 @@ class RankFeed:
     outlive the process and the ring of any one run of the rank) and whether its process lives."""
 
     def __init__(self, config: Config, info: dict, on_hang: Callable[[RankFeed], None]):
-        self.config, self.info = config, info
+        self.info = info
         self.pipeline = RankPipeline(config, self._info, lambda: on_hang(self), on_snapshot=self.dump)
         self.alive = False
 
@@ -49,8 +49,9 @@ class RankFeed:
         return self.pipeline.sidecar
 
     def follow(self, ring: Ring) -> None:
-        """Read ``ring`` from now on (the rank's first, or a restarted rank's new one)."""
-        sidecar = self.pipeline.follow(ring)
+        """Read ``ring`` from now on (the rank's first, or a restarted rank's new one, of the same attempt
+        of the job or of the next)."""
+        sidecar = self.pipeline.follow(ring, self.info.get("attempt", 0))
         self.alive = ring.writer_alive()
         if not self.alive and not ring.closed:  # found killed (before this sidecar started, or saw it)
             sidecar.drain()
@@ -76,7 +77,7 @@ class RankFeed:
 
     def _info(self) -> dict:
         backend = self.sidecar.backend if self.sidecar is not None else ""
-        return writer_info(self.config, backend=backend or "unknown", version=self.info.get("version", "unknown"))
+        return writer_info(self.pipeline.config, backend=backend or "unknown", version=self.info.get("version", "unknown"))
 
 
 class PodSidecar:
@@ -155,7 +156,8 @@ class PodSidecar:
             feed = self.feeds.get(info["rank"])
             if feed is None:
                 config = dataclasses.replace(self.config, rank=info["rank"], local_rank=info.get("local_rank", 0),
-                                             world_size=info.get("world_size", 1), job=info.get("job", self.config.job))
+                                             world_size=info.get("world_size", 1), job=info.get("job", self.config.job),
+                                             attempt=info.get("attempt", 0))
                 feed = self.feeds[info["rank"]] = RankFeed(config, info, self._hang)
             feed.info = info
             feed.follow(ring)

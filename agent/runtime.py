@@ -159,7 +159,7 @@ class Agent:
             self.collector.wait_for_scrape(left())
             stop_serving(self.server)
         try:  # a rank killed leaves none: the verdict tells it from one that ended (docs/verdicts.md)
-            write_end_note(self.config.rank)
+            write_end_note(self.config.rank, self.config.attempt)
         except OSError as error:
             print(f"commlens: no note that rank {self.config.rank} ended: {error}", file=sys.stderr)
 

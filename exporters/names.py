@@ -64,6 +64,8 @@ def served() -> set[str]:
 # -- span attributes ---------------------------------------------------------------------------------
 
 JOB, WORLD_SIZE, RANK = "commlens.job", "commlens.world_size", "commlens.rank"
+ATTEMPT = "commlens.attempt"
+"""A resource attribute: the job's elastic restarts before this run of the rank (0: the first attempt)."""
 OP, OP_ID, SEQ, P2P, ASYNC = "commlens.op", "commlens.op_id", "commlens.seq", "commlens.p2p", "commlens.async"
 PG_NAME, PG_SIZE = "commlens.pg.name", "commlens.pg.size"
 BYTES, DTYPE, BUSBW = "commlens.bytes", "commlens.dtype", "commlens.busbw_bytes_per_s"

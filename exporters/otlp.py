@@ -42,8 +42,14 @@ _GOLDEN = 0x9E3779B97F4A7C15
 
 
 def trace_id(job: str, pg: str, seq: int, is_p2p: bool = False) -> bytes:
-    """The 16-byte trace id every rank derives for the same collective."""
+    """The 16-byte trace id every rank derives for the same collective (``job``: ``trace_scope``'s)."""
     return hashlib.blake2b(f"{job}\0{pg}\0{'p2p' if is_p2p else 'c'}\0{seq}".encode(), digest_size=16).digest()
+
+
+def trace_scope(job: str, attempt: int) -> str:
+    """What a collective's trace id is derived in, beside its group and seq: the job, and after an elastic
+    restart its attempt too (whose collectives are numbered from 0 again: no trace joins two attempts)."""
+    return job if attempt == 0 else f"{job}\0attempt {attempt}"
 
 
 def _double(value: float) -> float | str:
@@ -79,15 +85,15 @@ class SpanBuilder:
     The attributes of a span's kind are encoded once per kind (docs/performance.md); each span adds
     its own (``_own``)."""
 
-    def __init__(self, job: str, world_size: int):
-        self.job = job
+    def __init__(self, job: str, world_size: int, attempt: int = 0):
+        self.scope = trace_scope(job, attempt)
         self._shared = {names.JOB: job, names.WORLD_SIZE: world_size}
         self._kinds: dict[tuple, tuple[bytes, str]] = {}
 
     def add_proto(self, spans: Any, c: Collective) -> None:
         """Add ``c``'s span to ``spans``, a request's repeated ``Span`` field (built in place: no copy)."""
         error = _error(c)
-        span = spans.add(trace_id=trace_id(self.job, c.pg, c.seq, c.is_p2p), span_id=_span_id(),
+        span = spans.add(trace_id=trace_id(self.scope, c.pg, c.seq, c.is_p2p), span_id=_span_id(),
                          start_time_unix_nano=c.start_ns, end_time_unix_nano=c.end_ns,
                          attributes=attributes({**_own(c), **({names.NONFINITE_ENTRY: c.nonfinite_entry}
                                                               if c.nonfinite_entry else {})}),
@@ -99,7 +105,7 @@ class SpanBuilder:
         in hex, enums as numbers), built without it."""
         error = _error(c)
         status = "" if error is None else f',"status":{{"message":{json.dumps(error)},"code":{Status.STATUS_CODE_ERROR}}}'
-        return (f'{{"traceId":"{trace_id(self.job, c.pg, c.seq, c.is_p2p).hex()}","spanId":"{_span_id().hex()}",'
+        return (f'{{"traceId":"{trace_id(self.scope, c.pg, c.seq, c.is_p2p).hex()}","spanId":"{_span_id().hex()}",'
                 f'"startTimeUnixNano":"{c.start_ns}","endTimeUnixNano":"{c.end_ns}",'
                 f'"attributes":[{_numbers_json(_own(c))},{_entry_json(c)}{self._kind(c)[1]}{status}}}')
 
@@ -186,14 +192,14 @@ class BatchSpanProcessor:
     def __init__(self, exporter: SpanExporter, resource: Mapping[str, Any], job: str, world_size: int = 1,
                  sampler_ratio: float = 1.0, sample_none: bool = False, queue_size: int = 8192,
                  batch_size: int = 64, budget_per_s: float | None = None,
-                 beside_training: bool = False):
-        self.exporter, self.builder = exporter, SpanBuilder(job, world_size)
+                 beside_training: bool = False, attempt: int = 0):
+        self.exporter, self.builder = exporter, SpanBuilder(job, world_size, attempt)
         self.resource = Resource(attributes=attributes(resource))
         self._json = exporter.form == "json"
         self._json_head = ('{"resourceSpans":[{"resource":{"attributes":' + json.dumps(json_attributes(resource))
                            + '},"scopeSpans":[{"scope":' + json.dumps({"name": SCOPE.name, "version": SCOPE.version})
                            + ',"spans":[')
-        self.job, self.bound = job, int(sampler_ratio * (1 << 64))
+        self.scope, self.bound = trace_scope(job, attempt), int(sampler_ratio * (1 << 64))
         self.budget_per_s = budget_per_s
         self._window_start, self._offered, self._kept = time.monotonic(), 0, 0
         self._bases: dict[tuple[str, bool], int] = {}
@@ -245,7 +251,7 @@ class BatchSpanProcessor:
         of the trace id takes 0.9, and consecutive seqs spread evenly over the 64 bits."""
         base = self._bases.get((pg, is_p2p))
         if base is None:
-            base = self._bases[(pg, is_p2p)] = int.from_bytes(trace_id(self.job, pg, 0, is_p2p)[8:], "big")
+            base = self._bases[(pg, is_p2p)] = int.from_bytes(trace_id(self.scope, pg, 0, is_p2p)[8:], "big")
         return base
 
     def queue(self, c: Collective) -> None:

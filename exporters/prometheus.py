@@ -26,7 +26,7 @@ from prometheus_client.samples import Exemplar
 from commlens.hooks.ring import ERRORS, REASONS
 
 from . import names
-from .otlp import trace_id
+from .otlp import trace_id, trace_scope
 from .telemetry import RankTelemetry
 
 
@@ -128,7 +128,7 @@ class MetricsCollector(_Scrapes):
         family = HistogramMetricFamily(names.COLLECTIVE_DURATION,
                                        "Time from issue to completion of a collective",
                                        labels=("op", "pg", "size_class", "rank"))
-        job = str(info["job"])
+        job = trace_scope(str(info["job"]), int(info.get("attempt", 0)))
         for (op, pg, size), (counts, exemplars, total) in sorted(s.durations.items()):
             cumulative, running = [], 0
             counts, exemplars = self._fold(counts, exemplars)

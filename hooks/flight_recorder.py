@@ -45,6 +45,12 @@ process left no dump and no note)."""
 
 DUMP_PREFIX_ENV = "TORCHCOMM_FR_DUMP_TEMP_FILE"
 DEFAULT_DUMP_PREFIX = os.path.join("~", ".cache", "torchcomm_fr_trace_")
+ATTEMPT_ENV = "TORCHELASTIC_RESTART_COUNT"
+"""torchrun's count of the job's elastic restarts (``--max-restarts``): the attempt a rank runs in."""
+ATTEMPT_FOLDER = "attempt-{attempt}"
+"""Where a restarted attempt writes its files: a folder beside the first attempt's, so that no attempt
+overwrites another's dumps and spans (its collectives are numbered from 0 again), and each folder
+reads as a job's."""
 _STACKED_OUTPUTS = {OpName.all_gather, OpName.gather}
 _STACKED_INPUTS = {OpName.reduce_scatter, OpName.scatter}
 _DEFAULT_TIMEOUT_MS = 30 * 60 * 1000
@@ -115,8 +121,8 @@ class FlightRecorderHook:
         return json.dumps(self.dump())
 
     def dump_file(self, rank: int) -> str:
-        """``write_dump`` of this recorder's dump; returns its path."""
-        return write_dump(self.dump(), rank)
+        """``write_dump`` of this recorder's dump (in this process's attempt's folder); returns its path."""
+        return write_dump(self.dump(), rank, attempt=current_attempt())
 
 
 def dump_ring(ring: Any, max_entries: int = 2048) -> dict:
@@ -193,14 +199,39 @@ def _dump(found: list[dict], pg_config: dict, pg_status: dict, comm_lib_version:
             "pg_status": pg_status, "entries": found}
 
 
-def write_dump(dump: dict, rank: int, signalled_ns: int | None = None, reasons: tuple[str, ...] = ()) -> str:
-    """Write ``dump`` as a pickle named ``<prefix><rank>`` (the prefix from
-    ``TORCHCOMM_FR_DUMP_TEMP_FILE``) and return its path. The file appears whole or not at all.
-    ``signalled_ns``: when the writer's process was signalled to stop, kept as ``DUMP_SIGNALLED``;
-    ``reasons``: why this rank's dumps were written so far, kept as ``DUMP_REASONS``."""
+def attempt_path(path: str, attempt: int) -> str:
+    """``path`` for an attempt of the job: itself for the first (0), else in ``ATTEMPT_FOLDER`` beside it.
+
+    >>> attempt_path(os.path.join("out", "rank_"), 2) == os.path.join("out", "attempt-2", "rank_")
+    True
+    """
+    if attempt == 0:
+        return path
+    head, tail = os.path.split(path)
+    return os.path.join(head, ATTEMPT_FOLDER.format(attempt=attempt), tail)
+
+
+def current_attempt() -> int:
+    """This process's attempt (``ATTEMPT_ENV``; 0 outside torchrun). ``Config.from_env`` refuses a
+    value that is not a count; here, where a user's code asks for a dump, such a value is attempt 0."""
+    value = os.environ.get(ATTEMPT_ENV, "0")
+    return int(value) if value.isdigit() else 0
+
+
+def dump_prefix(attempt: int) -> str:
+    """The dumps' prefix (``TORCHCOMM_FR_DUMP_TEMP_FILE``, or torchcomms' default) for ``attempt``."""
+    return attempt_path(os.path.expanduser(os.environ.get(DUMP_PREFIX_ENV) or DEFAULT_DUMP_PREFIX), attempt)
+
+
+def write_dump(dump: dict, rank: int, signalled_ns: int | None = None, reasons: tuple[str, ...] = (),
+               attempt: int = 0) -> str:
+    """Write ``dump`` as a pickle named ``<prefix><rank>`` (``dump_prefix(attempt)``) and return its
+    path. The file appears whole or not at all. ``signalled_ns``: when the writer's process was
+    signalled to stop, kept as ``DUMP_SIGNALLED``; ``reasons``: why this rank's dumps were written so
+    far, kept as ``DUMP_REASONS``."""
     if not isinstance(rank, int) or rank < 0:
         raise ValueError(f"dump_file(rank={rank!r}) is not accepted: rank must be an integer >= 0")
-    prefix = os.path.expanduser(os.environ.get(DUMP_PREFIX_ENV) or DEFAULT_DUMP_PREFIX)
+    prefix = dump_prefix(attempt)
     path = f"{prefix}{rank}"
     ours = {**({DUMP_SIGNALLED: signalled_ns} if signalled_ns is not None else {}),
             **({DUMP_REASONS: list(reasons)} if reasons else {})}
@@ -219,11 +250,12 @@ def write_dump(dump: dict, rank: int, signalled_ns: int | None = None, reasons: 
     return path
 
 
-def write_end_note(rank: int) -> str:
-    """Write ``ENDED`` for ``rank`` in the dumps' folder (``TORCHCOMM_FR_DUMP_TEMP_FILE``'s) and
-    return its path: the rank's process ends cleanly (``{"rank": 3, "ended_ns": ...}``)."""
-    prefix = os.path.expanduser(os.environ.get(DUMP_PREFIX_ENV) or DEFAULT_DUMP_PREFIX)
-    path = os.path.join(os.path.dirname(prefix) or ".", ENDED.format(rank=rank))
+def write_end_note(rank: int, attempt: int = 0) -> str:
+    """Write ``ENDED`` for ``rank`` in the dumps' folder (``dump_prefix(attempt)``'s) and return its
+    path: the rank's process ends cleanly (``{"rank": 3, "ended_ns": ...}``)."""
+    folder = os.path.dirname(dump_prefix(attempt)) or "."
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, ENDED.format(rank=rank))
     with open(path, "w") as f:
         json.dump({"rank": rank, "ended_ns": time.time_ns()}, f)
     return path

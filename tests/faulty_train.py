@@ -17,7 +17,9 @@ commas, ``inf,slow``, strike together):
     freeze   the rank stops itself (SIGSTOP) inside that all_reduce, until it gets SIGCONT (the
              others come to it a second later: it cannot complete before the rank stops)
 
-``--amp``: mixed precision, the forward in float16 with dynamic loss scaling (``torch.amp.GradScaler``,
+Under torchrun ``--max-restarts`` the fault strikes in the job's first attempt only, and each attempt
+meets its peers under its own prefix of the job's store (on gloo, an attempt that finds the last one's
+addresses there may connect to a rank gone). ``--amp``: mixed precision, the forward in float16 with dynamic loss scaling (``torch.amp.GradScaler``,
 as ``parallel_train.py --amp``): healthy, the scaler skips a step now and then; with ``inf`` every step.
 
 The wall time at which the fault happens is written to ``FAULT_TIME_FILE`` (when set), so that a
@@ -48,7 +50,15 @@ def main() -> None:
     parser.add_argument("--metrics", type=int, default=0,
                         help="every 10 steps, all_reduce this many scalar metrics at once, each its own async op")
     args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+    timeout = datetime.timedelta(seconds=args.timeout_s)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):  # torchrun's store, hosted by its agent
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout)
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store), timeout=timeout,
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(
@@ -59,7 +69,7 @@ def main() -> None:
     faults = set(args.fault.split(","))
     data = torch.Generator().manual_seed(rank)
     for step in range(args.steps):
-        faulty = rank == args.rank and step >= args.step
+        faulty = attempt == 0 and rank == args.rank and step >= args.step
         first = faulty and step == args.step
         if first:
             mark_fault_time()

@@ -217,6 +217,7 @@ def test_stop_is_bounded_by_the_snapshot_timeout_against_a_silent_collector_and_
     ("COMMLENS_RING_SLOTS", "1000", "power of two"),
     ("COMMLENS_RING_PATH", "/no/such/folder/ring-{rank}", "existing folder"),
     ("COMMLENS_RING_PATH", "/tmp/ring-{local}", "{rank} is replaced"),
+    ("TORCHELASTIC_RESTART_COUNT", "-1", ">= 0"),
 ])
 def test_bad_configuration_fails_at_start_up_naming_variable_value_and_what_is_accepted(variable, value, accepted):
     with pytest.raises(ConfigError) as refused:

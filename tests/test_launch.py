@@ -291,3 +291,57 @@ def test_a_live_hang_is_said_on_the_console_while_the_job_still_waits(tmp_path):
     assert any(line.endswith("past the hang threshold; `commlens diagnose` names whom it waits for\n")
                for line in said), "".join(said)
     assert job.returncode == 0, "".join(said)
+
+
+@pytest.mark.parametrize("mode, culprit", [("--in-process", 2), ("--sidecar", 0)], ids=["in-process", "pod-sidecar"])
+def test_a_job_restarted_by_torchrun_keeps_each_attempts_files_and_the_verdict_tells_the_attempts_apart(
+        tmp_path, mode, culprit):
+    """``torchrun --max-restarts 1``: a rank of the first attempt is killed inside its all_reduce
+    (``tests/faulty_train.py``), torchrun restarts every rank, and the second attempt trains to the end.
+    The second attempt's files go to ``attempt-1/`` beside the first's (none written over: the killed
+    rank's note that it ended is missing from the first's, as the verdict needs it to be), its
+    collectives, numbered from 0 again, in traces of their own; ``commlens diagnose`` on the job's folder names the culprit in attempt 0 alone and finds
+    nothing wrong in attempt 1."""
+    import json
+
+    from monitoring import SCRIPT, culprits
+
+    out = tmp_path / "job"
+    job = _commlens("run", mode, "--metrics-addr", "127.0.0.1", "--metrics-port", str(free_ports(3)),
+                    "--job-id", "restarted", "--out", str(out), "--",
+                    "torchrun", "--nproc-per-node", "3", "--max-restarts", "1", "--master-port", str(free_port()),
+                    SCRIPT, "--fault", "kill", "--rank", str(culprit), "--step", "20", "--steps", "60",
+                    cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log, _ = job.communicate(timeout=240)
+    assert job.returncode == 0, log[-5000:]  # the second attempt trained to the end
+    said = [line.removeprefix("commlens run: verdict: ") for line in log.splitlines()
+            if line.startswith("commlens run: verdict: ")]  # run's own verdict, as diagnose's below
+    assert said[-1] == "attempt 1: nothing wrong found" and culprits("\n".join(said[:-1])) == {culprit}, log[-3000:]
+    assert (out / "verdict.txt").exists() and (out / "attempt-1" / "verdict.txt").exists()
+    first, second = out, out / "attempt-1"
+    assert not (first / f"ended-{culprit}.json").exists()  # killed: no note that it ended, in its attempt's folder
+    assert sorted(p.name for p in second.glob("ended-*.json")) == [f"ended-{r}.json" for r in range(3)], log[-3000:]
+
+    def spans(folder):  # (rank, group, seq) -> (trace id, the resource's attempt) of each all_reduce's span
+        found = {}
+        for rank in range(3):
+            for line in (folder / f"traces-{rank}.jsonl").read_text().splitlines():
+                for rs in json.loads(line)["resourceSpans"]:
+                    resource = {a["key"]: a["value"] for a in rs["resource"]["attributes"]}
+                    for span in (s for ss in rs["scopeSpans"] for s in ss["spans"] if s["name"] == "all_reduce"):
+                        attributes = {a["key"]: a["value"] for a in span["attributes"]}
+                        key = (rank, attributes["commlens.pg.name"]["stringValue"], int(attributes["commlens.seq"]["intValue"]))
+                        found[key] = (span["traceId"], int(resource["commlens.attempt"]["intValue"]))
+        return found
+
+    before, after = spans(first), spans(second)
+    assert {attempt for _, attempt in before.values()} == {0} and {attempt for _, attempt in after.values()} == {1}
+    common = sorted(set(before) & set(after))  # the same collective's number, in both attempts
+    assert common and all(before[key][0] != after[key][0] for key in common)
+    assert len({after[(rank, *common[0][1:])][0] for rank in range(3)}) == 1  # one trace for the ranks of one
+    verdict = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "diagnose", str(out)], capture_output=True,
+                             text=True, timeout=60)
+    lines = verdict.stdout.splitlines()
+    assert verdict.returncode == 1 and lines[-1] == "attempt 1: nothing wrong found", verdict.stdout + verdict.stderr
+    assert all(line.startswith("attempt 0: ") for line in lines[:-1]) and \
+        culprits("\n".join(lines[:-1])) == {culprit}, verdict.stdout

@@ -34,7 +34,11 @@ def _note(rank: str, error: Exception) -> None:
         return
     import json
 
+    from commlens.hooks.flight_recorder import attempt_path, current_attempt
+
+    path = attempt_path(path, current_attempt())  # an elastic restart's attempt: in its own folder
     try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
             json.dump({"rank": int(rank), "error": str(error)}, f)
     except (OSError, ValueError) as failed:
