@@ -15,8 +15,6 @@ Example::
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import os
 import socket
 import sys
@@ -35,10 +33,6 @@ from .sidecar import Sidecar
 from .stats import DURATION_BUCKETS, Stats, exposed_buckets
 
 
-ATTEMPT_FLUSH_S = 2.0
-"""The longest the pod sidecar waits for a rank's last attempt's spans to go, once the rank restarted."""
-
-
 class RankPipeline:
     """``info()`` gives ``commlens_info``'s labels; ``on_hang()`` runs once per drain that finds a
     hang, ``on_snapshot(reason)`` for a writer's SNAPSHOT record. ``beside_training``: it runs in the
@@ -54,20 +48,14 @@ class RankPipeline:
         self._dropped_before = 0
         self._errors_before = dict.fromkeys(ERRORS, 0)
         self.metrics = MetricsCollector(self, DURATION_BUCKETS, exposed_buckets(config.metrics_detail))
-        self._spans_before: collections.Counter[str] = collections.Counter()
-        """Spans by result of the rank's earlier attempts' processors."""
         self.signalled_ns: int | None = None
         """When the rank was signalled to stop, in its dumps from then on (``flight_recorder.DUMP_SIGNALLED``)."""
         self.reasons: tuple[str, ...] = ()
         """Why the rank's dumps were written so far (``flight_recorder.DUMP_REASONS``)."""
 
-    def follow(self, ring: Ring, attempt: int | None = None) -> Sidecar:
+    def follow(self, ring: Ring) -> Sidecar:
         """Drain ``ring`` from now on, from its stored cursor (the rank's first ring, or a restarted
-        rank's new one: what the last one lost stays counted); returns its sidecar. A ring of another
-        ``attempt`` of the job (an elastic restart) has its spans and dumps go to that attempt's files,
-        and its trace ids derived in it (``Config.attempt``); the counters go on."""
-        if attempt is not None and attempt != self.config.attempt:
-            self._begin_attempt(attempt)
+        rank's new one: what the last one lost stays counted); returns its sidecar."""
         if self.sidecar is not None:
             self.sidecar.drain()
             self.sidecar.writer_ended()
@@ -79,15 +67,6 @@ class RankPipeline:
                                on_snapshot=self.on_snapshot, stats=self.stats, resume=True, detail=c.metrics_detail,
                                beside_training=self.beside_training)
         return self.sidecar
-
-    def _begin_attempt(self, attempt: int) -> None:
-        if self.sidecar is not None:  # the last attempt's spans, before its ring is left
-            self.sidecar.drain()
-        self._spans_before.update(self.spans.counts)
-        self.spans.shutdown(ATTEMPT_FLUSH_S)
-        self.config = dataclasses.replace(self.config, attempt=attempt)
-        self.spans = span_processor(self.config, self.beside_training)
-        self.signalled_ns, self.reasons = None, ()
 
     def _hung(self, collective: Collective) -> None:
         """A collective newly past the hang threshold: said on the console at once, one line (the job's
@@ -140,7 +119,7 @@ class RankPipeline:
         return self._dropped_before + (self.sidecar.reader.dropped if self.sidecar is not None else 0)
 
     def span_results(self) -> Mapping[str, int]:
-        return dict(self._spans_before + collections.Counter(self.spans.counts))
+        return dict(self.spans.counts)
 
     def telemetry_errors(self) -> Mapping[str, int]:
         now = self.sidecar.ring.errors() if self.sidecar is not None else {}

@@ -30,6 +30,8 @@ from .outputs import metrics_pusher, serve_metrics, stop_serving
 from .pipeline import RankPipeline, dump_entries, writer_info
 from .sidecar import Sidecar
 
+ATTEMPT_FLUSH_S = 2.0
+"""The longest a rank's last attempt's spans are waited for, once torchrun has restarted the rank."""
 POD_DRAIN_S = 0.05
 """The longest between two drains here: a rank cannot wake this process when its ring fills, as it
 wakes its own sidecar thread (``Ring.wake_reader``)."""
@@ -40,18 +42,27 @@ class RankFeed:
     outlive the process and the ring of any one run of the rank) and whether its process lives."""
 
     def __init__(self, config: Config, info: dict, on_hang: Callable[[RankFeed], None]):
-        self.info = info
-        self.pipeline = RankPipeline(config, self._info, lambda: on_hang(self), on_snapshot=self.dump)
+        self.info, self.on_hang = info, on_hang
+        self.pipeline = self._pipeline(config)
         self.alive = False
+
+    def _pipeline(self, config: Config) -> RankPipeline:
+        return RankPipeline(config, self._info, lambda: self.on_hang(self), on_snapshot=self.dump)
 
     @property
     def sidecar(self) -> Sidecar | None:
         return self.pipeline.sidecar
 
     def follow(self, ring: Ring) -> None:
-        """Read ``ring`` from now on (the rank's first, or a restarted rank's new one, of the same attempt
-        of the job or of the next)."""
-        sidecar = self.pipeline.follow(ring, self.info.get("attempt", 0))
+        """Read ``ring`` from now on (the rank's first, or a restarted rank's new one). A ring of the job's
+        next attempt (an elastic restart) starts the rank's telemetry again, as a restarted process does
+        its own: counters from 0, its spans and dumps in that attempt's files (``Config.attempt``), once
+        the last attempt's spans are sent (``ATTEMPT_FLUSH_S`` at most)."""
+        attempt = self.info.get("attempt", 0)
+        if attempt != self.pipeline.config.attempt:
+            self.pipeline.stop(ATTEMPT_FLUSH_S)
+            self.pipeline = self._pipeline(dataclasses.replace(self.pipeline.config, attempt=attempt))
+        sidecar = self.pipeline.follow(ring)
         self.alive = ring.writer_alive()
         if not self.alive and not ring.closed:  # found killed (before this sidecar started, or saw it)
             sidecar.drain()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import glob
+import itertools
 import json
 import os
 import pickle
@@ -180,18 +181,57 @@ def from_endpoints(urls: list[str], window_s: float = 5.0, timeout_s: float = 5.
 
 def from_prometheus(url: str, job: str | None = None) -> dict[str, list[RankFacts]]:
     """Facts for each job Prometheus knows (or only ``job``), from instant queries of its HTTP API; their
-    windows hold 4 of its scrapes or more (``scrape_interval_s``)."""
+    windows hold 4 of its scrapes or more (``scrape_interval_s``). A job that torchrun restarted (its
+    ranks' ``commlens_info`` of more than one ``attempt`` in the last 15 min) gives facts for each
+    attempt, keyed "<job>, attempt <N>": each read as the next one began (its ranks' ends all scraped),
+    over windows that begin with it (the attempts' collectives are numbered alike, their counters start
+    again)."""
     selector = f'job="{job}"' if job else ""
     interval = scrape_interval_s(url, job)
-    window, lookback = f"{max(15, 4 * interval)}s", f"{max(60, 4 * interval)}s"
+    found = _prometheus_facts(url, selector, interval)
+    attempts: dict[str, set[str]] = collections.defaultdict(set)
+    for item in _query(url, f"max by (job, attempt) (last_over_time({names.INFO}{{{selector}}}[15m]))"):
+        attempts[item["metric"].get("job", "")].add(item["metric"].get("attempt", "0"))
+    for name, seen in attempts.items():
+        if len(seen) < 2:
+            continue
+        del found[name]
+        spans = {item["metric"].get("attempt", "0"): float(item["value"][1]) for item in _query(
+            url, f'min by (attempt) (min_over_time(timestamp({names.INFO}{{job="{name}"}})[15m:{interval}s]))')}
+        """Each attempt's first scrape, over its ranks."""
+        ordered = sorted(spans.items(), key=lambda item: int(item[0]))
+        for (attempt, first), after in itertools.zip_longest(ordered, ordered[1:]):
+            at = None if after is None else after[1] - 0.001  # as the next began: its ranks' ends all scraped
+            facts = _prometheus_facts(url, f'job="{name}"', interval, at, first).get(name, [])
+            if facts:
+                found[f"{name}, attempt {attempt}"] = facts
+    return found
+
+
+def _query(url: str, expr: str, at: float | None = None) -> list[dict]:
+    """An instant query's result (at ``at``, a Unix time; None: now)."""
+    address = url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode(
+        {"query": expr, **({"time": repr(at)} if at is not None else {})})
+    with urllib.request.urlopen(address, timeout=10) as response:
+        body = json.load(response)
+    if body.get("status") != "success":
+        raise RuntimeError(f"Prometheus at {url} refused {expr!r}: {body.get('error')}")
+    return body["data"]["result"]
+
+
+def _prometheus_facts(url: str, selector: str, interval: int, at: float | None = None,
+                      since: float | None = None) -> dict[str, list[RankFacts]]:
+    """Each job's facts as of ``at`` (None: now), over windows that begin no earlier than ``since``."""
+    end = time.time() if at is None else at
+
+    def span(seconds: float) -> str:  # a window of ``seconds``, cut at ``since``
+        return f"{max(1, int(min(seconds, end - since)) if since is not None else int(seconds))}s"
+
+    window, lookback = span(max(15, 4 * interval)), span(max(60, 4 * interval))
+    last_15m, last_5m = span(900), span(300)
 
     def query(expr: str) -> list[dict]:
-        address = url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-        with urllib.request.urlopen(address, timeout=10) as response:
-            body = json.load(response)
-        if body.get("status") != "success":
-            raise RuntimeError(f"Prometheus at {url} refused {expr!r}: {body.get('error')}")
-        return body["data"]["result"]
+        return _query(url, expr, at)
 
     jobs: dict[str, dict[int, RankFacts]] = collections.defaultdict(dict)
 
@@ -206,8 +246,8 @@ def from_prometheus(url: str, job: str | None = None) -> dict[str, list[RankFact
     hung = f"{names.HUNG_SEQ}{{{selector}}}"
     # the last issued and completed (by their state label); then, while a group had a hang in the last
     # minute: what each rank had issued (a late rank may have caught up since), and the hang itself
-    for name, expr in ((names.LAST_SEQ, f"last_over_time({enqueued}[15m])"),
-                       (names.LAST_SEQ, f"last_over_time({completed}[15m])"),
+    for name, expr in ((names.LAST_SEQ, f"last_over_time({enqueued}[{last_15m}])"),
+                       (names.LAST_SEQ, f"last_over_time({completed}[{last_15m}])"),
                        (names.LAST_SEQ, f"min_over_time(({enqueued} and on (job, pg) {hung})[{lookback}:1s])"),
                        (names.HUNG_SEQ, f"max_over_time({hung}[{lookback}])"),
                        (names.HUNG_BYTES, f"last_over_time({names.HUNG_BYTES}{{{selector}}}[{lookback}])"),
@@ -216,8 +256,8 @@ def from_prometheus(url: str, job: str | None = None) -> dict[str, list[RankFact
                            names.NONFINITE_FIRST_SEQ, names.NONFINITE_FIRST_SEND, names.NONFINITE_ENTRY_SEQ,
                            names.NONFINITE_ISSUED_BEFORE)),
                        (names.total(names.LOSS_SCALE_STEPS), f"{names.total(names.LOSS_SCALE_STEPS)}{{{selector}}}"),
-                       (names.FAILED_SEQ, f"last_over_time({names.FAILED_SEQ}{{{selector}}}[5m])"),
-                       (names.P2P_FAILED, f"last_over_time({names.P2P_FAILED}{{{selector}}}[5m])")):
+                       (names.FAILED_SEQ, f"last_over_time({names.FAILED_SEQ}{{{selector}}}[{last_5m}])"),
+                       (names.P2P_FAILED, f"last_over_time({names.P2P_FAILED}{{{selector}}}[{last_5m}])")):
         for facts, labels, value in each(expr):
             _metric_fact(facts, name, labels, value)
     by = "sum by (job, pg, rank)"
@@ -232,24 +272,24 @@ def from_prometheus(url: str, job: str | None = None) -> dict[str, list[RankFact
     for facts, labels, _ in each(f"max_over_time({hung}[{window}]) or max_over_time({p2p_hung}[{window}])"):
         facts.group(labels["pg"]).hung_lately = True
     for facts, labels, value in each(f"min_over_time((sum by (job, rank) (rate({DURATION_SUM}{{{selector}}}"
-                                     f"[{window}])))[5m:5s])"):
+                                     f"[{window}])))[{last_5m}:5s])"):
         facts.least_waited = value
-    info = f"last_over_time({names.INFO}{{{selector}}}[15m])"
+    info = f"last_over_time({names.INFO}{{{selector}}}[{last_15m}])"
     for facts, labels, _ in each(info):
         facts.node = labels.get("node", "")
     # down for 2 scrapes at least: one missed is an endpoint too busy to answer in time (CommlensRankKilled's `for`)
     for facts, _, _ in each(f"{info} and on (job, instance) (max_over_time(up[{int(2500 * interval)}ms]) == 0)"):
         facts.unreachable = True
     aborts = f'{names.total(names.ABORT_SNAPSHOTS)}{{reason="abort"{"," + selector if selector else ""}}}'
-    for facts, _, _ in each(f"increase({aborts}[5m]) > 0"):
+    for facts, _, _ in each(f"increase({aborts}[{last_5m}]) > 0"):
         facts.aborted = True
     said_up = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(
-        f"last_over_time({names.RANK_UP}{{{selector}}}[15m])")}
+        f"last_over_time({names.RANK_UP}{{{selector}}}[{last_15m}])")}
     live = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(enqueued)}
     down = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(f"{names.RANK_UP}{{{selector}}} == 0")}
     endings: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
     # over the job: a pod sidecar's counts end with it, and a killed rank stays the evidence after
-    for _, labels, _ in each(f"max_over_time({names.total(names.ABORT_SNAPSHOTS)}{{{selector}}}[15m]) > 0"):
+    for _, labels, _ in each(f"max_over_time({names.total(names.ABORT_SNAPSHOTS)}{{{selector}}}[{last_15m}]) > 0"):
         endings[(labels.get("job", ""), int(labels["rank"]))].add(labels["reason"])
     for name, ranks in jobs.items():
         for rank, facts in ranks.items():

@@ -301,19 +301,32 @@ def test_a_job_restarted_by_torchrun_keeps_each_attempts_files_and_the_verdict_t
     The second attempt's files go to ``attempt-1/`` beside the first's (none written over: the killed
     rank's note that it ended is missing from the first's, as the verdict needs it to be), its
     collectives, numbered from 0 again, in traces of their own; ``commlens diagnose`` on the job's folder names the culprit in attempt 0 alone and finds
-    nothing wrong in attempt 1."""
+    nothing wrong in attempt 1; so does ``commlens diagnose --prometheus`` from the metrics (each
+    attempt read as the next began, over windows that begin with it), once the job has ended."""
     import json
+    import types
 
-    from monitoring import SCRIPT, culprits
+    from monitoring import SCRIPT, Prometheus, culprits, wait_for
 
-    out = tmp_path / "job"
-    job = _commlens("run", mode, "--metrics-addr", "127.0.0.1", "--metrics-port", str(free_ports(3)),
-                    "--job-id", "restarted", "--out", str(out), "--",
-                    "torchrun", "--nproc-per-node", "3", "--max-restarts", "1", "--master-port", str(free_port()),
-                    SCRIPT, "--fault", "kill", "--rank", str(culprit), "--step", "20", "--steps", "60",
-                    cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log, _ = job.communicate(timeout=240)
-    assert job.returncode == 0, log[-5000:]  # the second attempt trained to the end
+    out, base = tmp_path / "job", free_ports(3)
+    target = types.SimpleNamespace(targets=[f"127.0.0.1:{base + rank}" for rank in range(3 if mode == "--in-process" else 1)],
+                                   __exit__=lambda *exc: None)
+    with Prometheus(tmp_path, target) as prometheus:
+        wait_for(lambda: prometheus.query("vector(1)"), "Prometheus answering")
+        job = _commlens("run", mode, "--metrics-addr", "127.0.0.1", "--metrics-port", str(base),
+                        "--job-id", "restarted", "--out", str(out), "--",
+                        "torchrun", "--nproc-per-node", "3", "--max-restarts", "1", "--master-port", str(free_port()),
+                        SCRIPT, "--fault", "kill", "--rank", str(culprit), "--step", "20", "--steps", "60",
+                        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        log, _ = job.communicate(timeout=240)
+        assert job.returncode == 0, log[-5000:]  # the second attempt trained to the end
+        wait_for(lambda: prometheus.query('last_over_time(commlens_info{attempt="1"}[15m])'), "attempt 1 scraped")
+        live = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "diagnose", "--prometheus",
+                               f"http://127.0.0.1:{prometheus.port}"], capture_output=True, text=True, timeout=60)
+    lines = live.stdout.splitlines()
+    assert live.returncode == 1 and lines[-1] == "commlens, attempt 1: nothing wrong found", live.stdout + live.stderr
+    assert all(line.startswith("commlens, attempt 0: ") for line in lines[:-1]) and \
+        culprits("\n".join(lines[:-1])) == {culprit}, live.stdout
     said = [line.removeprefix("commlens run: verdict: ") for line in log.splitlines()
             if line.startswith("commlens run: verdict: ")]  # run's own verdict, as diagnose's below
     assert said[-1] == "attempt 1: nothing wrong found" and culprits("\n".join(said[:-1])) == {culprit}, log[-3000:]
