@@ -49,6 +49,7 @@ BENCHES = (
     Bench("memory_flat", ("bench/memory_flat.py",), "1,000,000 collectives of 1,000 shapes in 100 groups"),
     Bench("scale", ("bench/scale.py",), "one Prometheus holding 1,000 and 10,000 ranks' series, the rules on them"),
     Bench("victoria", ("bench/victoria.py",), "the same jobs on two sharded vmagents, VictoriaMetrics and vmalert"),
+    Bench("shards", ("bench/shards.py",), "the same jobs on three Prometheus servers, sharded by job (hashmod)"),
     Bench("detection", ("bench/detection.py", "--matrix", "--seed", "9"),
           "the verdict matrix: every layout and fault, both modes, culprits drawn"),
 )
@@ -144,6 +145,8 @@ GOALS = (
          _all_right("10,000 ranks:"), "", at_least=1),
     Goal("vmalert over VictoriaMetrics and two sharded vmagents, 10,000 ranks: the same", "victoria",
          _all_right("10,000 ranks,"), "", at_least=1),
+    Goal("three Prometheus servers sharded by job, 10,000 ranks: the same", "shards",
+         _all_right("10,000 ranks,"), "", at_least=1),
     Goal("the verdict matrix: cells where every reader names the culprit and no one else", "detection",
          _cells_held, "of cells", at_least=1),
     Goal("NaN/Inf origin named ≤ 5 s after the fault (slowest cell)", "detection", _slowest("nan", "inf"), "s",
@@ -199,7 +202,7 @@ def render() -> str:
         meta, output = results[goal.bench]
         figure = goal.read(output)
         shown = f"{figure:.0%}" if goal.unit == "of cells" else f"{figure:g} {goal.unit}".strip()
-        if goal.bench in ("scale", "victoria"):
+        if goal.bench in ("scale", "victoria", "shards"):
             shown = "right" if figure else "wrong"
         out.append(f"| {goal.text} | {shown} | {'met' if goal.met(figure) else '**missed**'} | "
                    f"[{goal.bench}](#{goal.bench}), {meta['commit']} |")

@@ -252,12 +252,7 @@ def measure(text: str, ranks: int, out: pathlib.Path) -> dict:
                 alerts = _api(port, "alerts")["alerts"]
             except OSError:
                 continue
-            named = {}  # alert: the "job/rank" or "job/node" it names
-            for alert in alerts:
-                if alert["state"] == "firing":
-                    labels = alert["labels"]
-                    named.setdefault(labels["alertname"], set()).add(
-                        f"{labels.get('job')}/{labels.get('node', labels.get('rank'))}")
+            named = firing(alerts)
             if all(name in named for name in EXPECTED) and time.monotonic() - train.started > 90:
                 break
         series = _api(port, "status/tsdb")["headStats"]["numSeries"]
@@ -282,11 +277,27 @@ def measure(text: str, ranks: int, out: pathlib.Path) -> dict:
         prometheus.terminate()
         prometheus.wait()
         server.shutdown()
-    faulty = {fault: subject for job in jobs for fault, subject in job.faulty.items()}
-    verdicts = {alert: (named.get(alert, set()) == {faulty[fault]}) for alert, fault in EXPECTED.items()}
     return {"series": series, "node_series": node_series, "scraped": scraped, "slowest_scrape": slowest_scrape,
-            "rules": rules, "node_rules": node_rules, "slowest": max(queries), "rss_gib": rss, "verdicts": verdicts,
-            "named": {alert: sorted(subjects) for alert, subjects in named.items()}, "faulty": faulty}
+            "rules": rules, "node_rules": node_rules, "slowest": max(queries), "rss_gib": rss, **judged(jobs, named)}
+
+
+def firing(alerts: list[dict]) -> dict[str, set[str]]:
+    """Of alerts as an alerting API lists them: each firing alert's name, and the "job/rank" or
+    "job/node" each one names."""
+    named: dict[str, set[str]] = {}
+    for alert in alerts:
+        if alert["state"] == "firing":
+            labels = alert["labels"]
+            named.setdefault(labels["alertname"], set()).add(f"{labels.get('job')}/{labels.get('node', labels.get('rank'))}")
+    return named
+
+
+def judged(jobs: list[Job], named: dict[str, set[str]]) -> dict:
+    """What ``print_verdicts`` reads: the alerts ``named`` (``firing``'s), each fault's culprit, and
+    whether each fault's alert names its culprit and only it."""
+    faulty = {fault: subject for job in jobs for fault, subject in job.faulty.items()}
+    return {"named": {alert: sorted(subjects) for alert, subjects in named.items()}, "faulty": faulty,
+            "verdicts": {alert: named.get(alert, set()) == {faulty[fault]} for alert, fault in EXPECTED.items()}}
 
 
 def main() -> int:

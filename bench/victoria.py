@@ -27,7 +27,7 @@ import urllib.request
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from scale import EXPECTED, ROOT, faulty_jobs, print_verdicts, serve, template  # noqa: E402
+from scale import EXPECTED, ROOT, faulty_jobs, firing, judged, print_verdicts, serve, template  # noqa: E402
 
 from commlens.agent.ports import free_ports  # noqa: E402
 
@@ -35,11 +35,11 @@ COMPONENTS = ("victoria-metrics", "vmagent", "vmalert", "prometheus-alertmanager
 INTERVAL_S = 10
 
 
-def _get(port: int, path: str) -> dict:
+def get_json(port: int, path: str) -> dict:
     return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=60).read())
 
 
-def _ready(port: int, path: str, timeout_s: float = 60) -> None:
+def wait_ready(port: int, path: str, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -78,8 +78,8 @@ def measure(text: str, ranks: int, agents: int, out: pathlib.Path, interval_s: i
         start("prometheus-alertmanager", f"--config.file={out / 'alertmanager.yml'}",
               f"--storage.path={out / 'am'}", f"--web.listen-address=127.0.0.1:{alertmanager}",
               "--cluster.listen-address=")
-        _ready(vm, "/health")
-        _ready(alertmanager, "/-/ready")
+        wait_ready(vm, "/health")
+        wait_ready(alertmanager, "/-/ready")
         for member, port in enumerate(agent_ports):
             start("vmagent", f"-promscrape.config={out / 'scrape.yml'}", f"-httpListenAddr=127.0.0.1:{port}",
                   f"-promscrape.cluster.membersCount={agents}", f"-promscrape.cluster.memberNum={member}",
@@ -89,37 +89,34 @@ def measure(text: str, ranks: int, agents: int, out: pathlib.Path, interval_s: i
               f"-datasource.url=http://127.0.0.1:{vm}", f"-remoteWrite.url=http://127.0.0.1:{vm}",
               f"-remoteRead.url=http://127.0.0.1:{vm}", f"-notifier.url=http://127.0.0.1:{alertmanager}",
               f"-evaluationInterval={interval_s}s")
-        _ready(vmalert, "/api/v1/alerts")
+        wait_ready(vmalert, "/api/v1/alerts")
         named, deadline = {}, time.monotonic() + 30 * interval_s
         while time.monotonic() < deadline:
             time.sleep(interval_s)
-            named = {}  # alert: the "job/rank" or "job/node" it names
-            for alert in _get(vmalert, "/api/v1/alerts")["data"]["alerts"] or ():
-                if alert["state"] == "firing":
-                    labels = alert["labels"]
-                    named.setdefault(labels["alertname"], set()).add(
-                        f"{labels.get('job')}/{labels.get('node', labels.get('rank'))}")
+            named = firing(get_json(vmalert, "/api/v1/alerts")["data"]["alerts"] or ())
             if all(name in named for name in EXPECTED) and time.monotonic() - train.started > 9 * interval_s:
                 break
         fired_after_s = time.monotonic() - train.started
         evaluation = {group["name"]: sum(rule["evaluationTime"] for rule in group["rules"])  # one after another
-                      for group in _get(vmalert, "/api/v1/rules")["data"]["groups"]}
+                      for group in get_json(vmalert, "/api/v1/rules")["data"]["groups"]}
         series = int(json.loads(urllib.request.urlopen(
             f"http://127.0.0.1:{vm}/api/v1/series/count", timeout=60).read())["data"][0])
         diagnose = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "diagnose", "--prometheus",
                                    f"http://127.0.0.1:{vm}", "--job", "train"], capture_output=True, text=True,
                                   timeout=300)
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait()
-        server.shutdown()
-    faulty = {fault: subject for job in jobs for fault, subject in job.faulty.items()}
-    return {"named": {alert: sorted(subjects) for alert, subjects in named.items()}, "faulty": faulty,
-            "verdicts": {alert: named.get(alert, set()) == {faulty[fault]} for alert, fault in EXPECTED.items()},
-            "evaluation": evaluation, "series": series, "seconds": fired_after_s,
+        end(processes, server)
+    return {**judged(jobs, named), "evaluation": evaluation, "series": series, "seconds": fired_after_s,
             "diagnose": (diagnose.stdout + diagnose.stderr).strip()}
+
+
+def end(processes: list[subprocess.Popen], server) -> None:
+    """Stop the stack's processes and the simulated jobs' server."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.wait()
+    server.shutdown()
 
 
 def main() -> int:
