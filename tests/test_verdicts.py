@@ -784,6 +784,26 @@ def test_a_rank_that_vanished_as_torchrun_tore_the_job_down_is_named_killed_and_
     assert not [f.line() for f in findings(facts) if not seen]
 
 
+def test_a_rank_that_vanished_where_torchrun_signalled_the_others_before_any_saw_it_die_is_named_after_the_fact():
+    """Facts from the files of a 4-stage pipeline (stages in group 1 ops, the job's loss all_reduce in
+    group 0) whose last stage, rank 3, was SIGKILLed inside the loss all_reduce (seq 3): torchrun
+    signalled the others 30 ms later, before any op failed on it. Ranks 1 and 2 were still in that
+    all_reduce, rank 0 had not issued it; each left a dump written on the signal, rank 3 nothing. Rank 3
+    is named killed in it, and nobody else; had nobody been signalled, it is not known to have died."""
+    facts = [RankFacts(rank) for rank in range(4)]
+    for f in facts:
+        f.group("0").issued, f.group("0").finished = (3, 2) if f.rank in (1, 2) else (2, 2)
+        f.group("1").issued = f.group("1").finished = 20
+        f.signalled_ns = None if f.rank == 3 else 1_000 + f.rank
+    facts[3].vanished = True
+    facts[3].group("0").finished = facts[3].group("1").finished = None  # its spans end before
+    lines = [f.line() for f in findings(facts)]
+    assert len(lines) == 1 and lines[0].startswith("killed or crashed: rank 3 in a collective (group 0, seq 3)"), lines
+    for f in facts:
+        f.signalled_ns = None
+    assert not findings(facts)
+
+
 def test_a_group_that_hangs_with_nobody_behind_while_a_rank_vanished_unseen_in_it_is_no_hang():
     """Live facts of the same TP x DP job: rank 1 was scraped once, in its pair (group 1) only, before
     it was killed there (seq 21, where rank 0 failed); rank 3 waits past the hang threshold in its

@@ -494,20 +494,25 @@ def _died_in(f: RankFacts, facts: list[RankFacts]) -> set[str]:
     the others carried on unharmed, and is not known to have died. (Its own last scrape, or its spans,
     may end before the collective it died in.) Collectives first: where only point-to-point ops on it
     failed or waited, the collectives that ranks told to stop were still in (torchrun stops every rank
-    once one has died). Live, where the job was torn down before any rank was
-    seen waiting: those groups, or else the default group "0" — the others said how they ended, it did
-    not."""
+    once one has died). Where the job was torn down before any rank was seen waiting (live, or in the
+    dumps of ranks signalled within milliseconds of the death): those groups, or else the default group
+    "0" — the others said how they ended, it did not."""
     others = [other for other in facts if other.rank != f.rank]
     in_collectives = {pg for other in others for pg, g in other.groups.items() if _member(f, pg) and (
         g.failed or _still_hung(g) or any(end is None for _, end in g.hangs_seen.values()))}
     on_it = {pg for other in others for pg, g in other.groups.items() if _member(f, pg) and (
         (g.p2p_hung or ("", -1))[1] == f.rank or (g.p2p_failed or ("", -1))[1] == f.rank
         or any(end is None and peer == f.rank for _, end, _, peer in g.p2p_waits_seen))}
-    told = {pg for other in others if (other.stopped and other.gone) or other.signalled_ns is not None
-            for pg in _in_flight(other) if _member(f, pg)}
+    told = {pg for other in others if _told_to_stop(other) for pg in _in_flight(other) if _member(f, pg)}
     if in_collectives or on_it:
         return in_collectives or told or on_it
-    return (told or {"0"}) if any(other.stopped and other.gone for other in others) else set()
+    return (told or {"0"}) if any(_told_to_stop(other) for other in others) else set()
+
+
+def _told_to_stop(f: RankFacts) -> bool:
+    """Whether rank ``f`` ended told to stop (SIGTERM: torchrun tears a job down once a rank has died):
+    live, its last scrapes said so and it is gone; after the fact, its dumps say when it was signalled."""
+    return (f.stopped and f.gone) or f.signalled_ns is not None
 
 
 def _in_flight(f: RankFacts) -> set[str]:
