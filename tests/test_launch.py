@@ -232,8 +232,9 @@ def test_run_starts_at_once_on_a_port_whose_last_jobs_scrapes_sit_in_time_wait(t
 @pytest.mark.torch_free
 def test_a_job_run_twice_in_a_row_on_one_port_while_prometheus_scrapes_starts_at_once_both_times(tmp_path):
     """As people rerun a failed job: ``commlens run`` on one metrics port, Prometheus scraping its pod
-    sidecar every second; once the job ends (its sidecar closing the scrapes' connections: TIME_WAIT
-    on the port), the same command again starts at once and is scraped in turn."""
+    sidecar every second; once the job ends, the same command again starts at once and is scraped in
+    turn. (Whether the scrapes' connections sit in TIME_WAIT on the port depends on which side closed
+    them first; the test above makes them so.)"""
     import types
 
     from monitoring import Prometheus, wait_for
@@ -256,14 +257,6 @@ def test_a_job_run_twice_in_a_row_on_one_port_while_prometheus_scrapes_starts_at
                 done.touch()
                 _, err = job.communicate(timeout=60)
             assert job.returncode == 0 and "is not accepted" not in err, err
-            if attempt == 1:  # what the second start meets: the served scrapes' connections, closed
-                assert _time_wait(port), "no connection of the first job's scrapes in TIME_WAIT"
-
-
-def _time_wait(port: int) -> bool:
-    """Whether a TCP connection on local ``port`` is in TIME_WAIT (``/proc/net/tcp``: state 06)."""
-    rows = pathlib.Path("/proc/net/tcp").read_text().splitlines()[1:]
-    return any(int(row.split()[1].split(":")[1], 16) == port and row.split()[3] == "06" for row in rows)
 
 
 def test_a_live_hang_is_said_on_the_console_while_the_job_still_waits(tmp_path):
