@@ -137,7 +137,7 @@ class TrainingJob:
                    "--trace-file", str(self.out / "traces-{rank}.jsonl"), *options, "--",
                    torchrun, "--nproc-per-node", str(world), "--master-port", self.store.split(":")[1], script,
                    "--fault", fault, "--rank", str(rank), "--step", str(step), "--steps", str(steps), *extra]
-        self._command, self._env, self.process = command, env or {}, None
+        self._command, self._env, self.process, self.script = command, env or {}, None, script
         self.targets = [f"127.0.0.1:{self.base + rank}" for rank in range(1 if pod else world)]
         if start_now:
             self.start()
@@ -151,6 +151,29 @@ class TrainingJob:
     def fault_at(self) -> float | None:
         """The wall time at which the fault happened, once it has."""
         return float(self.fault_time.read_text()) if self.fault_time.exists() else None
+
+    def rank_pid(self, rank: int) -> int:
+        """The process id of the training script's ``rank``: the descendant of the job that torchrun
+        started with ``RANK=<rank>`` (torchrun puts each worker in a session of its own)."""
+        parents = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/stat") as f:
+                    parents[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        for pid in parents:
+            ancestor = parents[pid]
+            while ancestor not in (0, 1, self.process.pid):
+                ancestor = parents.get(ancestor, 0)
+            if ancestor != self.process.pid:
+                continue
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    environ = f.read().split(b"\0")
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = f.read().split(b"\0")
+                if f"RANK={rank}".encode() in environ and self.script.encode() in command:
+                    return pid
+        raise AssertionError(f"no process of rank {rank} under the job's {self.process.pid}")
 
     def wait(self, timeout_s: float) -> int:
         return self.process.wait(timeout_s)
