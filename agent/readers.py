@@ -188,19 +188,16 @@ def from_prometheus(url: str, job: str | None = None) -> dict[str, list[RankFact
     again)."""
     selector = f'job="{job}"' if job else ""
     interval = scrape_interval_s(url, job)
-    found = _prometheus_facts(url, selector, interval)
-    attempts: dict[str, set[str]] = collections.defaultdict(set)
-    for item in _query(url, f"max by (job, attempt) (last_over_time({names.INFO}{{{selector}}}[15m]))"):
-        attempts[item["metric"].get("job", "")].add(item["metric"].get("attempt", "0"))
-    for name, seen in attempts.items():
-        if len(seen) < 2:
-            continue
-        del found[name]
-        spans = {item["metric"].get("attempt", "0"): float(item["value"][1]) for item in _query(
-            url, f'min by (attempt) (min_over_time(timestamp({names.INFO}{{job="{name}"}})[15m:{interval}s]))')}
-        """Each attempt's first scrape, over its ranks."""
-        ordered = sorted(spans.items(), key=lambda item: int(item[0]))
-        for (attempt, first), after in itertools.zip_longest(ordered, ordered[1:]):
+    began: dict[str, dict[int, float]] = collections.defaultdict(dict)
+    """Each job's attempts in the last 15 min, with each one's first scrape (over its ranks)."""
+    for item in _query(url, f"min by (job, attempt) (min_over_time(timestamp({names.INFO}{{{selector}}})"
+                            f"[15m:{interval}s]))"):
+        began[item["metric"].get("job", "")][int(item["metric"].get("attempt", "0"))] = float(item["value"][1])
+    restarted = {name: sorted(attempts.items()) for name, attempts in began.items() if len(attempts) > 1}
+    found = _prometheus_facts(url, selector, interval) if not began or began.keys() - restarted.keys() else {}
+    for name, attempts in restarted.items():
+        found.pop(name, None)
+        for (attempt, first), after in itertools.zip_longest(attempts, attempts[1:]):
             at = None if after is None else after[1] - 0.001  # as the next began: its ranks' ends all scraped
             facts = _prometheus_facts(url, f'job="{name}"', interval, at, first).get(name, [])
             if facts:
