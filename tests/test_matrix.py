@@ -16,15 +16,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench")
 
 from detection import EXPECTED, LAYOUTS, Cell, positions, run_cell  # noqa: E402
 
-SAMPLE = ("tp-pp-dp:nan:pod:6", "tp-pp-dp:kill:per-rank:3", "ddp:leave:per-rank:2:w4", "fsdp:nan:per-rank:3",
-          "fsdp:none:per-rank")
+SAMPLE = ("tp-pp-dp:nan:pod:6", "tp-pp-dp:kill:per-rank:3", "ddp:leave:per-rank:2:w4", "fsdp:none:per-rank")
 """What CI runs of the matrix (20 s to a minute each), none on rank 1: in an 8-rank TP x PP x DP job, a
 NaN sent back over the pipeline by a last stage (the ranks it reached through a recv and through their
 pair's all_reduce are no origin), and a rank killed with the in-process agent; a rank of a 4-rank DDP
 job leaving its loop while a peer still waits in the previous collective (gloo's broadcast relays
-through the rank that left); a NaN in an FSDP2 rank's gradients, reduce_scattered to the others; and
-that FSDP2 job healthy (the in-process agents': ``test_verdicts.py``'s long healthy run has pod
-sidecars). The whole matrix: ``python bench/detection.py --matrix``."""
+through the rank that left); and an FSDP2 job healthy (the in-process agents': ``test_verdicts.py``'s
+long healthy run has pod sidecars). The whole matrix: ``python bench/detection.py --matrix``."""
 CELLS = os.environ["COMMLENS_MATRIX_CELLS"].split(",") if os.environ.get("COMMLENS_MATRIX_CELLS") else SAMPLE
 
 
