@@ -15,6 +15,7 @@ import contextlib
 import glob
 import itertools
 import json
+import math
 import os
 import pickle
 import re
@@ -221,8 +222,10 @@ def _prometheus_facts(url: str, selector: str, interval: int, at: float | None =
     """Each job's facts as of ``at`` (None: now), over windows that begin no earlier than ``since``."""
     end = time.time() if at is None else at
 
-    def span(seconds: float) -> str:  # a window of ``seconds``, cut at ``since``
-        return f"{max(1, int(min(seconds, end - since)) if since is not None else int(seconds))}s"
+    def span(seconds: float) -> str:  # a window of ``seconds``, cut at ``since`` (whose scrape it keeps)
+        if since is None or seconds <= end - since:
+            return f"{int(seconds)}s"
+        return f"{max(1, math.ceil((end - since) * 1000) + 1)}ms"
 
     window, lookback = span(max(15, 4 * interval)), span(max(60, 4 * interval))
     last_15m, last_5m = span(900), span(300)
