@@ -87,7 +87,7 @@ class RankFeed:
         return self.pipeline.write_dump(reason, lambda: dump_ring(ring, dump_entries(ring)))
 
     def _info(self) -> dict:
-        backend = self.sidecar.backend if self.sidecar is not None else ""
+        backend = self.sidecar.shapes.backend if self.sidecar is not None else ""
         return writer_info(self.pipeline.config, backend=backend or "unknown", version=self.info.get("version", "unknown"))
 
 

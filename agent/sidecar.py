@@ -1,6 +1,7 @@
 """The sidecar: drains the ring, joins START and END, keeps the in-flight table, watches for hangs,
 and feeds ``Stats`` (metrics) and ``on_collective`` (spans: every anomaly, and what ``sample`` keeps).
-It reads only the ring, so it runs beside training or in another process (agent/pod.py). See
+It reads only the ring, so it runs beside training or in another process (agent/pod.py); what the
+records mean is ``shapes.Shapes``', which collectives are slow ``outliers.SlowOutliers``'. See
 docs/running.md, and docs/performance.md for the fold (``RingReader.read_folded``).
 
 Example::
@@ -17,16 +18,17 @@ import collections
 import json
 import threading
 import time
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 from commlens.exporters.telemetry import HAND_OVER_S, Collective, GroupInFlight, NonfiniteEntry
 from commlens.hooks.ops import OPS
-from commlens.hooks.record import decode_group, decode_signature
-from commlens.hooks.ring import (END, FLAG_ASYNC, FLAG_LAST_BUCKET, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN,
-                                 NAN_HAS_INF, NAN_HAS_NAN, NAN_OUTPUT, NOT_ISSUED, PHASES, REASONS, SNAPSHOT, START,
-                                 STATUS, Folded, Record, Ring, RingReader)
+from commlens.hooks.ring import (END, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, NAN_HAS_INF, NAN_HAS_NAN,
+                                 NAN_OUTPUT, NOT_ISSUED, REASONS, SNAPSHOT, START, STATUS, Folded, Record, Ring,
+                                 RingReader)
 
-from .stats import ALL, Stats, bus_factor, size_class
+from .outliers import SlowOutliers
+from .shapes import UNMARKED, Shapes
+from .stats import Stats
 
 READ_AT_ONCE = 256
 """Records a drain reads and handles at once (~0.1 ms, folded; bench/drain.py) before the next run."""
@@ -36,11 +38,6 @@ AFTER_NAN = 8
 _BUILT_BETWEEN_HAND_OVERS = 32
 """Collectives a drain builds (~3 µs each: every span kept) between two hand-overs of the GIL."""
 
-_EWMA = 0.1
-_SLOW_AFTER = 20
-"""Completions of one (op, group, size class) seen before a slow outlier can be called."""
-_SHAPES = 4096
-"""Shapes kept before the cache starts over (variable-size payloads would otherwise grow it)."""
 _HELD = 4096
 """Collectives with non-finite tensors held in a loss scaler's step, at most (then exported as they end)."""
 NAN_SPANS_KEPT = 100
@@ -48,27 +45,6 @@ NAN_SPANS_KEPT = 100
 where values entered. Past that many they are sampled like the others (every one still counted in
 ``commlens_nan_events_total``), so that a job whose every collective holds NaN or Inf (diverged, an
 overflow storm) does not have each one built and exported."""
-_make = tuple.__new__
-
-
-class Shape(NamedTuple):
-    """What records of one (op, group, payload, signature) mean, worked out once."""
-
-    op: str
-    is_p2p: bool
-    pg: str
-    pg_size: int
-    nbytes: int
-    bus_bytes: float
-    dtype: str
-    counter_key: tuple[str, str]
-    duration_key: tuple[str, str, str]
-    ok_key: tuple[str, str, str]
-    """``counter_key`` + "ok": the completed counter's key for the common status, built once."""
-    enqueued_key: tuple[str, str]
-    completed_key: tuple[str, str]
-    typical_key: tuple[str, str, str]
-    """(op, pg, size class) whatever the detail level: what a slow outlier is judged against."""
 
 
 def _within(gpu_start_ns: int, start: Record, end: Record) -> int:
@@ -82,8 +58,6 @@ def _kinds(flags: int) -> tuple[str, ...]:
     return tuple(kind for bit, kind in ((NAN_HAS_NAN, "nan"), (NAN_HAS_INF, "inf")) if flags & bit)
 
 
-_UNMARKED = (0, "")
-"""A span's (send number, entry) where its collective is neither (``Collective``)."""
 
 
 def _entry_json(entry: NonfiniteEntry) -> str:
@@ -106,13 +80,14 @@ class Sidecar:
                  on_snapshot: Callable[[str], None] = lambda reason: None, stats: Stats | None = None,
                  resume: bool = False, sample: Callable[[str, Sequence[int], bool], list[int]] = _keep_all,
                  detail: str = "full", beside_training: bool = False):
-        self.ring, self.rank, self.detail = ring, rank, detail
+        self.ring = ring
+        self.shapes = Shapes(ring, rank, detail)
         self._hand_over_s = HAND_OVER_S if beside_training else 0.0
         """``beside_training``: in the training process, where a long stretch holding the GIL delays training."""
         self.reader = RingReader(ring, ring.cursor if resume else 0)
         self.stats = stats or Stats()
         self.hang_threshold_ns = int(hang_threshold_s * 1e9)
-        self.slow_factor = slow_factor
+        self.outliers = SlowOutliers(slow_factor)
         self.on_collective, self.on_hang, self.on_snapshot, self.sample = on_collective, on_hang, on_snapshot, sample
         self.inflight: dict[int, Record] = {}
         self.pollers: list[Callable[[], None]] = []
@@ -129,7 +104,6 @@ class Sidecar:
         until the scaler says whether it skipped the step (hooks/loss_scale.py)."""
         self._nan_spans: collections.Counter[str] = collections.Counter()
         """Group -> spans of non-finite collectives kept so far (``NAN_SPANS_KEPT``)."""
-        self._typical: dict[tuple, tuple[float, int]] = {}
         self._p2p_issued: collections.Counter[tuple[str, int, str]] = collections.Counter()
         """(group, peer's global rank, "send" or "recv") -> point-to-point ops issued."""
         self._inputs: dict[int, tuple[NonfiniteEntry, int]] = {}
@@ -138,12 +112,6 @@ class Sidecar:
         START is handled."""
         self._marks: dict[int, tuple[int, str]] = {}
         """op_id -> (send number, entry as JSON) for the span of such a collective (``Collective``)."""
-        self._groups: dict[int, tuple[str, int]] = {}
-        self._members: dict[int, list[int]] = {}
-        """A group's string id -> its global ranks, by group rank."""
-        self.backend = ""
-        """The backend of the first group seen (the default group's, as a rule)."""
-        self._shapes: dict[tuple, Shape] = {}
         self._stop = threading.Event()
         self._draining = threading.RLock()
         self._thread: threading.Thread | None = None
@@ -280,8 +248,8 @@ class Sidecar:
         done = dict(self._p2p_issued)
         now = not any(r.kind == LOSS_SCALE for r in records)
         for op_id, start, nan in sorted(starts, key=lambda item: item[0]):
-            shape = self._shape(start)
-            peer = self._global_rank(start.pg, start.peer) if shape.is_p2p else -1
+            shape = self.shapes.of(start)
+            peer = self.shapes.global_rank(start.pg, start.peer) if shape.is_p2p else -1
             if nan:
                 number = done.get((shape.pg, peer, "send"), 0) + 1 if shape.op == "send" else 0
                 self._inputs[op_id] = (NonfiniteEntry(
@@ -301,10 +269,10 @@ class Sidecar:
         its NAN record's)."""
         for record in records:
             if record.kind == START and flags.get(record.op_id) and OPS[record.op].value == "send":
-                yield self._shape(record).pg, self._global_rank(record.pg, record.peer), _kinds(flags[record.op_id])[0]
+                yield self.shapes.of(record).pg, self.shapes.global_rank(record.pg, record.peer), _kinds(flags[record.op_id])[0]
         for group in folded:
             if group.nan and OPS[group.op].value == "send":
-                yield self._shape(group).pg, self._global_rank(group.pg, group.records(0)[0].peer), _kinds(group.nan)[0]
+                yield self.shapes.of(group).pg, self.shapes.global_rank(group.pg, group.records(0)[0].peer), _kinds(group.nan)[0]
 
     def _input_held(self, op_id: int) -> None:
         """The collective ``op_id`` (``_inputs``) was issued: its non-finite input counted, in the loss
@@ -313,6 +281,10 @@ class Sidecar:
         first = self.stats.nonfinite_input(entry, number, self._scaled_step is not None)
         if first or number:
             self._marks[op_id] = (number, _entry_json(entry) if first else "")
+
+    def _marks_of(self, op_id: int) -> tuple[int, str]:
+        """What the span of collective ``op_id`` carries of a non-finite input (``_marks``), taken."""
+        return self._marks.pop(op_id, UNMARKED) if self._marks else UNMARKED
 
     def _read(self) -> tuple[list[Record], list[Folded], int]:
         """The next records, with the collectives that started and ended ok among them folded (on a GPU
@@ -351,11 +323,11 @@ class Sidecar:
             del self.inflight[oldest]
             self._forget(oldest)
         self.inflight[record.op_id] = record
-        shape = self._shapes.get((record.op, record.pg, record.nbytes, record.sig)) or self._shape(record)
+        shape = self.shapes.known.get((record.op, record.pg, record.nbytes, record.sig)) or self.shapes.of(record)
         if not shape.is_p2p:
             self.stats.enqueued(shape, record.seq)
         else:
-            self._p2p_issued[(shape.pg, self._global_rank(record.pg, record.peer), shape.op)] += 1
+            self._p2p_issued[(shape.pg, self.shapes.global_rank(record.pg, record.peer), shape.op)] += 1
         if self._inputs and record.op_id in self._inputs:
             self._input_held(record.op_id)
 
@@ -370,7 +342,7 @@ class Sidecar:
         if end.flags == NOT_ISSUED:
             self._forget(op_id)
             return
-        shape = self._shapes.get((end.op, end.pg, end.nbytes, end.sig)) or self._shape(end)
+        shape = self.shapes.known.get((end.op, end.pg, end.nbytes, end.sig)) or self.shapes.of(end)
         status = STATUS[end.flags] if end.flags < len(STATUS) else "error"
         seconds = (end.t_ns - start.t_ns) / 1e9 if start is not None else None
         nan = self._nan.pop(op_id, 0) if self._nan else 0  # the checks first: these are rare
@@ -383,14 +355,16 @@ class Sidecar:
             self.stats.on_gpu(shape, (gpu_start - start.t_ns) / 1e9, (end.t_ns - gpu_start) / 1e9)
         self.stats.finished(shape, None if shape.is_p2p else end.seq, status, seconds)
         if shape.is_p2p and status != "ok":
-            self.stats.p2p_failed_on(shape, end.seq, self._global_rank(end.pg, end.peer))
-        slow = seconds is not None and bool(self._slow(shape, (seconds,)))
+            self.stats.p2p_failed_on(shape, end.seq, self.shapes.global_rank(end.pg, end.peer))
+        slow = seconds is not None and bool(self.outliers.among(shape.typical_key, (seconds,)))
         if nan:
             self._nan_spans[shape.pg] += 1
         if not (nan and self._nan_spans[shape.pg] <= NAN_SPANS_KEPT or hung or slow or status != "ok"
                 or self.sample(shape.pg, (end.seq,), shape.is_p2p)):
             return
-        self._emit(self._collective(shape, start or end, end, status, nan, hung, slow, gpu_start=gpu_start), nan)
+        first = start or end
+        self._emit(self.shapes.collective(shape, first, end, status, nan, hung, slow, gpu_start=gpu_start,
+                                          marks=self._marks_of(first.op_id)), nan)
 
     def _emit(self, collective: Collective, nan: int) -> None:
         """A span to export; a non-finite one in a loss scaler's step waits for the step's outcome."""
@@ -403,11 +377,11 @@ class Sidecar:
         """Collectives of one shape that started and ended ok within this drain: counted at once; the
         slow ones, those sampled and, of a group whose inputs held NaN or Inf, the first kept of their
         process group (``NAN_SPANS_KEPT``) are built from their records."""
-        shape = self._shapes.get((group.op, group.pg, group.nbytes, group.sig)) or self._shape(group)
+        shape = self.shapes.known.get((group.op, group.pg, group.nbytes, group.sig)) or self.shapes.of(group)
         seqs, seconds = group.seqs(), group.seconds()
         self.stats.completed_ok(shape, seqs, seconds)
         if shape.is_p2p:  # one peer's (the fold keys on it)
-            self._p2p_issued[(shape.pg, self._global_rank(group.pg, group.records(0)[0].peer), shape.op)] += len(seqs)
+            self._p2p_issued[(shape.pg, self.shapes.global_rank(group.pg, group.records(0)[0].peer), shape.op)] += len(seqs)
         first_nan = range(0)  # of the group's collectives, those whose spans are kept for their NaN or Inf
         if group.nan:
             self.stats.nonfinite(shape, min(seqs), _kinds(group.nan), True, self._scaled_step is not None, len(seqs))
@@ -416,7 +390,7 @@ class Sidecar:
         if group.gpu_bytes:
             queued, executing = group.gpu_seconds()
             self.stats.on_gpu(shape, sum(queued), sum(executing))
-        slow = self._slow(shape, seconds)
+        slow = self.outliers.among(shape.typical_key, seconds)
         special = slow.union(first_nan)  # kept whatever the sampler says, and not offered to it
         ordinary = range(len(seqs)) if not special else [k for k in range(len(seqs)) if k not in special]
         kept = self.sample(shape.pg, seqs if not special else [seqs[k] for k in ordinary], shape.is_p2p)
@@ -427,11 +401,12 @@ class Sidecar:
             records = group.records(k)
             start, end = records[0], records[-1]
             gpu_start = _within(records[1].t_ns, start, end) if len(records) == 3 else None
-            self._emit(self._collective(shape, start, end, "ok", group.nan, False, k in slow, gpu_start=gpu_start),
+            self._emit(self.shapes.collective(shape, start, end, "ok", group.nan, False, k in slow, gpu_start=gpu_start,
+                                              marks=self._marks_of(start.op_id)),
                        group.nan)
 
     def _nan_found(self, record: Record) -> None:
-        shape = self._shape(record)
+        shape = self.shapes.of(record)
         if not record.flags & NAN_OUTPUT:  # an output's comes after its END (a post-hook's): nothing waits for it
             self._nan[record.op_id] = self._nan.get(record.op_id, 0) | record.flags
         self.stats.nonfinite(shape, record.seq, _kinds(record.flags), not record.flags & NAN_OUTPUT,
@@ -462,89 +437,24 @@ class Sidecar:
             if op_id in self._hung or now_ns - since < self.hang_threshold_ns:
                 continue
             self._hung.add(op_id)
-            shape = self._shape(start)
+            shape = self.shapes.of(start)
             self.stats.hangs[shape.counter_key] += 1
-            hung.append(self._collective(shape, start, None, "in_flight", self._nan.get(op_id, 0), True, False, now_ns))
+            hung.append(self.shapes.collective(shape, start, None, "in_flight", self._nan.get(op_id, 0), True, False,
+                                               now_ns, marks=self._marks_of(op_id)))
         return hung
-
-    def _slow(self, shape: Shape, seconds: Sequence[float]) -> set[int]:
-        """Which of ``seconds`` (collectives of ``shape``, in order) are slow outliers: over
-        ``slow_factor`` times the running mean of their op, group and size class so far."""
-        typical, seen = self._typical.get(shape.typical_key, (seconds[0], 0))
-        slow, factor = set(), self.slow_factor
-        for k, value in enumerate(seconds):
-            if seen >= _SLOW_AFTER and value > factor * typical:
-                slow.add(k)
-            typical += _EWMA * (value - typical)
-            seen += 1
-        self._typical[shape.typical_key] = (typical, seen)
-        return slow
-
-    def _shape(self, record: Record) -> Shape:
-        key = (record.op, record.pg, record.nbytes, record.sig)
-        found = self._shapes.get(key)
-        if found is None:
-            if len(self._shapes) >= _SHAPES:
-                self._shapes.clear()
-            op, (pg, size) = OPS[record.op], self._group(record.pg)
-            label = op.value if self.detail != "group" else ALL  # the op label at this detail level
-            sized = size_class(record.nbytes) if self.detail == "full" else ALL
-            dtype = decode_signature(self.ring.string(record.sig)).dtype
-            found = self._shapes[key] = Shape(op.value, op.is_p2p, pg, size, record.nbytes,
-                                              record.nbytes * bus_factor(op.value, size), dtype, (label, pg),
-                                              (label, pg, sized), (label, pg, "ok"), (pg, "enqueued"), (pg, "completed"),
-                                              (op.value, pg, size_class(record.nbytes)))
-        return found
-
-    # -- what exporters see -------------------------------------------------------------------------
-
-    def _collective(self, shape: Shape, start: Record, end: Record | None, status: str, nan: int, hang: bool,
-                    slow: bool, now_ns: int | None = None, gpu_start: int | None = None) -> Collective:
-        """``nan``: the NAN_HAS_* bits seen for it."""
-        offset = self.ring.clock_offset_ns
-        flags, aux = (start.flags, start.aux) if start.kind == START else (0, 0)  # START lost: END alone
-        end_ns = end.t_ns if end is not None else now_ns
-        seconds = (end_ns - start.t_ns) / 1e9
-        busbw = shape.bus_bytes / seconds if seconds > 0 and end is not None else 0.0
-        return _make(Collective, (  # every field, in order: without NamedTuple's slower __new__
-            shape.op, shape.pg, shape.pg_size, start.seq, shape.is_p2p, start.op_id, self.rank, shape.nbytes,
-            shape.dtype, bool(flags & FLAG_ASYNC), status, start.t_ns + offset, end_ns + offset, busbw, bool(nan & NAN_HAS_NAN), hang,
-            slow, end is None, aux - 1, bool(flags & FLAG_LAST_BUCKET), end.aux if end is not None and aux else 0,
-            self.ring.string(start.module) if start.module else "",
-            PHASES[start.phase] if start.phase < len(PHASES) else "", bool(nan & NAN_HAS_INF),
-            -1 if gpu_start is None else gpu_start + offset, self._global_rank(start.pg, start.peer) if shape.is_p2p else -1,
-            0, *(self._marks.pop(start.op_id, _UNMARKED) if self._marks else _UNMARKED)))
-
-    def _group(self, sid: int) -> tuple[str, int]:
-        found = self._groups.get(sid)
-        if found is None:
-            described = decode_group(self.ring.string(sid))
-            if described is None:
-                found = (str(sid), 1)
-            else:
-                found = (described.name, len(described.ranks))
-                self._members[sid] = described.ranks
-                self.backend = self.backend or described.backend
-            self._groups[sid] = found
-        return found
-
-    def _global_rank(self, sid: int, group_rank: int) -> int:
-        """The global rank of ``group_rank`` in the group ``sid`` (itself where the group is not known)."""
-        members = self._members.get(sid, [])
-        return members[group_rank] if 0 <= group_rank < len(members) else group_rank
 
     # -- scrape-time values -------------------------------------------------------------------------
 
     def inflight_by_group(self) -> dict[str, GroupInFlight]:
         """Group name -> its collectives in flight, computed now."""
         now_ns = time.monotonic_ns()
-        counts: dict[str, int] = {name: 0 for name, _ in self._groups.values()}
+        counts: dict[str, int] = {name: 0 for name, _ in self.shapes.groups.values()}
         oldest: dict[str, int] = {}
         oldest_collective: dict[str, tuple[int, Record]] = {}
         oldest_p2p: dict[str, tuple[int, Record]] = {}
         with self.stats.lock:
             for op_id, start in self.inflight.items():
-                name = self._group(start.pg)[0]
+                name = self.shapes.group(start.pg)[0]
                 since = self._gpu_start.get(op_id, start.t_ns)  # on a GPU: from when it started there
                 counts[name] = counts.get(name, 0) + 1
                 oldest[name] = min(oldest.get(name, since), since)
@@ -558,7 +468,7 @@ class Sidecar:
             hung_op, hung_seq, hung_bytes = (OPS[hung.op].value, hung.seq, hung.nbytes) \
                 if hung and now_ns - since >= self.hang_threshold_ns else (None, None, None)
             since, p2p = oldest_p2p.get(name, (now_ns, None))
-            p2p_hung = (OPS[p2p.op].value, self._global_rank(p2p.pg, p2p.peer), (now_ns - since) / 1e9) \
+            p2p_hung = (OPS[p2p.op].value, self.shapes.global_rank(p2p.pg, p2p.peer), (now_ns - since) / 1e9) \
                 if p2p and now_ns - since >= self.hang_threshold_ns else None
             found[name] = GroupInFlight(count, age, hung_op, hung_seq, p2p_hung, hung_bytes)
         return found
