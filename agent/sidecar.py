@@ -1,7 +1,8 @@
 """The sidecar: drains the ring, joins START and END, keeps the in-flight table, watches for hangs,
 and feeds ``Stats`` (metrics) and ``on_collective`` (spans: every anomaly, and what ``sample`` keeps).
 It reads only the ring, so it runs beside training or in another process (agent/pod.py); what the
-records mean is ``shapes.Shapes``', which collectives are slow ``outliers.SlowOutliers``'. See
+records mean is ``shapes.Shapes``', which collectives are slow ``outliers.SlowOutliers``', where NaN or
+Inf entered and what a loss scaler's step holds ``nonfinite``'s. See
 docs/running.md, and docs/performance.md for the fold (``RingReader.read_folded``).
 
 Example::
@@ -15,19 +16,18 @@ Example::
 from __future__ import annotations
 
 import collections
-import json
 import threading
 import time
 from typing import Callable, Sequence
 
-from commlens.exporters.telemetry import HAND_OVER_S, Collective, GroupInFlight, NonfiniteEntry
+from commlens.exporters.telemetry import HAND_OVER_S, Collective, GroupInFlight
 from commlens.hooks.ops import OPS
-from commlens.hooks.ring import (END, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, NAN_HAS_INF, NAN_HAS_NAN,
-                                 NAN_OUTPUT, NOT_ISSUED, REASONS, SNAPSHOT, START, STATUS, Folded, Record, Ring,
-                                 RingReader)
+from commlens.hooks.ring import (END, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, NAN_OUTPUT, NOT_ISSUED, REASONS,
+                                 SNAPSHOT, START, STATUS, Folded, Record, Ring, RingReader)
 
 from .outliers import SlowOutliers
-from .shapes import UNMARKED, Shapes
+from .nonfinite import LossScaleHold, NonfiniteInputs, kinds
+from .shapes import Shapes
 from .stats import Stats
 
 READ_AT_ONCE = 256
@@ -38,8 +38,6 @@ AFTER_NAN = 8
 _BUILT_BETWEEN_HAND_OVERS = 32
 """Collectives a drain builds (~3 µs each: every span kept) between two hand-overs of the GIL."""
 
-_HELD = 4096
-"""Collectives with non-finite tensors held in a loss scaler's step, at most (then exported as they end)."""
 NAN_SPANS_KEPT = 100
 """Spans of collectives with a non-finite tensor kept whatever the sampling, per group: the first ones,
 where values entered. Past that many they are sampled like the others (every one still counted in
@@ -51,21 +49,6 @@ def _within(gpu_start_ns: int, start: Record, end: Record) -> int:
     """A GPU start time within its collective's START and END: the clocks' alignment error taken out
     (``fold_run`` clamps the same way)."""
     return min(max(gpu_start_ns, start.t_ns), end.t_ns)
-
-
-def _kinds(flags: int) -> tuple[str, ...]:
-    """What a NAN record's ``flags`` say its tensor held: "nan", "inf" or both."""
-    return tuple(kind for bit, kind in ((NAN_HAS_NAN, "nan"), (NAN_HAS_INF, "inf")) if flags & bit)
-
-
-
-
-def _entry_json(entry: NonfiniteEntry) -> str:
-    """``entry``'s groups as its span carries them (``names.NONFINITE_ENTRY``)."""
-    received: dict[str, dict[str, int]] = {}
-    for (pg, peer), n in sorted(entry.received.items()):
-        received.setdefault(pg, {})[str(peer)] = n
-    return json.dumps({"issued": dict(sorted(entry.issued.items())), "received": received}, separators=(",", ":"))
 
 
 def _keep_all(pg: str, seqs: Sequence[int], is_p2p: bool) -> list[int]:
@@ -99,19 +82,10 @@ class Sidecar:
         self._nan_since: int | None = None
         """The reader's cursor when a NAN record began to wait for its collective's START."""
         self._hung: set[int] = set()
-        self._scaled_step: list[Collective] | None = None
-        """While a loss scaler's step is in progress: its collectives with non-finite tensors, held
-        until the scaler says whether it skipped the step (hooks/loss_scale.py)."""
+        self.hold = LossScaleHold(self.stats, lambda c: self.on_collective(c))  # the callback as set now
+        self.inputs = NonfiniteInputs(self.stats, self.shapes, self.hold)
         self._nan_spans: collections.Counter[str] = collections.Counter()
         """Group -> spans of non-finite collectives kept so far (``NAN_SPANS_KEPT``)."""
-        self._p2p_issued: collections.Counter[tuple[str, int, str]] = collections.Counter()
-        """(group, peer's global rank, "send" or "recv") -> point-to-point ops issued."""
-        self._inputs: dict[int, tuple[NonfiniteEntry, int]] = {}
-        """op_id -> its input's ``NonfiniteEntry`` and a send's number, for the collectives of a read that
-        holds a loss scaler's records whose inputs held NaN or Inf (``_nonfinite_inputs``), until their
-        START is handled."""
-        self._marks: dict[int, tuple[int, str]] = {}
-        """op_id -> (send number, entry as JSON) for the span of such a collective (``Collective``)."""
         self._stop = threading.Event()
         self._draining = threading.RLock()
         self._thread: threading.Thread | None = None
@@ -144,9 +118,7 @@ class Sidecar:
         """The ring's writer will write no more (its process ended, or stopped recording): a loss
         scaler's step it never ended keeps its non-finite values as evidence of values entering."""
         with self._draining, self.stats.lock:
-            if self._scaled_step is not None:
-                self.stats.loss_scale_step(None)
-                self._release(0)
+            self.hold.writer_ended()
 
     def _run(self, interval_s: float) -> None:
         while True:
@@ -207,7 +179,7 @@ class Sidecar:
 
     def _handle(self, records: list[Record], folded: list[Folded], snapshots: list[str]) -> None:
         if self._nan or any(group.nan for group in folded) or any(record.kind == NAN for record in records):
-            self._nonfinite_inputs(records, folded)
+            self.inputs.read(records, folded, self._nan, self.inflight)
         started, ended = self._started, self._ended
         for record in records:
             kind = record[1]
@@ -222,69 +194,9 @@ class Sidecar:
             elif record.kind == SNAPSHOT and record.flags < len(REASONS):
                 snapshots.append(REASONS[record.flags])
             elif record.kind == LOSS_SCALE and record.flags < len(LOSS_SCALE_EVENTS):
-                self._loss_scale(LOSS_SCALE_EVENTS[record.flags])
+                self.hold.event(LOSS_SCALE_EVENTS[record.flags])
         for group in folded:
             self._folded(group)
-
-    def _nonfinite_inputs(self, records: list[Record], folded: list[Folded]) -> None:
-        """The collectives of this read whose inputs held NaN or Inf, each with where the rank had come
-        to in its groups before it, counted (``_input_held``) in the order the rank issued them (op ids:
-        a read hands its folded collectives over after the rest): while the rank's entry is not known,
-        or for a send to a peer whose first such send is not. A read that holds a loss scaler's records
-        folds none of them: they are counted as their STARTs are handled, in the scaler's step or not."""
-        stats, flags = self.stats, dict(self._nan)
-        flags.update((r.op_id, r.flags) for r in records if r.kind == NAN and not r.flags & NAN_OUTPUT)
-        if stats.nonfinite_entry is not None and not any(
-                key not in stats.first_send for key in self._nonfinite_sends(records, folded, flags)):
-            return
-        starts = [(r.op_id, r, flags.get(r.op_id, 0)) for r in records if r.kind == START]
-        starts += [(start.op_id, start, group.nan | flags.get(start.op_id, 0)) for group in folded
-                   for start in (group.records(k)[0] for k in range(len(group.seqs())))]
-        # a NAN record after its START, read before (a GPU's check): where the rank had come to when this
-        # read began, which may count collectives issued after it
-        starts += [(r.op_id, self.inflight[r.op_id], r.flags) for r in records
-                   if r.kind == NAN and not r.flags & NAN_OUTPUT and r.op_id in self.inflight]
-        issued = {pg: seq for (pg, state), seq in stats.last_seq.items() if state == "enqueued"}
-        done = dict(self._p2p_issued)
-        now = not any(r.kind == LOSS_SCALE for r in records)
-        for op_id, start, nan in sorted(starts, key=lambda item: item[0]):
-            shape = self.shapes.of(start)
-            peer = self.shapes.global_rank(start.pg, start.peer) if shape.is_p2p else -1
-            if nan:
-                number = done.get((shape.pg, peer, "send"), 0) + 1 if shape.op == "send" else 0
-                self._inputs[op_id] = (NonfiniteEntry(
-                    shape.pg, shape.op, start.seq, _kinds(nan)[0], peer, dict(issued),
-                    {(pg, other): n for (pg, other, op), n in done.items() if op == "recv"}), number)
-                if now or op_id in self.inflight:
-                    self._input_held(op_id)
-            if op_id in self.inflight:  # issued before this read: counted already
-                continue
-            if shape.is_p2p:
-                done[(shape.pg, peer, shape.op)] = done.get((shape.pg, peer, shape.op), 0) + 1
-            elif start.seq > issued.get(shape.pg, -1):
-                issued[shape.pg] = start.seq
-
-    def _nonfinite_sends(self, records: list[Record], folded: list[Folded], flags: dict[int, int]):
-        """(group, peer, kind) of each send of this read whose input held NaN or Inf (``flags``: op id ->
-        its NAN record's)."""
-        for record in records:
-            if record.kind == START and flags.get(record.op_id) and OPS[record.op].value == "send":
-                yield self.shapes.of(record).pg, self.shapes.global_rank(record.pg, record.peer), _kinds(flags[record.op_id])[0]
-        for group in folded:
-            if group.nan and OPS[group.op].value == "send":
-                yield self.shapes.of(group).pg, self.shapes.global_rank(group.pg, group.records(0)[0].peer), _kinds(group.nan)[0]
-
-    def _input_held(self, op_id: int) -> None:
-        """The collective ``op_id`` (``_inputs``) was issued: its non-finite input counted, in the loss
-        scaler's step if one is in progress, and what its span carries of it."""
-        entry, number = self._inputs.pop(op_id)
-        first = self.stats.nonfinite_input(entry, number, self._scaled_step is not None)
-        if first or number:
-            self._marks[op_id] = (number, _entry_json(entry) if first else "")
-
-    def _marks_of(self, op_id: int) -> tuple[int, str]:
-        """What the span of collective ``op_id`` carries of a non-finite input (``_marks``), taken."""
-        return self._marks.pop(op_id, UNMARKED) if self._marks else UNMARKED
 
     def _read(self) -> tuple[list[Record], list[Folded], int]:
         """The next records, with the collectives that started and ended ok among them folded (on a GPU
@@ -327,9 +239,10 @@ class Sidecar:
         if not shape.is_p2p:
             self.stats.enqueued(shape, record.seq)
         else:
-            self._p2p_issued[(shape.pg, self.shapes.global_rank(record.pg, record.peer), shape.op)] += 1
-        if self._inputs and record.op_id in self._inputs:
-            self._input_held(record.op_id)
+            self.inputs.p2p_issued[(shape.pg, self.shapes.global_rank(record.pg, record.peer), shape.op)] += 1
+        pending = self.inputs.pending
+        if pending and record.op_id in pending:
+            self.inputs.issued(record.op_id)
 
     def _forget(self, op_id: int) -> None:
         self._nan.pop(op_id, None)
@@ -363,15 +276,8 @@ class Sidecar:
                 or self.sample(shape.pg, (end.seq,), shape.is_p2p)):
             return
         first = start or end
-        self._emit(self.shapes.collective(shape, first, end, status, nan, hung, slow, gpu_start=gpu_start,
-                                          marks=self._marks_of(first.op_id)), nan)
-
-    def _emit(self, collective: Collective, nan: int) -> None:
-        """A span to export; a non-finite one in a loss scaler's step waits for the step's outcome."""
-        if nan and self._scaled_step is not None and len(self._scaled_step) < _HELD:
-            self._scaled_step.append(collective)
-        else:
-            self.on_collective(collective)
+        self.hold.emit(self.shapes.collective(shape, first, end, status, nan, hung, slow, gpu_start=gpu_start,
+                                          marks=self.inputs.marks_of(first.op_id)), nan)
 
     def _folded(self, group: Folded) -> None:
         """Collectives of one shape that started and ended ok within this drain: counted at once; the
@@ -381,10 +287,10 @@ class Sidecar:
         seqs, seconds = group.seqs(), group.seconds()
         self.stats.completed_ok(shape, seqs, seconds)
         if shape.is_p2p:  # one peer's (the fold keys on it)
-            self._p2p_issued[(shape.pg, self.shapes.global_rank(group.pg, group.records(0)[0].peer), shape.op)] += len(seqs)
+            self.inputs.p2p_issued[(shape.pg, self.shapes.global_rank(group.pg, group.records(0)[0].peer), shape.op)] += len(seqs)
         first_nan = range(0)  # of the group's collectives, those whose spans are kept for their NaN or Inf
         if group.nan:
-            self.stats.nonfinite(shape, min(seqs), _kinds(group.nan), True, self._scaled_step is not None, len(seqs))
+            self.stats.nonfinite(shape, min(seqs), kinds(group.nan), True, self.hold.step is not None, len(seqs))
             first_nan = range(max(0, min(len(seqs), NAN_SPANS_KEPT - self._nan_spans[shape.pg])))
             self._nan_spans[shape.pg] += len(seqs)
         if group.gpu_bytes:
@@ -401,34 +307,16 @@ class Sidecar:
             records = group.records(k)
             start, end = records[0], records[-1]
             gpu_start = _within(records[1].t_ns, start, end) if len(records) == 3 else None
-            self._emit(self.shapes.collective(shape, start, end, "ok", group.nan, False, k in slow, gpu_start=gpu_start,
-                                              marks=self._marks_of(start.op_id)),
+            self.hold.emit(self.shapes.collective(shape, start, end, "ok", group.nan, False, k in slow, gpu_start=gpu_start,
+                                              marks=self.inputs.marks_of(start.op_id)),
                        group.nan)
 
     def _nan_found(self, record: Record) -> None:
         shape = self.shapes.of(record)
         if not record.flags & NAN_OUTPUT:  # an output's comes after its END (a post-hook's): nothing waits for it
             self._nan[record.op_id] = self._nan.get(record.op_id, 0) | record.flags
-        self.stats.nonfinite(shape, record.seq, _kinds(record.flags), not record.flags & NAN_OUTPUT,
-                             self._scaled_step is not None)
-
-    def _loss_scale(self, event: str) -> None:
-        """A loss scaler began a step ("made", or "scaled" a loss), or ended it, and the next begins: the
-        non-finite values of a step it skipped were dropped with the step (its overflow, or values the
-        scaler kept out of the weights), marked so on their spans. From step to step, not from the
-        loss's scaling on: a pipeline stage before the last scales no loss of its own, and gets the Inf
-        of the stage after it's overflow in its gradients."""
-        if event in ("made", "scaled"):
-            self._scaled_step = self._scaled_step or []  # a step already begun keeps what it holds
-            return
-        self.stats.loss_scale_step(event)
-        self._release(self.stats.loss_scale_steps["skipped"] if event == "skipped" else 0)
-        self._scaled_step = []
-
-    def _release(self, skipped_step: int) -> None:
-        held, self._scaled_step = self._scaled_step or [], None
-        for collective in held:
-            self.on_collective(collective._replace(loss_scale_skipped=skipped_step))
+        self.stats.nonfinite(shape, record.seq, kinds(record.flags), not record.flags & NAN_OUTPUT,
+                             self.hold.step is not None)
 
     def _watch(self, now_ns: int) -> list[Collective]:
         hung = []
@@ -440,7 +328,7 @@ class Sidecar:
             shape = self.shapes.of(start)
             self.stats.hangs[shape.counter_key] += 1
             hung.append(self.shapes.collective(shape, start, None, "in_flight", self._nan.get(op_id, 0), True, False,
-                                               now_ns, marks=self._marks_of(op_id)))
+                                               now_ns, marks=self.inputs.marks_of(op_id)))
         return hung
 
     # -- scrape-time values -------------------------------------------------------------------------
