@@ -1,8 +1,9 @@
 """The sidecar: drains the ring, joins START and END, keeps the in-flight table, watches for hangs,
 and feeds ``Stats`` (metrics) and ``on_collective`` (spans: every anomaly, and what ``sample`` keeps).
 It reads only the ring, so it runs beside training or in another process (agent/pod.py); what the
-records mean is ``shapes.Shapes``', which collectives are slow ``outliers.SlowOutliers``', where NaN or
-Inf entered and what a loss scaler's step holds ``nonfinite``'s. See
+records mean is ``shapes.Shapes``', what is in flight and hung ``inflight.InFlight``', which collectives
+are slow ``outliers.SlowOutliers``', where NaN or Inf entered and what a loss scaler's step holds
+``nonfinite``'s. See
 docs/running.md, and docs/performance.md for the fold (``RingReader.read_folded``).
 
 Example::
@@ -21,11 +22,11 @@ import time
 from typing import Callable, Sequence
 
 from commlens.exporters.telemetry import HAND_OVER_S, Collective, GroupInFlight
-from commlens.hooks.ops import OPS
 from commlens.hooks.ring import (END, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, NAN_OUTPUT, NOT_ISSUED, REASONS,
                                  SNAPSHOT, START, STATUS, Folded, Record, Ring, RingReader)
 
 from .outliers import SlowOutliers
+from .inflight import InFlight
 from .nonfinite import LossScaleHold, NonfiniteInputs, kinds
 from .shapes import Shapes
 from .stats import Stats
@@ -69,19 +70,15 @@ class Sidecar:
         """``beside_training``: in the training process, where a long stretch holding the GIL delays training."""
         self.reader = RingReader(ring, ring.cursor if resume else 0)
         self.stats = stats or Stats()
-        self.hang_threshold_ns = int(hang_threshold_s * 1e9)
         self.outliers = SlowOutliers(slow_factor)
         self.on_collective, self.on_hang, self.on_snapshot, self.sample = on_collective, on_hang, on_snapshot, sample
-        self.inflight: dict[int, Record] = {}
+        self.inflight = InFlight(ring.slots, hang_threshold_s, self.shapes)
         self.pollers: list[Callable[[], None]] = []
         """Called before each drain: what completes collectives from outside the ring (the GPU's events)."""
-        self._gpu_start: dict[int, int] = {}
-        """op_id -> the time its collective started on the GPU."""
         self._nan: dict[int, int] = {}
         """op_id -> NAN_HAS_NAN | NAN_HAS_INF seen for it."""
         self._nan_since: int | None = None
         """The reader's cursor when a NAN record began to wait for its collective's START."""
-        self._hung: set[int] = set()
         self.hold = LossScaleHold(self.stats, lambda c: self.on_collective(c))  # the callback as set now
         self.inputs = NonfiniteInputs(self.stats, self.shapes, self.hold)
         self._nan_spans: collections.Counter[str] = collections.Counter()
@@ -97,7 +94,7 @@ class Sidecar:
     def start(self, interval_s: float) -> None:
         """Drain on a thread every ``interval_s`` (at most a quarter of the hang threshold), and as soon
         as producers in this process have filled a quarter of the ring (``Ring.wake_reader``)."""
-        interval_s = min(interval_s, self.hang_threshold_ns / 4e9)
+        interval_s = min(interval_s, self.inflight.threshold_ns / 4e9)
         self._wakeup = self.ring.wake_reader()
         self._thread = threading.Thread(target=self._run, args=(interval_s,), name="commlens-sidecar", daemon=True)
         self._thread.start()
@@ -179,7 +176,7 @@ class Sidecar:
 
     def _handle(self, records: list[Record], folded: list[Folded], snapshots: list[str]) -> None:
         if self._nan or any(group.nan for group in folded) or any(record.kind == NAN for record in records):
-            self.inputs.read(records, folded, self._nan, self.inflight)
+            self.inputs.read(records, folded, self._nan, self.inflight.table)
         started, ended = self._started, self._ended
         for record in records:
             kind = record[1]
@@ -190,7 +187,7 @@ class Sidecar:
             elif kind == NAN:
                 self._nan_found(record)
             elif record.kind == GPU_START:
-                self._gpu_start[record.op_id] = record.t_ns
+                self.inflight.gpu_start[record.op_id] = record.t_ns
             elif record.kind == SNAPSHOT and record.flags < len(REASONS):
                 snapshots.append(REASONS[record.flags])
             elif record.kind == LOSS_SCALE and record.flags < len(LOSS_SCALE_EVENTS):
@@ -203,7 +200,7 @@ class Sidecar:
         too), and how many were asked for: ``READ_AT_ONCE``; only ``AFTER_NAN``, none folded, while a
         NAN record read before waits for its collective's START (its START and END could both be in
         this read, and fold without it; they come next)."""
-        waiting = self._nan.keys() - self.inflight.keys() if self._nan else ()
+        waiting = self._nan.keys() - self.inflight.table.keys() if self._nan else ()
         if waiting:
             self._nan_since = self.reader.cursor if self._nan_since is None else self._nan_since
             if self.reader.cursor - self._nan_since <= READ_AT_ONCE:
@@ -218,23 +215,14 @@ class Sidecar:
         those already past the hang threshold were counted as hung by the sidecar before."""
         cursor = self.reader.cursor
         before = RingReader(self.ring, max(0, cursor - self.ring.slots))
-        for record in before.read(cursor - before.cursor):
-            if record.kind == START:
-                self.inflight[record.op_id] = record
-            elif record.kind == END:
-                self.inflight.pop(record.op_id, None)
-        now_ns = time.monotonic_ns()
-        self._hung.update(op_id for op_id, start in self.inflight.items()
-                          if now_ns - start.t_ns >= self.hang_threshold_ns)
+        self.inflight.resume(before.read(cursor - before.cursor), time.monotonic_ns())
 
     # -- records ------------------------------------------------------------------------------------
 
     def _started(self, record: Record) -> None:
-        if len(self.inflight) >= self.ring.slots:  # its END was lost: forget the oldest
-            oldest = next(iter(self.inflight))  # op ids grow in the order records are inserted: O(1)
-            del self.inflight[oldest]
-            self._forget(oldest)
-        self.inflight[record.op_id] = record
+        forgotten = self.inflight.started(record)
+        if forgotten is not None:  # its END was lost
+            self._nan.pop(forgotten, None)
         shape = self.shapes.known.get((record.op, record.pg, record.nbytes, record.sig)) or self.shapes.of(record)
         if not shape.is_p2p:
             self.stats.enqueued(shape, record.seq)
@@ -244,25 +232,16 @@ class Sidecar:
         if pending and record.op_id in pending:
             self.inputs.issued(record.op_id)
 
-    def _forget(self, op_id: int) -> None:
-        self._nan.pop(op_id, None)
-        self._gpu_start.pop(op_id, None)
-        self._hung.discard(op_id)
-
     def _ended(self, end: Record) -> None:
         op_id = end.op_id
-        start = self.inflight.pop(op_id, None)
+        start, gpu_start, hung = self.inflight.ended(op_id)
         if end.flags == NOT_ISSUED:
-            self._forget(op_id)
+            self._nan.pop(op_id, None)
             return
         shape = self.shapes.known.get((end.op, end.pg, end.nbytes, end.sig)) or self.shapes.of(end)
         status = STATUS[end.flags] if end.flags < len(STATUS) else "error"
         seconds = (end.t_ns - start.t_ns) / 1e9 if start is not None else None
         nan = self._nan.pop(op_id, 0) if self._nan else 0  # the checks first: these are rare
-        hung = op_id in self._hung if self._hung else False
-        if hung:
-            self._hung.discard(op_id)
-        gpu_start = self._gpu_start.pop(op_id, None) if self._gpu_start else None
         if gpu_start is not None and start is not None:
             gpu_start = _within(gpu_start, start, end)
             self.stats.on_gpu(shape, (gpu_start - start.t_ns) / 1e9, (end.t_ns - gpu_start) / 1e9)
@@ -277,7 +256,7 @@ class Sidecar:
             return
         first = start or end
         self.hold.emit(self.shapes.collective(shape, first, end, status, nan, hung, slow, gpu_start=gpu_start,
-                                          marks=self.inputs.marks_of(first.op_id)), nan)
+                                              marks=self.inputs.marks_of(first.op_id)), nan)
 
     def _folded(self, group: Folded) -> None:
         """Collectives of one shape that started and ended ok within this drain: counted at once; the
@@ -307,9 +286,9 @@ class Sidecar:
             records = group.records(k)
             start, end = records[0], records[-1]
             gpu_start = _within(records[1].t_ns, start, end) if len(records) == 3 else None
-            self.hold.emit(self.shapes.collective(shape, start, end, "ok", group.nan, False, k in slow, gpu_start=gpu_start,
-                                              marks=self.inputs.marks_of(start.op_id)),
-                       group.nan)
+            self.hold.emit(self.shapes.collective(shape, start, end, "ok", group.nan, False, k in slow,
+                                                  gpu_start=gpu_start, marks=self.inputs.marks_of(start.op_id)),
+                           group.nan)
 
     def _nan_found(self, record: Record) -> None:
         shape = self.shapes.of(record)
@@ -319,12 +298,9 @@ class Sidecar:
                              self.hold.step is not None)
 
     def _watch(self, now_ns: int) -> list[Collective]:
+        """The collectives found hung since the last watch, counted, as their spans."""
         hung = []
-        for op_id, start in self.inflight.items():
-            since = self._gpu_start.get(op_id, start.t_ns)  # on a GPU: from when it started there
-            if op_id in self._hung or now_ns - since < self.hang_threshold_ns:
-                continue
-            self._hung.add(op_id)
+        for op_id, start in self.inflight.overdue(now_ns):
             shape = self.shapes.of(start)
             self.stats.hangs[shape.counter_key] += 1
             hung.append(self.shapes.collective(shape, start, None, "in_flight", self._nan.get(op_id, 0), True, False,
@@ -335,28 +311,4 @@ class Sidecar:
 
     def inflight_by_group(self) -> dict[str, GroupInFlight]:
         """Group name -> its collectives in flight, computed now."""
-        now_ns = time.monotonic_ns()
-        counts: dict[str, int] = {name: 0 for name, _ in self.shapes.groups.values()}
-        oldest: dict[str, int] = {}
-        oldest_collective: dict[str, tuple[int, Record]] = {}
-        oldest_p2p: dict[str, tuple[int, Record]] = {}
-        with self.stats.lock:
-            for op_id, start in self.inflight.items():
-                name = self.shapes.group(start.pg)[0]
-                since = self._gpu_start.get(op_id, start.t_ns)  # on a GPU: from when it started there
-                counts[name] = counts.get(name, 0) + 1
-                oldest[name] = min(oldest.get(name, since), since)
-                kind = oldest_p2p if OPS[start.op].is_p2p else oldest_collective
-                if since < kind.get(name, (since + 1,))[0]:
-                    kind[name] = (since, start)
-        found = {}
-        for name, count in counts.items():
-            age = (now_ns - oldest[name]) / 1e9 if name in oldest else 0.0
-            since, hung = oldest_collective.get(name, (now_ns, None))
-            hung_op, hung_seq, hung_bytes = (OPS[hung.op].value, hung.seq, hung.nbytes) \
-                if hung and now_ns - since >= self.hang_threshold_ns else (None, None, None)
-            since, p2p = oldest_p2p.get(name, (now_ns, None))
-            p2p_hung = (OPS[p2p.op].value, self.shapes.global_rank(p2p.pg, p2p.peer), (now_ns - since) / 1e9) \
-                if p2p and now_ns - since >= self.hang_threshold_ns else None
-            found[name] = GroupInFlight(count, age, hung_op, hung_seq, p2p_hung, hung_bytes)
-        return found
+        return self.inflight.by_group(time.monotonic_ns(), self.stats.lock)
