@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any, Callable, Iterable
 
 from commlens.exporters import names
@@ -90,20 +91,27 @@ def metrics_pusher(config: Config, families: Callable[[], Iterable[Any]]) -> Met
     return pusher
 
 
-def serve_metrics(config: Config, collector: Any, port_hint: str) -> Any:
-    """``collector`` served on the configured address and port, or None (no port); a port that cannot be
-    served is a ``ConfigError`` that asks for ``port_hint``."""
-    if config.metrics_port is None:
-        return None
-    try:
-        return serve(collector, config.metrics_addr, config.metrics_port)
-    except OSError as error:
-        raise ConfigError(f"COMMLENS_METRICS_PORT: cannot serve metrics on {config.metrics_addr}:"
-                          f"{config.metrics_port} ({error.strerror}); choose {port_hint}, or 0 to serve none") from None
+class MetricsOut:
+    """A collector's ways out: served on the configured address and port (none without one), pushed over
+    OTLP where asked. ``stop`` pushes the last values and waits, until ``deadline``, for a last scrape.
+    A port that cannot be served is a ``ConfigError`` that asks for ``port_hint``."""
 
+    def __init__(self, config: Config, collector: Any, port_hint: str):
+        self.collector, self.server = collector, None
+        if config.metrics_port is not None:
+            try:
+                self.server = serve(collector, config.metrics_addr, config.metrics_port)
+            except OSError as error:
+                raise ConfigError(f"COMMLENS_METRICS_PORT: cannot serve metrics on {config.metrics_addr}:"
+                                  f"{config.metrics_port} ({error.strerror}); choose {port_hint}, or 0 to serve "
+                                  "none") from None
+        self.pusher = metrics_pusher(config, collector.families)
 
-def stop_serving(server: Any) -> None:
-    """Stop what ``serve_metrics`` started, if anything."""
-    if server is not None:
-        server.shutdown()
-        server.server_close()
+    def stop(self, deadline: float) -> None:
+        """The last push and scrape (until ``deadline``, a ``time.monotonic()``), then serve no more."""
+        if self.pusher is not None:
+            self.pusher.shutdown(max(0.1, deadline - time.monotonic()))
+        self.collector.wait_for_scrape(max(0.0, deadline - time.monotonic()))
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()

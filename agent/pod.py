@@ -26,7 +26,7 @@ from commlens.hooks.flight_recorder import dump_ring
 from commlens.hooks.ring import RING_FILES, Ring
 
 from .config import Config
-from .outputs import metrics_pusher, serve_metrics, stop_serving
+from .outputs import MetricsOut
 from .pipeline import RankPipeline, dump_entries, writer_info
 from .sidecar import Sidecar
 
@@ -108,8 +108,7 @@ class PodSidecar:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.collector = PodCollector(self._metrics, self._up)
-        self.server = serve_metrics(config, self.collector, "a free port")
-        self.metrics_pusher = metrics_pusher(config, self.collector.families)
+        self.metrics_out = MetricsOut(config, self.collector, "a free port")
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="commlens-pod-sidecar", daemon=True)
@@ -125,10 +124,7 @@ class PodSidecar:
         self.poll()
         for feed in list(self.feeds.values()):
             feed.pipeline.spans.shutdown(max(0.0, deadline - time.monotonic()))
-        if self.metrics_pusher is not None:
-            self.metrics_pusher.shutdown(max(0.1, deadline - time.monotonic()))
-        self.collector.wait_for_scrape(max(0.0, deadline - time.monotonic()))
-        stop_serving(self.server)
+        self.metrics_out.stop(deadline)
 
     def _run(self) -> None:
         while not self._stop.wait(min(self.config.drain_interval_s, POD_DRAIN_S, self.config.hang_threshold_s / 4)):

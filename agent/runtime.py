@@ -26,7 +26,7 @@ from commlens.hooks.ring import ring_file
 
 from .config import Config, ConfigError
 from .job_dumps import JobDumps
-from .outputs import metrics_pusher, serve_metrics, stop_serving
+from .outputs import MetricsOut
 from .pipeline import RankPipeline, dump_entries, writer_info
 from .signals import SignalWatcher
 
@@ -47,7 +47,7 @@ class Agent:
         path = ring_file(config.ring_dir, config.local_rank) if config.ring_dir is not None else config.ring_path
         ring = process_ring.ring_at(path, config.ring_slots)
         self.pipeline: RankPipeline | None = None
-        self.sidecar = self.spans = self.server = self.collector = self.flight_recorder = self.metrics_pusher = None
+        self.sidecar = self.spans = self.metrics_out = self.collector = self.flight_recorder = None
         self._gpu_poller: threading.Thread | None = None
         self._stopping = threading.Event()
         if config.ring_dir is not None:
@@ -82,11 +82,10 @@ class Agent:
         self.sidecar.pollers.append(cuda.poll)
         self.spans, self.collector = pipeline.spans, pipeline.metrics
         try:
-            self.server = serve_metrics(config, self.collector, "a free base port (each rank uses base + LOCAL_RANK)")
+            self.metrics_out = MetricsOut(config, self.collector, "a free base port (each rank uses base + LOCAL_RANK)")
         except ConfigError:
             self.spans.shutdown(0.1)
             raise
-        self.metrics_pusher = metrics_pusher(config, self.collector.families)
         self.flight_recorder = FlightRecorderHook(max_entries=dump_entries(ring)).register_with_comm()
 
     def _poll_gpu(self) -> None:
@@ -152,12 +151,9 @@ class Agent:
             process_ring.ring().close()
         else:
             self.pipeline.stop(left())
-            if self.metrics_pusher is not None:
-                self.metrics_pusher.shutdown(max(0.1, left()))
             self.flight_recorder.unregister()
             self.collector.ended = True  # an endpoint gone without it: the rank was killed (docs/verdicts.md)
-            self.collector.wait_for_scrape(left())
-            stop_serving(self.server)
+            self.metrics_out.stop(deadline)
         try:  # a rank killed leaves none: the verdict tells it from one that ended (docs/verdicts.md)
             write_end_note(self.config.rank, self.config.attempt)
         except OSError as error:

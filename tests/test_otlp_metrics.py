@@ -28,10 +28,10 @@ def train_and_push(rank, world_size, endpoint, protocol, temporality, base_port,
             dist.all_reduce(torch.ones(256))
         agent.sidecar.drain()
         if half == 0:
-            agent.metrics_pusher.export(timeout_s=5)
+            agent.metrics_out.pusher.export(timeout_s=5)
     scraped = urllib.request.urlopen(f"http://127.0.0.1:{base_port + rank}/metrics", timeout=10).read().decode()
     commlens.agent.stop()  # one last push
-    return "commlens_collectives_total" in scraped, dict(agent.metrics_pusher.counts)
+    return "commlens_collectives_total" in scraped, dict(agent.metrics_out.pusher.counts)
 
 
 def _points(requests):
