@@ -44,10 +44,9 @@ def attributed(rank, world_size):
     ch.instrument()
     attribution.enable()
     ring = ch.ring()
-    sidecar = Sidecar(ring, rank, hang_threshold_s=60)
-    sidecar.reader.cursor = ring.claimed()
     spans = []
-    sidecar.on_collective = spans.append
+    sidecar = Sidecar(ring, rank, hang_threshold_s=60, on_collective=spans.append)
+    sidecar.reader.cursor = ring.claimed()
     net = Net()
     model = DDP(net)
     optimizer = SyncedSGD(model.parameters(), lr=0.1)

@@ -135,10 +135,9 @@ def tracked(rank, world_size):
 
     ch.instrument()
     attribution.enable()
-    sidecar = Sidecar(ch.ring(), rank, hang_threshold_s=60)
-    sidecar.reader.cursor = ch.ring().claimed()
     collectives = []
-    sidecar.on_collective = collectives.append
+    sidecar = Sidecar(ch.ring(), rank, hang_threshold_s=60, on_collective=collectives.append)
+    sidecar.reader.cursor = ch.ring().claimed()
     parents = []
     mod = torch.nn.Sequential(Block())
     with ModTracker() as tracker:

@@ -20,10 +20,9 @@ def overflows_then_a_nan(rank, world_size):
     check = ch.NanCheckHook(mode="report").register_with_comm()
     unwatch = ch.watch_loss_scaling()
     ring = ch.ring()
-    sidecar = Sidecar(ring, rank, hang_threshold_s=60)
-    sidecar.reader.cursor = ring.claimed()
     spans = []
-    sidecar.on_collective = spans.append
+    sidecar = Sidecar(ring, rank, hang_threshold_s=60, on_collective=spans.append)
+    sidecar.reader.cursor = ring.claimed()
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(64, 64))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -131,7 +131,8 @@ def test_the_sidecar_counts_non_finite_collectives_alike_whether_they_end_within
     records), or record by record. The same counts, the same first non-finite sequence number (none in a
     step a loss scaler skipped: its overflow), and the spans of the group's first ``NAN_SPANS_KEPT``
     kept, none offered to the sampler."""
-    from commlens.agent.sidecar import NAN_SPANS_KEPT, Sidecar
+    from commlens.agent.join import NAN_SPANS_KEPT
+    from commlens.agent.sidecar import Sidecar
     from commlens.hooks import record
     from commlens.hooks.ops import CODE, OpName
     from commlens.hooks.ring import NAN_HAS_INF

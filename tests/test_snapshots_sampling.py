@@ -133,7 +133,7 @@ def test_the_sidecar_builds_only_the_collectives_the_sampler_keeps_and_every_ano
 def test_past_the_first_non_finite_collectives_of_a_group_they_are_sampled_and_every_one_counted():
     """A diverged job: every collective holds NaN. The first ``NAN_SPANS_KEPT`` of the group are exported
     whatever the sampling (where the values entered); the others as the sampler keeps any collective."""
-    from commlens.agent.sidecar import NAN_SPANS_KEPT
+    from commlens.agent.join import NAN_SPANS_KEPT
 
     exporter = _Kept()
     spans = BatchSpanProcessor(exporter, {}, job="job-8", sampler_ratio=0.25)
