@@ -242,7 +242,8 @@ def test_a_job_run_twice_in_a_row_on_one_port_while_prometheus_scrapes_starts_at
     port = free_port()
     target = types.SimpleNamespace(targets=[f"127.0.0.1:{port}"], __exit__=lambda *exc: None)
     scrapes = f'sum_over_time(up{{instance="127.0.0.1:{port}"}}[10m])'
-    with Prometheus(tmp_path, target) as prometheus:
+    rules = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
+    with Prometheus(tmp_path, target, [rules]) as prometheus:
         wait_for(lambda: prometheus.query("vector(1)"), "Prometheus answering")
         for attempt in (1, 2):
             done = tmp_path / f"done-{attempt}"
@@ -295,7 +296,9 @@ def test_a_job_restarted_by_torchrun_keeps_each_attempts_files_and_the_verdict_t
     rank's note that it ended is missing from the first's, as the verdict needs it to be), its
     collectives, numbered from 0 again, in traces of their own; ``commlens diagnose`` on the job's folder names the culprit in attempt 0 alone and finds
     nothing wrong in attempt 1; so does ``commlens diagnose --prometheus`` from the metrics (each
-    attempt read as the next began, over windows that begin with it), once the job has ended."""
+    attempt read as the next began, over windows that begin with it), once the job has ended. The
+    shipped rules run through it all (attempt 1 trains for about 25 s: their 20 s windows span the
+    restart, the counters and sequence numbers starting again): no alert names a rank but the culprit."""
     import json
     import types
 
@@ -304,18 +307,22 @@ def test_a_job_restarted_by_torchrun_keeps_each_attempts_files_and_the_verdict_t
     out, base = tmp_path / "job", free_ports(3)
     target = types.SimpleNamespace(targets=[f"127.0.0.1:{base + rank}" for rank in range(3 if mode == "--in-process" else 1)],
                                    __exit__=lambda *exc: None)
-    with Prometheus(tmp_path, target) as prometheus:
+    rules = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
+    with Prometheus(tmp_path, target, [rules]) as prometheus:
         wait_for(lambda: prometheus.query("vector(1)"), "Prometheus answering")
         job = _commlens("run", mode, "--metrics-addr", "127.0.0.1", "--metrics-port", str(base),
                         "--job-id", "restarted", "--out", str(out), "--",
                         "torchrun", "--nproc-per-node", "3", "--max-restarts", "1", "--master-port", str(free_port()),
-                        SCRIPT, "--fault", "kill", "--rank", str(culprit), "--step", "20", "--steps", "60",
+                        SCRIPT, "--fault", "kill", "--rank", str(culprit), "--step", "20", "--steps", "1000",
                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         log, _ = job.communicate(timeout=240)
         assert job.returncode == 0, log[-5000:]  # the second attempt trained to the end
         wait_for(lambda: prometheus.query('last_over_time(commlens_info{attempt="1"}[15m])'), "attempt 1 scraped")
         live = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "diagnose", "--prometheus",
                                f"http://127.0.0.1:{prometheus.port}"], capture_output=True, text=True, timeout=60)
+        alerted = {(a["metric"]["alertname"], a["metric"].get("rank", a["metric"].get("node"))) for a in
+                   prometheus.query('max_over_time(ALERTS{alertstate="firing"}[15m])')}
+    assert {rank for _, rank in alerted} <= {str(culprit)}, alerted  # a job-wide alert (no rank) is as wrong
     lines = live.stdout.splitlines()
     assert live.returncode == 1 and lines[-1] == "commlens, attempt 1: nothing wrong found", live.stdout + live.stderr
     assert all(line.startswith("commlens, attempt 0: ") for line in lines[:-1]) and \
