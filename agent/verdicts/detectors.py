@@ -794,9 +794,12 @@ def _pipeline_straggler(pg: str, groups: dict[int, GroupFacts], everyone: list[R
     often as their place in it makes them): the member that spent least of its time in the group's
     ops, well under the member that spent most (``_waits_less``), computing while they waited for it
     (``_computes_while_they_wait``), as live. Not in a group where a member waited long (a one-off stall
-    or a late rank, which ``_stalls`` and ``_hang`` name): over the job its share would take that in."""
+    or a late rank, which ``_stalls`` and ``_hang`` name): over the job its share would take that in; nor
+    in a job where an op failed (a rank gone: the job torn down, its shares cut short by the fault)."""
     shares = {rank: g.waited_s for rank, g in groups.items() if g.waited_s is not None}
     if len(shares) < len(groups) or any(_waited_long(g) for g in groups.values()):
+        return []
+    if any(g.failed or g.p2p_failed for f in everyone for g in f.groups.values()):
         return []
     rank, most = min(shares, key=shares.get), max(shares.values())
     if not (_waits_less(shares[rank], most) and _computes_while_they_wait(rank, groups, everyone)):
