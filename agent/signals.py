@@ -1,7 +1,9 @@
 """``SignalWatcher``: SIGTERM's snapshot, written even while the main thread is blocked in a collective,
 by a ``commlens-signals`` thread that ``signal.set_wakeup_fd`` wakes. Neither that thread nor the
-Python-level handler takes a lock: the interrupted main thread may hold any. See docs/running.md
-("Snapshots on the way down").
+Python-level handler takes a lock: the interrupted main thread may hold any. Under SIGTERM's default
+action the handler does not wait either: the main thread goes on, letting go of what it holds (the
+counters a scrape reads, the scrapes' own count), while the thread writes the snapshot, waits for it to
+be scraped and ends the process as SIGTERM would have. See docs/running.md ("Snapshots on the way down").
 
 Example::
 
@@ -13,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
@@ -36,6 +39,7 @@ class SignalWatcher:
         self.snapshot, self.timeout_s = snapshot, timeout_s
         self._previous: Any = None
         self._ends = False  # the previous disposition was the default: SIGTERM ends the process
+        self._terminating = False  # SIGTERM came under the default disposition: the thread ends the process
         self._own_wakeup = False
         self._done = threading.Event()  # set by the thread when a snapshot is written
         self._pending = 0  # the Python-level handler's calls not yet chained (main thread only)
@@ -59,14 +63,19 @@ class SignalWatcher:
             signal.set_wakeup_fd(theirs)
         self._own_wakeup = theirs == -1
         signal.signal(signal.SIGTERM, self._on_signal)
+        atexit.register(self._settle)  # the main thread may reach the end before the thread ends the process
         _installed = self
         return True
 
     def uninstall(self) -> None:
-        """Give SIGTERM back and end the thread; from the main thread only (elsewhere it stays)."""
+        """Give SIGTERM back and end the thread; from the main thread only (elsewhere it stays). After
+        a SIGTERM under the default disposition, the process ends here instead, as SIGTERM's default
+        does, once the thread's snapshot is written (or its timeout is past)."""
         global _installed
         if _installed is not self or threading.current_thread() is not threading.main_thread():
             return
+        self._settle()
+        atexit.unregister(self._settle)
         _installed = None
         if signal.getsignal(signal.SIGTERM) == self._on_signal:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
@@ -88,6 +97,8 @@ class SignalWatcher:
                 return
             if signal.SIGTERM not in data:  # another signal with a Python handler (SIGINT's, say)
                 continue
+            if self._ends and signal.getsignal(signal.SIGTERM) == self._on_signal:
+                self._terminating = True  # before the main thread's handler has run, it may be at its end
             self._done.clear()
             try:
                 self.snapshot()
@@ -95,20 +106,31 @@ class SignalWatcher:
                 print(f"commlens: no signal snapshot: {error!r}", file=sys.stderr)
             finally:
                 self._done.set()
-            if self._ends and signal.getsignal(signal.SIGTERM) == self._on_signal:
+            if self._terminating:
                 _end(signal.SIGTERM)
 
+    def _settle(self) -> None:
+        """After a SIGTERM under the default disposition, end the process as its default does, once
+        the thread's snapshot is written (or its timeout is past); else nothing."""
+        if self._terminating:
+            self._done.wait(self.timeout_s)
+            _end(signal.SIGTERM)
+
     def _on_signal(self, signum: int, frame: Any) -> None:
-        """The Python-level handler, on the main thread: wait for the thread's snapshot, then chain."""
+        """The Python-level handler, on the main thread: under the default disposition, hand the
+        signal to the thread and return (the thread ends the process, and the main thread must not
+        sit on what it holds meanwhile); else wait for the thread's snapshot, then chain."""
+        if self._ends:
+            self._terminating = True
+            if not self._own_wakeup:
+                self._send(signum)
+            return
         self._pending += 1
         if self._pending > 1:  # arrived while an outer call waits or chains below: it chains for this one too
             return
         try:
             if not self._own_wakeup:
-                try:
-                    self._writer.send(bytes([signum]))
-                except OSError:  # full: a snapshot is on its way already
-                    pass
+                self._send(signum)
             if self._previous != signal.SIG_IGN:
                 self._done.wait(self.timeout_s)
                 self._done.clear()
@@ -116,10 +138,15 @@ class SignalWatcher:
                 self._pending -= 1
                 if callable(self._previous):
                     self._previous(signum, frame)
-                elif self._ends:
-                    _end(signum)
         finally:
             self._pending = 0
+
+    def _send(self, signum: int) -> None:
+        """Wake the thread for ``signum`` (the wakeup fd is someone else's)."""
+        try:
+            self._writer.send(bytes([signum]))
+        except OSError:  # full: a snapshot is on its way already
+            pass
 
     def _forget(self) -> None:
         """In a forked child (a DataLoader worker): the socket is shared with the parent, whose thread
@@ -128,6 +155,7 @@ class SignalWatcher:
             signal.set_wakeup_fd(-1)
         if signal.getsignal(signal.SIGTERM) == self._on_signal:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
+        atexit.unregister(self._settle)
         self._reader.close()
         self._writer.close()
 

@@ -118,6 +118,40 @@ def test_sigterm_in_python_writes_the_snapshot_and_ends_the_process_as_sigterm_d
         assert (tmp_path / "spans-0.jsonl").read_text().count('"name":"all_reduce"') == 1
 
 
+def test_a_rank_told_to_stop_while_it_holds_the_counters_lock_is_scraped_saying_so_before_it_ends(tmp_path):
+    """SIGTERM comes while the main thread is in and out of the lock a scrape copies the counters
+    under (as a drain of its own holds it). The rank keeps answering scrapes, one says it was told to
+    stop, and then it ends as SIGTERM does: a rank whose last scrapes do not say so is named killed
+    (``commlens:rank_vanished``). Held in the handler, the main thread kept the lock, the scrapes
+    timed out, and the snapshot's wait for one ran out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = free_port()
+    rank0, rank1 = _ranks(tmp_path, CHILDREN / "signals_rank.py", 2, "busy", metrics_port=port)
+    said = []
+
+    def scrape() -> None:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT_S + 10) as page:
+            said.append(page.read().decode())
+
+    try:
+        assert rank0.stdout.readline() == "ready\n"
+        scrape()  # scraped before, as by Prometheus: the snapshot waits for the next scrape
+        rank0.send_signal(signal.SIGTERM)
+        while rank0.poll() is None:  # ... which the test sends until the rank has ended
+            try:
+                scrape()
+            except OSError:  # refused or cut off once it stopped serving
+                pass
+        assert rank0.wait() == -signal.SIGTERM
+    finally:
+        _end(rank0, rank1)
+    told = [sample.value for page in said for family in text_string_to_metric_families(page)
+            for sample in family.samples if sample.name == names.total(names.ABORT_SNAPSHOTS)
+            and sample.labels.get("reason") == "signal"]
+    assert 1.0 in told, f"{len(said)} scrapes answered, none with the signal's snapshot"
+
+
 def test_the_users_own_handler_runs_once_the_collective_returns_after_the_snapshot(tmp_path):
     handled = tmp_path / "handled"
     rank0, rank1 = _ranks(tmp_path, CHILDREN / "signals_rank.py", 2, "user", str(handled))

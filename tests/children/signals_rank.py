@@ -1,7 +1,7 @@
 """A rank of test_signals' jobs: ``signals_rank.py MODE [FILE]`` (rank 1 joins the second all_reduce
 only when the test writes a line to its stdin)."""
 
-import os, signal, sys, torch, torch.distributed as dist
+import os, signal, sys, time, torch, torch.distributed as dist
 import commlens.agent
 
 rank, mode = int(os.environ["RANK"]), sys.argv[1]
@@ -29,5 +29,10 @@ if mode in ("in-snapshot", "in-drain"):  # ... or inside sidecar.drain(), on thi
 print("ready", flush=True)
 while mode in ("python", "in-snapshot", "in-drain"):
     pass
+while mode == "busy":  # in and out of the lock a scrape copies the counters under, as a drain on this thread is
+    with agent.sidecar.stats.lock:
+        held = time.monotonic() + 0.01
+        while time.monotonic() < held:
+            pass
 dist.all_reduce(torch.ones(4))  # rank 1 is not there
 print("returned", flush=True)
