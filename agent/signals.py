@@ -40,6 +40,7 @@ class SignalWatcher:
         self._previous: Any = None
         self._ends = False  # the previous disposition was the default: SIGTERM ends the process
         self._terminating = False  # SIGTERM came under the default disposition: the thread ends the process
+        self._settled = False  # the way out has begun (``_settle``): a SIGTERM from now on is waited for here
         self._own_wakeup = False
         self._done = threading.Event()  # set by the thread when a snapshot is written
         self._pending = 0  # the Python-level handler's calls not yet chained (main thread only)
@@ -112,15 +113,18 @@ class SignalWatcher:
     def _settle(self) -> None:
         """After a SIGTERM under the default disposition, end the process as its default does, once
         the thread's snapshot is written (or its timeout is past); else nothing."""
+        self._settled = True
         if self._terminating:
             self._done.wait(self.timeout_s)
             _end(signal.SIGTERM)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        """The Python-level handler, on the main thread: under the default disposition, hand the
-        signal to the thread and return (the thread ends the process, and the main thread must not
-        sit on what it holds meanwhile); else wait for the thread's snapshot, then chain."""
-        if self._ends:
+        """The Python-level handler, on the main thread: under the default disposition, called as the
+        handler before the way out, hand the signal to the thread and return (the thread ends the
+        process, and the main thread must not sit on what it holds meanwhile); else (a handler of the
+        user's chained to this one, the way out begun, another disposition) wait for the thread's
+        snapshot, then chain, or end the process."""
+        if self._ends and not self._settled and signal.getsignal(signal.SIGTERM) == self._on_signal:
             self._terminating = True
             if not self._own_wakeup:
                 self._send(signum)
@@ -138,6 +142,8 @@ class SignalWatcher:
                 self._pending -= 1
                 if callable(self._previous):
                     self._previous(signum, frame)
+                elif self._ends:
+                    _end(signum)
         finally:
             self._pending = 0
 

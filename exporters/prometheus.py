@@ -296,4 +296,14 @@ def serve(collector: MetricsCollector | PodCollector, addr: str, port: int):
             collector.sent(_scrape_timeout_s(handler))
 
     server.RequestHandlerClass = type("Handler", (base,), {"timeout": SCRAPE_IDLE_S, "setup": setup, "finish": finish})
+    threaded = server.process_request
+
+    def process_request(request, client_address) -> None:
+        try:
+            threaded(request, client_address)
+        except RuntimeError:  # no new thread once the interpreter is on its way out (Python 3.12 on): the
+            server._threads.reap()  # way down's last scrape, served here; the thread never
+            server.process_request_thread(request, client_address)  # started is not one to join
+
+    server.process_request = process_request
     return server

@@ -271,6 +271,46 @@ def test_the_way_down_waits_for_a_scrape_that_starts_after_it_not_one_under_way(
     assert waited == [True]
 
 
+def _up_served():
+    """A collector of one gauge (``commlens_test_up 1``) served on a free port: (collector, port, server)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    from commlens.exporters.prometheus import _Scrapes, serve
+
+    class Metrics(_Scrapes):
+        def families(self):
+            yield GaugeMetricFamily("commlens_test_up", "a family", value=1)
+
+    metrics, port = Metrics(), free_port()
+    return metrics, port, serve(metrics, "127.0.0.1", port)
+
+
+def test_a_scrape_is_served_when_no_thread_can_be_started_for_it(monkeypatch):
+    """From its atexit handlers on, Python 3.12 starts no thread: a rank whose main thread reached its
+    end while its SIGTERM snapshot waits for a scrape (``agent/signals.py``) serves that scrape on the
+    server's own thread instead, or the snapshot is never scraped and the rank is named killed."""
+    import threading
+    import urllib.request
+
+    metrics, port, server = _up_served()
+    started = threading.Thread.start
+
+    def refused(thread):
+        if thread._target == server.process_request_thread:
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+        started(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+            assert b"commlens_test_up 1.0" in response.read()
+        assert metrics.done == 1
+    finally:
+        monkeypatch.undo()
+        server.shutdown()
+        server.server_close()
+
+
 def test_the_way_down_waits_for_a_scrape_sent_in_time_not_one_its_scraper_may_have_given_up_on():
     """CI: a rank told to stop answered its last scrape later than Prometheus' timeout (8 ranks writing
     their dumps on 2 loaded cores), so Prometheus recorded its endpoint down without the snapshot that
@@ -279,17 +319,9 @@ def test_the_way_down_waits_for_a_scrape_sent_in_time_not_one_its_scraper_may_ha
     import threading
     import urllib.request
 
-    from prometheus_client.core import GaugeMetricFamily
+    from commlens.exporters.prometheus import SCRAPE_TIMEOUT_HEADER
 
-    from commlens.exporters.prometheus import SCRAPE_TIMEOUT_HEADER, _Scrapes, serve
-
-    class Metrics(_Scrapes):
-        def families(self):
-            yield GaugeMetricFamily("commlens_test_up", "a family", value=1)
-
-    metrics = Metrics()
-    port = free_port()
-    server = serve(metrics, "127.0.0.1", port)
+    metrics, port, server = _up_served()
 
     def scrape(timeout_s: str | None) -> None:
         request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics")

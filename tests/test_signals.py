@@ -170,6 +170,24 @@ def test_the_users_own_handler_runs_once_the_collective_returns_after_the_snapsh
         _end(rank0, rank1)
 
 
+def test_a_handler_of_the_users_that_passes_sigterm_on_to_commlens_ends_the_process_once_the_collective_returns(tmp_path):
+    """A handler installed after commlens' that calls the one it replaced: the snapshot is written
+    while the main thread is blocked in the collective; once it returns, the user's handler passes
+    SIGTERM on and the process ends as SIGTERM's default does, before the script goes on."""
+    rank0, rank1 = _ranks(tmp_path, CHILDREN / "signals_rank.py", 2, "chained")
+    dump = tmp_path / "rank_0"
+    try:
+        _stuck(rank0, dump)
+        rank0.send_signal(signal.SIGTERM)
+        _until(dump.exists, "no snapshot while the main thread is blocked in the collective", TIMEOUT_S + 10)
+        rank1.stdin.write("join\n")
+        rank1.stdin.flush()
+        assert rank0.wait(TIMEOUT_S + 10) == -signal.SIGTERM
+        assert "returned" not in rank0.stdout.read()
+    finally:
+        _end(rank0, rank1)
+
+
 def test_a_sigterm_storm_during_collectives_deadlocks_nothing(tmp_path):
     [job] = _ranks(tmp_path, CHILDREN / "signals_storm.py", 1)
     watchdog = threading.Timer(120, job.kill)  # a deadlock fails the test instead of hanging it

@@ -23,6 +23,9 @@ dist.all_reduce(torch.ones(4))
 agent = commlens.agent.current()
 if mode == "in-snapshot":  # as if interrupted inside agent.snapshot() ...
     agent._snapshot_lock.acquire()
+if mode == "chained":  # a handler of the user's, installed after commlens', that passes SIGTERM on to it
+    theirs = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda signum, frame: theirs(signum, frame))
 if mode in ("in-snapshot", "in-drain"):  # ... or inside sidecar.drain(), on this thread
     agent.sidecar._draining.acquire()
     agent.sidecar.stats.lock.acquire()
