@@ -146,7 +146,7 @@ def run(command: list[str], settings: dict[str, str], sidecar: bool | None = Non
                           "ranks did after that was not exported", file=sys.stderr)
                 pod.send_signal(signal.SIGTERM)
                 try:
-                    pod.wait(config.snapshot_timeout_s + 10)
+                    pod.wait(2 * config.snapshot_timeout_s + 10)  # its ranks' ends, then its flush (PodSidecar.stop)
                 except subprocess.TimeoutExpired:
                     pod.kill()
                     pod.wait()
@@ -234,5 +234,7 @@ def serve_pod(settings: dict[str, str]) -> int:
     where = f"{config.metrics_addr}:{config.metrics_port}" if config.metrics_port is not None else "not served"
     print(f"commlens sidecar: reading the rings in {config.ring_dir}; metrics {where}", flush=True)
     stopping.wait()
+    print(f"commlens sidecar: stopping once every rank's process has ended (at most {config.snapshot_timeout_s:g} s), "
+          "their last snapshots written", flush=True)
     pod.stop()
     return 0

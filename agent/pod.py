@@ -105,7 +105,8 @@ class PodSidecar:
         self.errors = 0
         """Drains that failed (the loop went on)."""
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._ending = threading.Event()  # stop() was called: the loop ends once no rank's process lives
+        self._stop = threading.Event()  # the loop ends now
         self._thread: threading.Thread | None = None
         self.collector = PodCollector(self._metrics, self._up)
         self.metrics_out = MetricsOut(config, self.collector, "a free port")
@@ -115,12 +116,18 @@ class PodSidecar:
         self._thread.start()
 
     def stop(self, timeout_s: float | None = None) -> None:
-        """Drain every ring, flush spans, and wait (within the snapshot timeout) for a last scrape."""
+        """Follow the ranks until every one's process has ended, then drain every ring, flush spans and
+        wait for a last scrape, each within the snapshot timeout (``timeout_s``). A pod's containers are
+        told to stop together, and ``commlens run``'s sidecar shares its process group: a rank stopped
+        at the same time asks for its ``signal`` dump, or dies, after this process was told to end."""
         timeout_s = self.config.snapshot_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
+        self._ending.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
         self.poll()
         for feed in list(self.feeds.values()):
             feed.pipeline.spans.shutdown(max(0.0, deadline - time.monotonic()))
@@ -135,6 +142,8 @@ class PodSidecar:
                 if self.errors == 1:
                     print(f"commlens sidecar: a drain failed ({error!r}); going on, later failures are only "
                           "counted", file=sys.stderr)
+            if self._ending.is_set() and not any(feed.alive for feed in list(self.feeds.values())):
+                return
 
     def poll(self) -> None:
         """One pass: attach to new and replaced rings, then drain every rank's."""

@@ -192,12 +192,16 @@ class PodSidecar:
 
     def __init__(self, tmp_path, ring_dir, out, hang_threshold_s: float = 3, port: int | None = None):
         self.port = port or free_ports(1)
-        self.log = open(tmp_path / f"sidecar-{self.port}.log", "a")
+        self.log_path = tmp_path / f"sidecar-{self.port}.log"
+        self.log = open(self.log_path, "a")
         command = [sys.executable, "-m", "commlens.agent.cli", "sidecar", "--ring-dir", str(ring_dir),
                    "--metrics-port", str(self.port), "--metrics-addr", "127.0.0.1",
                    "--hang-threshold", str(hang_threshold_s), "--trace-file", str(out / "traces-{rank}.jsonl")]
         self.process = subprocess.Popen(command, env={**os.environ, "TORCHCOMM_FR_DUMP_TEMP_FILE": str(out / "rank_")},
                                         stdout=self.log, stderr=subprocess.STDOUT)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text()
 
     def text(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as response:

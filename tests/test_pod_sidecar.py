@@ -13,6 +13,7 @@ import time
 
 from commlens.agent import pod as agent_pod
 from commlens.agent.config import Config
+from commlens.hooks.flight_recorder import DUMP_REASONS
 from commlens.hooks.ring import END, Ring, ring_file
 
 from monitoring import PodSidecar, TrainingJob, promtool, wait_for
@@ -81,6 +82,24 @@ def test_a_frozen_rank_is_reported_hung_and_trains_on_when_it_resumes(tmp_path):
     assert state == "T" and up[1] == 1  # stopped, and alive
     assert still[1] == hung and set(still) == set(range(WORLD)), still  # the others wait for it meanwhile
     assert after == {} and min(completed.values()) >= 60, (after, completed)
+
+
+def test_a_sidecar_told_to_stop_before_its_ranks_writes_each_ranks_last_snapshot(tmp_path):
+    """A pod's containers are told to stop together, and ``commlens run``'s sidecar shares the job's
+    process group: told first, the sidecar follows its ranks until they have ended, and writes the
+    ``signal`` dump each asks for on its way down."""
+    rings = _dirs(tmp_path)
+    with TrainingJob(tmp_path, WORLD, "none", steps=100000, ring_dir=rings) as job, \
+            PodSidecar(tmp_path, rings, job.out, THRESHOLD_S) as sidecar:
+        wait_for(lambda: len(_counted(sidecar)) == WORLD and min(_counted(sidecar).values()) > 50, "training")
+        sidecar.process.send_signal(signal.SIGTERM)
+        wait_for(lambda: "stopping once" in sidecar.log_text(), "the sidecar told to stop")
+        os.killpg(job.process.pid, signal.SIGTERM)  # commlens run and torchrun: torchrun stops its ranks
+        job.wait(60)
+        assert sidecar.process.wait(60) == 0
+    for rank in range(WORLD):
+        dump = pickle.loads((job.out / f"rank_{rank}").read_bytes())
+        assert "signal" in dump[DUMP_REASONS], (rank, dump[DUMP_REASONS])
 
 
 def test_a_restarted_sidecar_resumes_counting_nothing_twice(tmp_path):
