@@ -20,11 +20,11 @@ from .finding import Finding
 
 STRAGGLER_MIN_S = 0.005
 """A straggler arrives at least this much later, on average, than the group's first rank ..."""
-STRAGGLER_RATIO = 0.5
+STRAGGLER_RATIO = 0.6
 """... and spends less than this fraction of the time in its ops that the member that spends most does ..."""
 STRAGGLER_GAP = 0.25
-"""... or, where that member spends over twice this in its ops (a pipeline's bubble: its first stage waits
-for its gradients however slow it is), this much less of the wall clock (``_waits_less``)."""
+"""... or, where that member spends over 5/8 of its time in its ops (a pipeline's bubble: its first stage
+waits for its gradients however slow it is), this much less of the wall clock (``_waits_less``)."""
 STRAGGLER_EVIDENCE = 30
 """After the fact, a straggler is only named from at least this many collectives seen by every rank."""
 STRAGGLER_LIVE_EVIDENCE = 10
@@ -831,12 +831,12 @@ def _computes_while_they_wait(rank: int, groups: dict[int, GroupFacts], everyone
 def _waits_less(share: float, most: float) -> bool:
     """Whether a member that spends ``share`` of its time in its ops waits so much less than the one that
     spends ``most`` that it is what they wait for: under ``STRAGGLER_RATIO`` of it, or ``STRAGGLER_GAP``
-    of the wall clock less. (Where most wait over half their time, a pipeline's bubble, the ratio would
+    of the wall clock less. (Where most wait over 5/8 of their time, a pipeline's bubble, the ratio would
     ask a straggler to wait hardly at all: a first stage waits for its gradients however slow it is.)
 
-    >>> _waits_less(0.1, 0.3), _waits_less(0.4, 0.79), _waits_less(0.35, 0.55)
-    (True, True, False)"""
-    return share < most - min(STRAGGLER_RATIO * most, STRAGGLER_GAP)  # as commlens:rank_last_in_group
+    >>> _waits_less(0.1, 0.3), _waits_less(0.4, 0.79), _waits_less(0.32, 0.55), _waits_less(0.35, 0.55)
+    (True, True, True, False)"""
+    return share < most - min((1 - STRAGGLER_RATIO) * most, STRAGGLER_GAP)  # as commlens:rank_last_in_group
 
 
 def _stalls(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:
