@@ -146,7 +146,7 @@ def run(command: list[str], settings: dict[str, str], sidecar: bool | None = Non
                           "ranks did after that was not exported", file=sys.stderr)
                 pod.send_signal(signal.SIGTERM)
                 try:
-                    pod.wait(2 * config.snapshot_timeout_s + 10)  # its ranks' ends, then its flush (PodSidecar.stop)
+                    pod.wait(3 * config.snapshot_timeout_s + 10)  # its ranks' ends, its last pass, its flush (PodSidecar.stop)
                 except subprocess.TimeoutExpired:
                     pod.kill()
                     pod.wait()
@@ -226,15 +226,20 @@ def serve_pod(settings: dict[str, str]) -> int:
     if config.ring_dir is None:
         raise ConfigError("COMMLENS_RING_DIR is not set: give the folder the ranks write their rings in "
                           "(--ring-dir, or the variable), the same in the training container and here")
-    stopping = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stopping.set())
     pod = PodSidecar(config, config.ring_dir)
+    stopping = threading.Event()
+
+    def on_signal(*_) -> None:
+        if stopping.is_set():  # told twice: no more waiting for the ranks to end
+            pod.stop_waiting()
+        stopping.set()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
     pod.start()
     where = f"{config.metrics_addr}:{config.metrics_port}" if config.metrics_port is not None else "not served"
     print(f"commlens sidecar: reading the rings in {config.ring_dir}; metrics {where}", flush=True)
     stopping.wait()
     print(f"commlens sidecar: stopping once every rank's process has ended (at most {config.snapshot_timeout_s:g} s), "
-          "their last snapshots written", flush=True)
+          "their last snapshots written; told again, at once", flush=True)
     pod.stop()
     return 0

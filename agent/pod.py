@@ -133,6 +133,10 @@ class PodSidecar:
             feed.pipeline.spans.shutdown(max(0.0, deadline - time.monotonic()))
         self.metrics_out.stop(deadline)
 
+    def stop_waiting(self) -> None:
+        """Let ``stop`` go on without waiting for the ranks still alive (a second signal)."""
+        self._stop.set()
+
     def _run(self) -> None:
         while not self._stop.wait(min(self.config.drain_interval_s, POD_DRAIN_S, self.config.hang_threshold_s / 4)):
             try:
