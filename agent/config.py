@@ -73,6 +73,8 @@ class Config:
     """What per-collective series are split by (``stats.DETAILS``): group, op, or full."""
     nan_check: str = "report"
     """``NanCheckHook``'s mode on the inputs of every collective, or "off"."""
+    nan_check_every: int = 1
+    """DDP's gradient buckets are checked on one step in this many (``NanCheckHook``'s ``every``)."""
     prometheus: bool = True
     """Serve the Prometheus endpoint (``OTEL_METRICS_EXPORTER`` lists ``prometheus``, the default)."""
     otlp_metrics_endpoint: str | None = None
@@ -140,6 +142,7 @@ class Config:
             module_attribution=env.boolean("COMMLENS_MODULE_ATTRIBUTION", False),
             snapshot_timeout_s=env.number("COMMLENS_SNAPSHOT_TIMEOUT_S", 10, minimum=0.1),
             nan_check=env.choice("COMMLENS_NAN_CHECK", "report", NAN_CHECKS),
+            nan_check_every=env.integer("COMMLENS_NAN_CHECK_EVERY", 1, minimum=1),
             metrics_detail=env.choice("COMMLENS_METRICS_DETAIL", "group", DETAILS),
             prometheus="prometheus" in exporters, otlp_metrics_endpoint=metrics_endpoint,
             otlp_metrics_protocol=metrics_protocol,

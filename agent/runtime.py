@@ -61,7 +61,8 @@ class Agent:
         else:
             self._start_exporting(ring)
         self.job_dumps = JobDumps(config.job, min(1.0, config.hang_threshold_s / 4), lambda: self.snapshot("peer"))
-        self.nan_check = None if config.nan_check == "off" else NanCheckHook(config.nan_check).register_with_comm()
+        self.nan_check = None if config.nan_check == "off" else \
+            NanCheckHook(config.nan_check, every=config.nan_check_every).register_with_comm()
         # a loss scaler's skipped steps hold Inf by design: the check's findings in them are told apart
         self._unwatch_loss_scaling = watch_loss_scaling() if self.nan_check is not None else None
         instrument()

@@ -6,7 +6,8 @@ not counted): without = no agent and the hooks off, on models built before the a
 ``commlens.agent.start()`` under the configuration, on the same models built again from the same seed.
 
 Configurations: ``default`` (NaN/Inf check on the device, span budget, spans to a file),
-``no-nan-check`` (the default without it: what the timing alone costs), ``hooks-only`` (the hooks and
+``no-nan-check`` (the default without it: what the timing alone costs), ``check-1-in-4`` (DDP's buckets
+checked on one step in four, ``COMMLENS_NAN_CHECK_EVERY=4``), ``hooks-only`` (the hooks and
 the NaN check, no agent and so no thread of commlens': the bench polls the GPU's events between slices;
 the hot path's cost without the agent's threads competing for the GIL), ``every-span``
 (``OTEL_TRACES_SAMPLER=always_on``), ``pod-sidecar`` (the rank writes its ring only; ``commlens
@@ -14,15 +15,16 @@ sidecar``, a process of its own, drains it). Workloads: all_reduce of 4 KiB and 
 and an FSDP2 step of ``LAYERS`` Linear(``WIDTH``) layers on a batch of ``BATCH`` (TF32 matmuls),
 big enough that the step is not bound by kernel launches alone.
 
-Per workload and configuration: the step ratio (with over without, paired by round) min - median -
-max; the training thread's CPU until the slice is issued (``time.thread_time``) and the GPU's time
+Per workload and configuration: the plain step's wall time and its training thread's CPU (torch's own
+cost: the floor); the step ratio (with over without, paired by round) min - median - max; the training
+thread's CPU until the slice is issued (``time.thread_time``) and the GPU's time
 (CUDA events around the slice queued behind a spinning kernel, so that it runs back to back: busy
 time, not time spent waiting for the CPU) added per collective; the plain step time. The queue of
 launches CUDA holds bounds the iterations per slice. Then the NaN/Inf check's GPU time on the
 64 MiB payload (the check on against off, same job) beside one ``torch.sum`` over it: the goal is at
 most 1.2x.
 
-    python bench/gpu.py [--rounds 5] [--configs default no-nan-check hooks-only every-span pod-sidecar] [--workloads ...]
+    python bench/gpu.py [--rounds 5] [--configs default no-nan-check check-1-in-4 hooks-only every-span pod-sidecar] [--workloads ...]
     python bench/gpu.py --device cpu --rounds 1   # gloo on the CPU: every path, no figure of worth
 """
 
@@ -50,7 +52,8 @@ from commlens.hooks import cuda
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from ports import free_port  # noqa: E402
 
-CONFIGS = {"default": {}, "no-nan-check": {"COMMLENS_NAN_CHECK": "off"}, "hooks-only": {},
+CONFIGS = {"default": {}, "no-nan-check": {"COMMLENS_NAN_CHECK": "off"}, "check-1-in-4": {"COMMLENS_NAN_CHECK_EVERY": "4"},
+           "hooks-only": {},
            "every-span": {"OTEL_TRACES_SAMPLER": "always_on"}, "pod-sidecar": {}}
 LAYERS, WIDTH, BATCH = 8, 4096, 2048
 WORKLOADS = {"all_reduce 4 KiB": (1 << 10, 100), "all_reduce 64 MiB": (1 << 24, 40),
@@ -242,8 +245,8 @@ def main() -> int:
         print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, NCCL "
               f"{'.'.join(map(str, torch.cuda.nccl.version()))}; {args.rounds} rounds")
     print(f"model: {LAYERS} x Linear({WIDTH}), {LAYERS * (WIDTH * WIDTH + WIDTH) / 1e6:.0f}M parameters, batch {BATCH}")
-    print(f"{'workload':<20}{'config':<13}{'plain ms':>10}{'ratio min - median - max':>26}{'coll./it':>9}"
-          f"{'+CPU µs/coll.':>14}{'+GPU µs/coll.':>14}")
+    print(f"{'workload':<20}{'config':<13}{'plain ms':>10}{'plain CPU µs':>13}{'ratio min - median - max':>26}"
+          f"{'coll./it':>9}{'+CPU µs/coll.':>14}{'+GPU µs/coll.':>14}")
     for name in args.workloads:
         for config, found in jobs.items():
             none, with_ = found["results"][name]["none"], found["results"][name]["commlens"]
@@ -252,6 +255,7 @@ def main() -> int:
                      for key in ("cpu", "gpu")}
             # a space before each figure: a column wider than its heading (a ratio of 100 or more) stays apart
             print(f"{name:<20}{config:<13}{statistics.median(n['wall'] for n in none) * 1e3:>10.3f} "
+                  f"{statistics.median(n['cpu'] for n in none) * 1e6:>12.1f} "
                   f"{_spread([w['wall'] / n['wall'] for w, n in zip(with_, none)]):>25} {collectives:>8.1f} "
                   f"{added['cpu']:>13.1f} {added['gpu']:>13.1f}")
     for config, found in jobs.items():

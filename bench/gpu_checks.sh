@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, on a machine with one NVIDIA GPU and a CUDA build of torch (docs/gpu.md):
 # builds commlens where it stands (its C extensions in place, the package linked from a temporary
-# folder), then runs tests/test_gpu.py and bench/gpu.py, the log and the figures into OUT_DIR.
+# folder), then runs tests/test_gpu.py and bench/gpu.py (its configurations CONFIG..., else all), the log
+# and the figures into OUT_DIR.
 #
-#     bash bench/gpu_checks.sh [OUT_DIR] [ROUNDS]
+#     bash bench/gpu_checks.sh [OUT_DIR] [ROUNDS] [CONFIG...]
 set -uo pipefail
 out=${1:-/tmp/commlens-gpu}
 rounds=${2:-3}
+configs=("${@:3}")
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 exec > >(tee "$out/log") 2>&1
@@ -26,8 +28,8 @@ SECONDS=0
 python3 -c "from commlens.hooks import cuda; assert cuda.native() is not None" || exit 1
 echo "== built: $SECONDS s; tests/test_gpu.py"
 SECONDS=0
-timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs tests/test_gpu.py
+timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --durations 0 tests/test_gpu.py
 echo "== tests: $SECONDS s; bench/gpu.py --rounds $rounds"
 SECONDS=0
-timeout 360 python3 bench/gpu.py --rounds "$rounds" | tee "$out/figures.txt"
+timeout 270 python3 bench/gpu.py --rounds "$rounds" ${configs[@]:+--configs "${configs[@]}"} | tee "$out/figures.txt"
 echo "== bench: $SECONDS s"

@@ -37,6 +37,8 @@ class DdpBucket:
     parameters: int
     is_last: bool
     nbytes: int
+    step: int = 0
+    """The backward passes of its group that ended (with their last bucket) before this bucket's."""
     wire_bytes: int = 0
     """Bytes the wrapped hook's own collectives carried (after compression); known once it returned."""
 
@@ -141,14 +143,21 @@ def _start(state: Any, bucket: Any) -> InFlight | None:
     return _begin(_process_group(state), bucket.buffer(), bucket.index(), len(bucket.parameters()), bucket.is_last())
 
 
+_steps: dict[int, int] = {}
+"""Backward passes ended so far, by group (``sid``)."""
+
+
 def _begin(pg: Any, buffer: torch.Tensor, index: int, parameters: int, is_last: bool,
            finite: bool | None = None) -> InFlight | None:
-    info = DdpBucket(index, parameters, is_last, buffer.numel() * buffer.element_size())
     try:
         group = groups.group_of(pg)
     except Exception as error:  # commlens could not record it: the bucket goes on unrecorded
         process_ring.internal_error("ddp bucket", error)
         return None
+    step = _steps.get(group.sid, 0)
+    if is_last:
+        _steps[group.sid] = step + 1
+    info = DdpBucket(index, parameters, is_last, buffer.numel() * buffer.element_size(), step)
     tensors = (buffer,)
     return issuing.start(OpName.all_reduce, group, tensors, tensors, True, None, None, bucket=info,
                           inputs_finite=finite is True)

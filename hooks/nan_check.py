@@ -33,12 +33,19 @@ class NanCheckHook:
     tensor index and what was found (an output of an async op completes on another thread, so its
     finding is reported instead). Tensors that are not floating point or complex are skipped; of a
     sparse tensor, the stored values are checked.
+
+    ``every``: DDP's gradient buckets are checked on one step in ``every`` (``DdpBucket.step`` a
+    multiple of it), other collectives always. On a GPU the check of a bucket is a pass over it that
+    competes with the backward pass (docs/gpu.md); a NaN on an unchecked step is found on the next
+    checked one, once it has spread to every rank, so that its origin may not be told.
     """
 
-    def __init__(self, mode: str = "report", check_outputs: bool = False):
+    def __init__(self, mode: str = "report", check_outputs: bool = False, every: int = 1):
         if mode not in MODES:
             raise ValueError(f"NanCheckHook mode={mode!r} is not accepted: use one of {', '.join(MODES)}")
-        self.mode, self.check_outputs = mode, check_outputs
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"NanCheckHook every={every!r} is not accepted: use an integer >= 1 (steps)")
+        self.mode, self.check_outputs, self.every = mode, check_outputs, every
         self.events = 0
         self._handles: list[Any] = []
 
@@ -62,6 +69,9 @@ class NanCheckHook:
             self._handles.pop().remove()
 
     def _pre(self, args: PreHookArgs) -> None:
+        bucket = getattr(args, "bucket", None)  # a DDP gradient bucket's (``ddp.DdpBucket``)
+        if bucket is not None and bucket.step % self.every:
+            return
         if args.name is OpName.broadcast and args.root is not None and args.root != args.group_rank:
             return  # on a rank other than the root, a broadcast's tensor is the buffer it receives into
         self._check(args, args.tensors, 0)

@@ -19,7 +19,8 @@ commas, ``inf,slow``, strike together):
 
 Under torchrun ``--max-restarts`` the fault strikes in the job's first attempt only, and each attempt
 meets its peers under its own prefix of the job's store (on gloo, an attempt that finds the last one's
-addresses there may connect to a rank gone). ``--amp``: mixed precision, the forward in float16 with dynamic loss scaling (``torch.amp.GradScaler``,
+addresses there may connect to a rank gone). ``--device cuda``: the model and its tensors on GPU 0 (every
+rank's: gloo with CUDA tensors, as one GPU cannot host two NCCL ranks). ``--amp``: mixed precision, the forward in float16 with dynamic loss scaling (``torch.amp.GradScaler``,
 as ``parallel_train.py --amp``): healthy, the scaler skips a step now and then; with ``inf`` every step.
 
 The wall time at which the fault happens is written to ``FAULT_TIME_FILE`` (when set), so that a
@@ -46,6 +47,8 @@ def main() -> None:
     parser.add_argument("--late-s", type=float, default=8)
     parser.add_argument("--slow-ms", type=float, default=30)
     parser.add_argument("--amp", action="store_true", help="float16 forward, dynamic loss scaling")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the model and its tensors live (cuda: gloo with CUDA tensors, every rank on GPU 0)")
     parser.add_argument("--timeout-s", type=float, default=60, help="the backend's timeout")
     parser.add_argument("--metrics", type=int, default=0,
                         help="every 10 steps, all_reduce this many scalar metrics at once, each its own async op")
@@ -60,11 +63,12 @@ def main() -> None:
     else:
         dist.init_process_group("gloo", timeout=timeout)
     rank = dist.get_rank()
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(
-        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(device))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", growth_factor=2.0 ** 4, backoff_factor=2.0 ** -4, growth_interval=3,
+    scaler = torch.amp.GradScaler(args.device, growth_factor=2.0 ** 4, backoff_factor=2.0 ** -4, growth_interval=3,
                                   enabled=args.amp)
     faults = set(args.fault.split(","))
     data = torch.Generator().manual_seed(rank)
@@ -78,8 +82,8 @@ def main() -> None:
         if first and "late" in faults:
             time.sleep(args.late_s)
         time.sleep((args.step_ms + (args.slow_ms if faulty and "slow" in faults else 0)) / 1000)
-        x = torch.randn(32, 64, generator=data)
-        with torch.autocast("cpu", dtype=torch.float16, enabled=args.amp):
+        x = torch.randn(32, 64, generator=data).to(device)
+        with torch.autocast(args.device, dtype=torch.float16, enabled=args.amp):
             loss = model(x).float().pow(2).mean()
         if first and "nan" in faults:
             with torch.no_grad():
@@ -102,7 +106,7 @@ def main() -> None:
         else:
             dist.all_reduce(report)
         if args.metrics and step % 10 == 0:
-            for work in [dist.all_reduce(torch.zeros(1), async_op=True) for _ in range(args.metrics)]:
+            for work in [dist.all_reduce(torch.zeros(1, device=device), async_op=True) for _ in range(args.metrics)]:
                 work.wait()
     dist.destroy_process_group()
 

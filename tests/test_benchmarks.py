@@ -153,9 +153,11 @@ def test_the_gpu_benchmark_times_every_configuration_and_workload_with_and_witho
     assert done.returncode == 0, done.stderr[-12000:]
     rows = {}
     for line in done.stdout.splitlines()[2:]:
-        # workload, config, plain ms, ratio "min - median - max", collectives per iteration, +CPU, +GPU µs
-        *workload, config, plain, low, _, median, _, high, collectives, _, _ = line.split()
+        # workload, config, plain ms, plain CPU µs, ratio "min - median - max", collectives per iteration,
+        # +CPU, +GPU µs
+        *workload, config, plain, _, low, _, median, _, high, collectives, _, _ = line.split()
         rows[(" ".join(workload), config)] = float(plain), float(low), float(median), float(high), float(collectives)
     assert set(rows) == {(w, c) for w in WORKLOADS for c in CONFIGS}, done.stdout
     assert all(plain > 0 and 0 < low <= median <= high for plain, low, median, high, _ in rows.values())
     assert all(rows[(w, c)][-1] >= 1 for w in WORKLOADS for c in CONFIGS if w.startswith("all_reduce")), rows
+

@@ -4,6 +4,8 @@ skipped, saying why, where there is no GPU."""
 
 import datetime
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import commlens.hooks as ch
+from monitoring import TrainingJob, culprits, wait_for
 from ports import free_port
 from commlens.agent.sidecar import Sidecar
 from commlens.hooks import cuda
@@ -225,3 +228,34 @@ def test_a_capture_stays_whole_while_the_sidecar_polls_collectives_still_running
     assert torch.equal(out, torch.full_like(x, 3.0))
     [c] = _until(sidecar, seen, 1)
     assert c.op == "all_reduce" and c.end_ns > c.gpu_start_ns > 0
+
+
+@pytest.mark.parametrize("fault, culprit, verdict", [
+    ("late", 2, "late or missing: rank 2 "), ("nan", 0, "NaN/Inf entered on rank 0"), ("desync", 1, "desync: rank 1 "),
+])
+def test_three_ranks_on_one_gpu_diagnose_names_the_faulty_rank_and_only_it(tmp_path, fault, culprit, verdict):
+    """gloo with CUDA tensors, three ranks sharing GPU 0 (one GPU cannot host two NCCL ranks), an
+    ordinary DDP script with a fault written in, under ``commlens run``: ``commlens diagnose`` names the
+    culprit alone from the ranks' endpoints while the job runs (its times and checks the GPU's) and from
+    the job's files after."""
+    extra = ["--device", "cuda", *(["--late-s", "60"] if fault == "late" else [])]
+    with TrainingJob(tmp_path, 3, fault, rank=culprit, step=30, extra=extra) as training:
+        endpoints = [f"http://{target}/metrics" for target in training.targets]
+
+        def named() -> str | None:
+            report = _diagnose("--metrics", *endpoints, "--window", "2")
+            return report if verdict in report else None
+
+        live = wait_for(named, f"{verdict!r} from the ranks' endpoints", timeout_s=120,
+                        explain=lambda: training.log.read_text()[-3000:])
+        if fault != "nan":  # the others hang until gloo's timeout; every rank's dump is written meanwhile
+            wait_for(lambda: all((training.out / f"rank_{r}").exists() for r in range(3)), "every rank's dump")
+    offline = _diagnose(str(training.out))
+    for report in (live, offline):
+        assert verdict in report and culprits(report) == {culprit}, report
+
+
+def _diagnose(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "diagnose", *args], capture_output=True,
+                          text=True, timeout=60)
+    return done.stdout + done.stderr
