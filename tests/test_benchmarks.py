@@ -161,3 +161,14 @@ def test_the_gpu_benchmark_times_every_configuration_and_workload_with_and_witho
     assert all(plain > 0 and 0 < low <= median <= high for plain, low, median, high, _ in rows.values())
     assert all(rows[(w, c)][-1] >= 1 for w in WORKLOADS for c in CONFIGS if w.startswith("all_reduce")), rows
 
+
+def test_the_gpu_profile_lists_the_operators_of_each_workload_with_and_without_commlens():
+    """On the CPU (gloo): bench/gpu_profile.py's tables, one per workload and side, each naming the
+    collective's operator; its figures come from a GPU (docs/gpu.md)."""
+    done = subprocess.run([sys.executable, str(BENCH.parent / "gpu_profile.py"), "--device", "cpu", "--iterations", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-12000:]
+    tables = done.stdout.split("== ")[1:]
+    assert [t.split(":")[0] for t in tables] == [f"{w}, {side}" for w in ("all_reduce 4 KiB", "DDP step")
+                                                 for side in ("without commlens", "with commlens (default)")]
+    assert all("c10d::allreduce_" in t for t in tables), done.stdout
