@@ -35,6 +35,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <tuple>
 #include <vector>
 
@@ -223,7 +224,13 @@ bool issue_check(const at::Tensor& tensor, Then then) {
   try {  // not under the lock: under a dispatch mode or a tensor subclass the sum runs Python, which may
          // hand the GIL to a thread that then waits for the lock
     c10::NoGradGuard no_grad;  // an input that requires grad takes no out= otherwise
-    at::sum_out(sum, values, at::kFloat);
+    // over every dimension, so that it is the structured sum (sum.IntList_out), which reduces straight
+    // into `sum`: the dimensionless sum's out= form sums into a temporary and copies that (a second
+    // launch, and an allocation, per check)
+    at::Tensor flat = values.dim() == 0 ? values.reshape({1}) : values;
+    std::vector<int64_t> dims(flat.dim());
+    std::iota(dims.begin(), dims.end(), 0);
+    at::sum_out(sum, flat, dims, /*keepdim=*/false, at::kFloat);
   } catch (...) {
     std::lock_guard<std::mutex> guard(lock);
     free_slots.push_back(slot);
