@@ -7,7 +7,8 @@ and judged met or missed on that run (medians, the default configuration), then 
     python bench/run_all.py --only hook_overhead,nan_check
     python bench/run_all.py --render                 # docs/figures.md from the stored results alone
 
-The GPU's figures come from a device (``bench/gpu_checks.sh``, docs/gpu.md), not from here.
+The GPU's figures come from a device (``bench/gpu_checks.sh``, docs/gpu.md; its runs kept in
+``bench/results/gpu.txt``), not from here.
 """
 
 from __future__ import annotations
