@@ -38,9 +38,24 @@ class DdpBucket:
     is_last: bool
     nbytes: int
     step: int = 0
-    """The backward passes of its group that ended (with their last bucket) before this bucket's."""
+    """The backward passes of its model that ended (with their last bucket) before this bucket's."""
     wire_bytes: int = 0
     """Bytes the wrapped hook's own collectives carried (after compression); known once it returned."""
+
+
+class Steps:
+    """The backward passes of one model (one registration of a hook) that have ended: the ``step`` of
+    its next bucket. A model's last bucket of a pass (``is_last``) ends it."""
+
+    __slots__ = ("ended",)
+
+    def __init__(self) -> None:
+        self.ended = 0
+
+    def of(self, is_last: bool) -> int:
+        step = self.ended
+        self.ended += is_last
+        return step
 
 
 _scope = threading.local()
@@ -60,18 +75,19 @@ def nested_collective(tensors: tuple, output_tensors: tuple) -> bool:
 
 
 def wrap(hook: Callable | None = None) -> Callable:
-    """``hook`` (default: ``allreduce_hook``, recorded by ``recorded_allreduce``) recording every bucket
-    it reduces."""
+    """``hook`` (default: ``allreduce_hook``, recorded by ``recorded_allreduce()``) recording every bucket
+    it reduces; register it with one model (its buckets' steps are counted for that model)."""
     if hook is None:
-        return recorded_allreduce
+        return recorded_allreduce()
     if getattr(hook, "_commlens_wrapped", False):
         return hook
     if not callable(hook):
         raise TypeError(f"wrap() takes a DDP communication hook hook(state, bucket) -> Future; got {hook!r}")
+    steps = Steps()
 
     @functools.wraps(hook)
     def recorded(state: Any, bucket: Any):
-        flight = _start(state, bucket)
+        flight = _start(state, bucket, steps)
         if flight is None:
             return hook(state, bucket)
         global active
@@ -102,21 +118,28 @@ def wrap(hook: Callable | None = None) -> Callable:
     return recorded
 
 
-def recorded_allreduce(state: Any, bucket: Any):
-    """``allreduce_hook`` recording its bucket: what a hookless model runs under ``instrument()``. It
+def recorded_allreduce() -> Callable:
+    """``allreduce_hook`` recording its bucket, a hook for one model: what a hookless model runs under
+    ``instrument()``. It
     issues torch's own all_reduce (the bucket's collective is this record), asks c10d for nothing more
     (each call lets go of the GIL, which gloo's thread, running a callback, may then hold), and on a
     CPU writes END in the one callback that hands DDP its bucket. On a CUDA device all of it (the
     record's events, the NaN check's sum, the all_reduce's issue) goes on a side stream that waits for
     the current one: the backward pass goes on while the check reads the bucket, and the all_reduce,
     whose stream waits for the side stream, starts once it has."""
-    buffer = bucket.buffer()
-    if buffer.is_cuda:
-        side = _side_stream(buffer.device)
-        side.wait_stream(torch.cuda.current_stream(buffer.device))
-        with torch.cuda.stream(side):
-            return _recorded_allreduce(state, bucket)
-    return _recorded_allreduce(state, bucket)
+    steps = Steps()
+
+    def recorded(state: Any, bucket: Any):
+        buffer = bucket.buffer()
+        if buffer.is_cuda:
+            side = _side_stream(buffer.device)
+            side.wait_stream(torch.cuda.current_stream(buffer.device))
+            with torch.cuda.stream(side):
+                return _recorded_allreduce(state, bucket, steps)
+        return _recorded_allreduce(state, bucket, steps)
+
+    recorded._commlens_wrapped = True
+    return recorded
 
 
 @functools.cache
@@ -125,8 +148,8 @@ def _side_stream(device: torch.device) -> Any:
     return torch.cuda.Stream(device)
 
 
-def _recorded_allreduce(state: Any, bucket: Any):
-    flight = _start(state, bucket)
+def _recorded_allreduce(state: Any, bucket: Any, steps: Steps):
+    flight = _start(state, bucket, steps)
     if flight is None:
         return allreduce_hook(state, bucket)
     future = issuing.issue(flight, allreduce_hook, state, bucket, flight)
@@ -135,28 +158,21 @@ def _recorded_allreduce(state: Any, bucket: Any):
     return future
 
 
-recorded_allreduce._commlens_wrapped = True
 
-
-def _start(state: Any, bucket: Any) -> InFlight | None:
+def _start(state: Any, bucket: Any, steps: Steps) -> InFlight | None:
     """START of a bucket's all_reduce, its pre-hooks run; None: it goes on unrecorded."""
-    return _begin(_process_group(state), bucket.buffer(), bucket.index(), len(bucket.parameters()), bucket.is_last())
-
-
-_steps: dict[int, int] = {}
-"""Backward passes ended so far, by group (``sid``)."""
+    return _begin(_process_group(state), bucket.buffer(), bucket.index(), len(bucket.parameters()), bucket.is_last(),
+                  steps=steps)
 
 
 def _begin(pg: Any, buffer: torch.Tensor, index: int, parameters: int, is_last: bool,
-           finite: bool | None = None) -> InFlight | None:
+           finite: bool | None = None, *, steps: Steps) -> InFlight | None:
+    step = steps.of(is_last)
     try:
         group = groups.group_of(pg)
     except Exception as error:  # commlens could not record it: the bucket goes on unrecorded
         process_ring.internal_error("ddp bucket", error)
         return None
-    step = _steps.get(group.sid, 0)
-    if is_last:
-        _steps[group.sid] = step + 1
     info = DdpBucket(index, parameters, is_last, buffer.numel() * buffer.element_size(), step)
     tensors = (buffer,)
     return issuing.start(OpName.all_reduce, group, tensors, tensors, True, None, None, bucket=info,
@@ -164,10 +180,11 @@ def _begin(pg: Any, buffer: torch.Tensor, index: int, parameters: int, is_last: 
 
 
 def _begin_in_cpp(pg: Any, buffer: torch.Tensor, index: int, parameters: int, is_last: bool,
-                  finite: bool | None) -> tuple | None:
-    """``begin`` of the C++ hook: START of a bucket it has divided, ``finite`` when its pass proved
-    every element finite (the NaN check is then left out); what it needs to end it (``_ddp_hook.cpp``)."""
-    flight = _begin(pg, buffer, index, parameters, is_last, finite)
+                  finite: bool | None, *, steps: Steps) -> tuple | None:
+    """``begin`` of the C++ hook (one model's, ``steps`` bound): START of a bucket it has divided,
+    ``finite`` when its pass proved every element finite (the NaN check is then left out); what it
+    needs to end it (``_ddp_hook.cpp``)."""
+    flight = _begin(pg, buffer, index, parameters, is_last, finite, steps=steps)
     if flight is None:
         return None
     flight.bucket.wire_bytes = flight.bucket.nbytes
@@ -197,11 +214,11 @@ def _record_buckets(model: DistributedDataParallel, reducer: Any) -> None:
     hook = cpp_hook() if model.device_type == "cpu" else None
     if hook is not None:
         try:
-            hook.register_hook(reducer, model.process_group, _begin_in_cpp)
+            hook.register_hook(reducer, model.process_group, functools.partial(_begin_in_cpp, steps=Steps()))
             return
         except Exception as error:  # e.g. a reducer this torch binds differently: the Python hook records
             process_ring.internal_error("ddp C++ hook", error)
-    dist._register_comm_hook(reducer, model.process_group, recorded_allreduce)
+    dist._register_comm_hook(reducer, model.process_group, recorded_allreduce())
 
 
 def allreduce_hook(process_group: Any, bucket: Any, flight: InFlight | None = None) -> torch.futures.Future:

@@ -37,7 +37,7 @@ class NanCheckHook:
     ``every``: DDP's gradient buckets are checked on one step in ``every`` (``DdpBucket.step`` a
     multiple of it), other collectives always. On a GPU the check of a bucket is a pass over it that
     competes with the backward pass (docs/gpu.md); a NaN on an unchecked step is found on the next
-    checked one, once it has spread to every rank, so that its origin may not be told.
+    checked one, once it has spread to every rank: every rank is then reported, not its origin.
     """
 
     def __init__(self, mode: str = "report", check_outputs: bool = False, every: int = 1):

@@ -133,30 +133,33 @@ def test_a_nan_in_one_ranks_gradient_is_reported_for_that_rank_before_the_reduce
 
 
 def nan_checked_every_other_step(rank, world_size):
-    """Six steps of a model of several buckets, NaN in rank 1's input on steps 1, 2 and 5, the check on one
-    step in two: the seqs of the buckets that held NaN, and of every bucket, by step."""
+    """Six steps of two models of several buckets on one group (a GAN's two, say), NaN in rank 1's input
+    on steps 1, 2 and 5, the check on one step in two: per step and model, the seqs of its buckets and of
+    those that held NaN."""
     ch.instrument()
     check = ch.NanCheckHook(mode="report", every=2).register_with_comm()
     reader = ch.RingReader(ch.ring(), start=ch.ring().claimed())
-    model = DDP(_model(layers=4), bucket_cap_mb=0.001)
+    models = [DDP(_model(layers=4), bucket_cap_mb=0.001) for _ in range(2)]
     steps = []
     for step in range(6):
-        _grads(model, rank, steps=1, nan=(rank == 1 and step in (1, 2, 5)))
-        records = list(reader.read())
-        steps.append(([r.seq for r in records if r.kind == ch.START and r.aux > 0],
-                      [r.seq for r in records if r.kind == ch.NAN]))
+        for model in models:
+            _grads(model, rank, steps=1, nan=(rank == 1 and step in (1, 2, 5)))
+            records = list(reader.read())
+            steps.append(([r.seq for r in records if r.kind == ch.START and r.aux > 0],
+                          [r.seq for r in records if r.kind == ch.NAN]))
     check.unregister()
     ch.uninstrument()
     return steps
 
 
 def test_checked_on_one_step_in_two_a_nan_is_reported_on_the_checked_steps_only(run_ranks):
-    """``every=2``: steps 0, 2 and 4 are checked, each bucket of them; the NaN of step 2 is reported on
-    every bucket, those of steps 1 and 5 are not (on rank 1, who held them; rank 0 never did)."""
+    """``every=2``, steps counted per model: steps 0, 2 and 4 of each model are checked, each bucket of
+    them; the NaN of step 2 is reported on every bucket of both models, those of steps 1 and 5 are not (on
+    rank 1, who held them; rank 0 never did)."""
     clean, faulty = run_ranks(nan_checked_every_other_step, 2)
     assert all(nans == [] for _, nans in clean)
-    assert [len(buckets) for buckets, _ in faulty] == [1, 4, 4, 4, 4, 4]  # DDP rebuilds its buckets after step 0
-    assert [nans for _, nans in faulty] == [[], [], faulty[2][0], [], [], []]
+    assert [len(buckets) for buckets, _ in faulty] == [1, 1] + [4] * 10  # DDP rebuilds its buckets after step 0
+    assert [nans for _, nans in faulty] == [[]] * 4 + [faulty[4][0], faulty[5][0]] + [[]] * 6
 
 
 def hookless_cpu_model(rank, world_size, cache=None):
