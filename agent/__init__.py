@@ -1,4 +1,7 @@
-"""commlens.agent — the sidecar, its configuration, the CLI and the demo.
+"""commlens.agent — the runtime that exports (its modules here: the sidecar, its configuration, the
+exporters' pipeline, the pod sidecar), and two wings beside it: ``verdicts`` (facts, their readers, the
+detectors, diagnose, timeline, report) and ``cli`` (the ``commlens`` command, ``commlens run``, the demo).
+The runtime imports neither wing; the verdicts import nothing of the runtime (``tests/test_layout.py``).
 
 Example::
 

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from commlens.agent.ports import free_port
+from commlens.agent.cli.ports import free_port
 from commlens.hooks import OpName, attribution
 from commlens.hooks.distributed import _all_reduce, _instrumented
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from commlens.agent.ports import free_port
+from commlens.agent.cli.ports import free_port
 from commlens.hooks import instrument, uninstrument
 
 LAYERS, STEPS, ROUNDS = 8, 200, 7

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from commlens.agent.ports import free_port
+from commlens.agent.cli.ports import free_port
 
 STEPS, ROUNDS = 200, 6
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import commlens.hooks as ch
-from commlens.agent.ports import free_port
+from commlens.agent.cli.ports import free_port
 
 BATCH, BATCHES = 500, 20
 

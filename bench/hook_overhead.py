@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from commlens.agent.ports import free_port
+from commlens.agent.cli.ports import free_port
 from commlens.hooks import OpName, instrument, uninstrument
 from commlens.hooks.distributed import _all_reduce, _wrapper
 

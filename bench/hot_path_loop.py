@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 import commlens.hooks as ch
-from commlens.agent.ports import free_port
+from commlens.agent.cli.ports import free_port
 from commlens.hooks import native, process_ring, record
 from commlens.hooks.nan_check import NanCheckHook
 from commlens.hooks.patch import Patch

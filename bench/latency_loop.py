@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from commlens.agent.ports import free_port
+from commlens.agent.cli.ports import free_port
 from hot_path_loop import Wrappers, quartiles
 
 CONFIGS = ("none", "hooks", "agent")

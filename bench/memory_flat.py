@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from commlens.agent.ports import free_port
+from commlens.agent.cli.ports import free_port
 
 GROUPS, COUNTS, RANKS = 100, 10, 20
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.int32, torch.int64)  # gloo reduces these

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import commlens.hooks as ch
-from commlens.agent.ports import free_port
+from commlens.agent.cli.ports import free_port
 from commlens.hooks.distributed import _all_reduce, _instrumented
 from commlens.hooks.nan_check import tensor_finite
 

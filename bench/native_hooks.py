@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import commlens.hooks as ch
-from commlens.agent.ports import free_port
+from commlens.agent.cli.ports import free_port
 from commlens.hooks import native
 
 PATHS = ("wrappers", "native", "both")

@@ -39,7 +39,7 @@ def worker(mode: str, collectives: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from commlens.agent.ports import free_port
+    from commlens.agent.cli.ports import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")

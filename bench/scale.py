@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from prometheus_client.parser import text_string_to_metric_families
 
-from commlens.agent.ports import free_port, free_ports
+from commlens.agent.cli.ports import free_port, free_ports
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RANKS_PER_TARGET, TP, EP = 8, 8, 64

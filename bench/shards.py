@@ -28,7 +28,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from scale import EXPECTED, ROOT, faulty_jobs, firing, judged, print_verdicts, serve, template  # noqa: E402
 from victoria import end, get_json, wait_ready  # noqa: E402
 
-from commlens.agent.ports import free_ports  # noqa: E402
+from commlens.agent.cli.ports import free_ports  # noqa: E402
 
 INTERVAL_S = 10
 

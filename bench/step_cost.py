@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from agent_cost import WORKLOADS, workload_step
-from commlens.agent.ports import free_port
+from commlens.agent.cli.ports import free_port
 
 STEPS = {"all_reduce 4 KiB": 300, "all_reduce 1 MiB": 60, "all_reduce 64 MiB": 4, "DDP step": 30, "FSDP2 step": 20}
 """Steps timed per round unless ``--steps`` says: about 0.5 s of each workload here."""

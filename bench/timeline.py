@@ -54,7 +54,7 @@ def main() -> int:
         print(f"trace files: {args.collectives:,} spans, {size / 2**20:.0f} MiB, written in "
               f"{time.perf_counter() - started:.0f} s")
         started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "commlens.agent.timeline", folder], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, "-m", "commlens.agent.verdicts.timeline", folder], check=True, stdout=subprocess.DEVNULL)
         seconds = time.perf_counter() - started
         peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**10
         written = os.path.getsize(os.path.join(folder, "timeline.json"))

@@ -29,7 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from scale import EXPECTED, ROOT, faulty_jobs, firing, judged, print_verdicts, serve, template  # noqa: E402
 
-from commlens.agent.ports import free_ports  # noqa: E402
+from commlens.agent.cli.ports import free_ports  # noqa: E402
 
 COMPONENTS = ("victoria-metrics", "vmagent", "vmalert", "prometheus-alertmanager")
 INTERVAL_S = 10

@@ -3,7 +3,7 @@
 * ``prometheus-rules.yaml``: the alert rules of the verdicts' catalogue (``agent/verdicts/rules``, a file
   per kind; ``commlens.agent.verdicts.catalogue``);
 * ``kubernetes/prometheusrule.yaml``: the PrometheusRule holding those groups at the scrape interval of
-  ``kubernetes/podmonitor.yaml`` (15 s; ``commlens.agent.rules``);
+  ``kubernetes/podmonitor.yaml`` (15 s; ``commlens.agent.verdicts.rule_files``);
 * ``kubernetes/grafana-dashboards.yaml``: a ConfigMap holding ``dashboards/*.json`` for Grafana's
   dashboard sidecar.
 
@@ -17,7 +17,7 @@ import sys
 
 import yaml
 
-from commlens.agent.rules import parse_interval, prometheus_rule
+from commlens.agent.verdicts.rule_files import parse_interval, prometheus_rule
 from commlens.agent.verdicts.catalogue import rules_text
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -32,7 +32,7 @@ def scrape_interval_s() -> int:
 
 
 def prometheus_rule_text() -> str:
-    """``prometheus-rules.yaml``'s groups at the PodMonitor's scrape interval (``commlens.agent.rules``)."""
+    """``prometheus-rules.yaml``'s groups at the PodMonitor's scrape interval (``commlens.agent.verdicts.rule_files``)."""
     return prometheus_rule(rules_text(), scrape_interval_s())
 
 

@@ -1,6 +1,6 @@
 """Free loopback ports for the tests, each pytest-xdist worker drawing from its own slice of the range.
 
-``commlens.agent.ports.free_ports`` keeps one process from handing out a port twice; tests running side
+``commlens.agent.cli.ports.free_ports`` keeps one process from handing out a port twice; tests running side
 by side in several workers would still draw from one range, and a port chosen by one worker but not
 yet bound could be chosen again by another. Each worker (``PYTEST_XDIST_WORKER`` gwN of
 ``PYTEST_XDIST_WORKER_COUNT``, inherited by the processes a test starts) draws from slice N alone.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from commlens.agent import ports
+from commlens.agent.cli import ports
 
 
 def _slice() -> range:

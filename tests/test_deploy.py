@@ -11,7 +11,7 @@ import re
 import pytest
 import yaml
 
-from commlens.agent.rules import at_interval, parse_interval
+from commlens.agent.verdicts.rule_files import at_interval, parse_interval
 from commlens.exporters import names
 from monitoring import promtool
 

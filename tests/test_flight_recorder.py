@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import commlens.hooks as ch
-from commlens.agent.demo import Fault, run
+from commlens.agent.cli.demo import Fault, run
 from commlens.hooks import native
 
 

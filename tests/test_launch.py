@@ -204,7 +204,7 @@ def test_run_starts_at_once_on_a_port_whose_last_jobs_scrapes_sit_in_time_wait(t
     import socket
 
     from commlens.agent import ConfigError
-    from commlens.agent.ports import is_free, refuse_taken
+    from commlens.agent.cli.ports import is_free, refuse_taken
 
     base = free_ports(1)
     with socket.socket() as listener:  # the last job's endpoint, scraped once

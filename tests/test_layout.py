@@ -38,13 +38,18 @@ def test_imports_point_one_way_and_never_in_a_circle():
     modules = _modules()
     graph = {name: _imports(name, path) for name, path in modules.items()}
     assert graph["commlens.agent.runtime"] >= {"commlens.agent.pipeline", "commlens.hooks.process_ring"}, graph
-    assert graph["commlens.agent.verdicts.detectors"] >= {"commlens.agent.facts", "commlens.agent.verdicts.catalogue"}
+    assert graph["commlens.agent.verdicts.detectors"] >= {"commlens.agent.verdicts.facts", "commlens.agent.verdicts.catalogue"}
     for name, imported in graph.items():  # hooks import neither; exporters only the record types of hooks
         if name.startswith("commlens.hooks."):
             assert all(m.startswith("commlens.hooks.") for m in imported), (name, imported)
         if name.startswith("commlens.exporters."):
             assert imported <= {m for m in modules if m.startswith("commlens.exporters.")} | {
                 "commlens.hooks.ring", "commlens.hooks.record", "commlens.hooks.ops"}, (name, imported)
+        wing = _wing(name)  # the agent's runtime imports neither wing; the verdicts nothing of the agent's but theirs
+        if wing == "runtime":
+            assert not {_wing(m) for m in imported} & {"verdicts", "cli"}, (name, imported)
+        if wing == "verdicts":
+            assert {_wing(m) for m in imported} <= {"verdicts", None}, (name, imported)
     visiting, done = [], set()
 
     def visit(name):
@@ -59,6 +64,14 @@ def test_imports_point_one_way_and_never_in_a_circle():
 
     for name in graph:
         visit(name)
+
+
+def _wing(module: str) -> str | None:
+    """The agent's part a module belongs to: ``verdicts``, ``cli`` or ``runtime`` (None: not the agent's)."""
+    if module == "commlens.agent" or not module.startswith("commlens.agent."):
+        return None
+    part = module.split(".")[2]
+    return part if part in ("verdicts", "cli") else "runtime"
 
 
 def test_records_are_written_only_through_the_record_module():

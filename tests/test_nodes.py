@@ -18,7 +18,7 @@ import pytest
 
 from commlens.agent.verdicts import findings
 from commlens.agent.verdicts.catalogue import VERDICT_ALERTS
-from commlens.agent.facts import RankFacts
+from commlens.agent.verdicts.facts import RankFacts
 from commlens.exporters import names
 from monitoring import PARALLEL_SCRIPT, Alertmanager, Prometheus, Webhook, wait_for
 from nodes import Nodes, NodeJob, why_not

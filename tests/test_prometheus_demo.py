@@ -8,9 +8,9 @@ import urllib.request
 
 import pytest
 
-from commlens.agent import report
-from commlens.agent.demo import Fault, run
-from commlens.agent.timeline import read_facts
+from commlens.agent.verdicts import report
+from commlens.agent.cli.demo import Fault, run
+from commlens.agent.verdicts.timeline import read_facts
 from commlens.hooks import native
 from monitoring import Demo, Prometheus, installed, wait_for
 
@@ -178,7 +178,7 @@ def test_keep_serving_ends_on_sigterm_or_ctrl_c_stopping_every_rank_and_printing
     ``kill -- -PGID`` or a test harness would), and Ctrl-C (a terminal signals the whole group)."""
     import signal
 
-    from commlens.agent.ports import is_free
+    from commlens.agent.cli.ports import is_free
 
     with Demo(tmp_path, 2, 3) as demo:
         demo.wait_serving()

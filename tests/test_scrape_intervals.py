@@ -9,8 +9,8 @@ import pathlib
 import pytest
 import yaml
 
-from commlens.agent.readers import scrape_interval_s
-from commlens.agent.rules import at_interval, parse_interval
+from commlens.agent.verdicts.readers import scrape_interval_s
+from commlens.agent.verdicts.rule_files import at_interval, parse_interval
 from commlens.agent.verdicts.catalogue import VERDICT_ALERTS
 from monitoring import Prometheus, promtool, wait_for
 from ports import free_port

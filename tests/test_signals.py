@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from commlens.agent.readers import spans_in
+from commlens.agent.verdicts.readers import spans_in
 from commlens.exporters import names
 from ports import free_port, free_ports
 

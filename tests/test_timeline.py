@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from commlens.agent.readers import spans_in
+from commlens.agent.verdicts.readers import spans_in
 from monitoring import TrainingJob
 
 WORLD = 4

@@ -19,8 +19,8 @@ import pytest
 
 from commlens.agent.verdicts import findings
 from commlens.agent.verdicts.catalogue import VERDICT_ALERTS
-from commlens.agent.facts import RankFacts
-from commlens.agent.readers import from_files, from_metrics_texts
+from commlens.agent.verdicts.facts import RankFacts
+from commlens.agent.verdicts.readers import from_files, from_metrics_texts
 from commlens.exporters import names
 from monitoring import PARALLEL_SCRIPT, Alertmanager, Prometheus, TrainingJob, Webhook, culprits, wait_for
 

@@ -1,4 +1,4 @@
-"""Imported at start-up by every Python process that ``commlens run`` starts (see agent/launch.py).
+"""Imported at start-up by every Python process that ``commlens run`` starts (see agent/cli/launch.py).
 
 In a distributed rank it starts commlens; in any other process it does nothing. Telemetry never
 stops the job: if commlens cannot start, the rank says why on stderr, leaves a note saying so in the
@@ -28,7 +28,7 @@ def _start_in_rank() -> None:
 
 
 def _note(rank: str, error: Exception) -> None:
-    """The note that the verdict reads (agent/readers.py: ``NOT_STARTED``)."""
+    """The note that the verdict reads (agent/verdicts/readers.py: ``NOT_STARTED``)."""
     path = os.environ.get("COMMLENS_NOT_STARTED", "").replace("{rank}", rank)
     if not path:
         return

@@ -1,5 +1,7 @@
-"""The verdicts: what kinds there are (``catalogue``, with their alert rules in ``rules/``), a verdict
-(``Finding``), and the detectors that find them in ranks' facts (``findings``; docs/verdicts.md).
+"""The verdicts: what kinds there are (``catalogue``, with their alert rules in ``rules/`` and their
+scrape-interval forms in ``rule_files``), a verdict (``Finding``), the detectors that find them in ranks'
+facts (``facts``, ``findings``; docs/verdicts.md), the readers that build those facts from files,
+endpoints and Prometheus (``readers``), and what a person reads: ``diagnose``, ``timeline``, ``report``.
 
 Example::
 

@@ -14,7 +14,7 @@ import dataclasses
 import statistics
 from typing import Any, Iterable
 
-from ..facts import GroupFacts, RankFacts, ranges
+from .facts import GroupFacts, RankFacts, ranges
 from .catalogue import KINDS
 from .finding import Finding
 

@@ -21,13 +21,13 @@ import threading
 import time
 
 from commlens.hooks import extension
-from .config import Config, ConfigError
+from ..config import Config, ConfigError
 from .ports import refuse_taken
-from .readers import NO_TELEMETRY, NOT_STARTED, attempts_in, kept_and_said
+from ..verdicts.readers import NO_TELEMETRY, NOT_STARTED, attempts_in, kept_and_said
 
 OUT_ROOT = "commlens-out"
 """Where each job's folder goes, under the current folder, unless ``--out`` says."""
-AUTOSTART = os.path.join(os.path.dirname(os.path.abspath(__file__)), "autostart")
+AUTOSTART = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "autostart")
 MARKER = "COMMLENS_AUTOSTART"
 
 
@@ -83,8 +83,7 @@ def conclude(folder: str) -> tuple[list[str], list[str]]:
 
 
 def _conclude_one(folder: str) -> tuple[list[str], list[str]]:
-    from . import diagnose, report, timeline
-    from .verdicts import findings
+    from ..verdicts import diagnose, findings, report, timeline
 
     unread: list[str] = []
     found, facts = timeline.read_facts(folder, kept_and_said(unread))
@@ -220,7 +219,7 @@ def _call_forwarding_signals(command: list[str], env: dict[str, str]) -> int:
 
 def serve_pod(settings: dict[str, str]) -> int:
     """``commlens sidecar``: serve the rings in ``COMMLENS_RING_DIR`` until SIGTERM or SIGINT."""
-    from .pod import PodSidecar
+    from ..pod import PodSidecar
 
     config = Config.from_env({**os.environ, **settings, "RANK": "0", "LOCAL_RANK": "0"})
     if config.ring_dir is None:

@@ -66,7 +66,7 @@ def prometheus_rule(rules: str, interval_s: int, source: str = "deploy/prometheu
     """The PrometheusRule (Prometheus operator) holding ``rules``' groups at ``interval_s``, comments kept."""
     groups = at_interval(rules, interval_s)
     groups = groups[groups.index("\ngroups:") + 1:]
-    return (f"# Built from {source} for scrapes every {_duration(interval_s, ' ')} (commlens.agent.rules); "
+    return (f"# Built from {source} for scrapes every {_duration(interval_s, ' ')} (commlens.agent.verdicts.rule_files); "
             "do not edit\napiVersion: monitoring.coreos.com/v1\nkind: PrometheusRule\nmetadata:\n  name: commlens\n"
             "  labels:\n    app.kubernetes.io/part-of: commlens\nspec:\n"
             + "".join(f"  {line}" if line.strip() else line for line in groups.splitlines(keepends=True)))

@@ -148,10 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                         "as one HTML page, from its trace files")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["diagnose"], ["timeline"], ["report"]):  # each parses its own arguments
-        return importlib.import_module(f".{argv[0]}", __package__).main(argv[1:])
+        return importlib.import_module(f"..verdicts.{argv[0]}", __package__).main(argv[1:])
     args = parser.parse_args(argv)
 
-    from .config import Config, ConfigError
+    from ..config import Config, ConfigError
 
     if args.command in ("run", "sidecar"):
         from .launch import run as run_command, serve_pod
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         import pathlib
 
         from .assets import write_assets
-        from .rules import parse_interval
+        from ..verdicts.rule_files import parse_interval
 
         try:
             interval = None if args.scrape_interval is None else parse_interval(args.scrape_interval)
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
               "deploy/prometheus-rules.yaml for Prometheus, deploy/kubernetes/ for kubectl apply -k")
         return 0
     if args.command == "dump":
-        from .job_dumps import request_dumps
+        from ..job_dumps import request_dumps
 
         try:
             request_dumps(args.store, args.job_id)
@@ -217,13 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     print(outcome.summary)
     report = (outcome.analyzer.stdout + outcome.analyzer.stderr).strip()
     print("torchfrtrace:", report or "no mismatch found")
-    from .timeline import OPEN_IN
+    from ..verdicts.timeline import OPEN_IN
 
     _, written = conclude(out)
     print(f"the job's files are in {out}: {', '.join(map(os.path.basename, written))} (timeline.json: {OPEN_IN}; "
           "report.html: open it in a browser)")
     return outcome.analyzer.returncode
 
-
-if __name__ == "__main__":
-    sys.exit(main())

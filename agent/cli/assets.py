@@ -15,8 +15,8 @@ import re
 from importlib.resources import files
 from importlib.resources.abc import Traversable
 
-from . import rules
-from .config import ConfigError
+from ..config import ConfigError
+from ..verdicts import rule_files
 
 PACKAGES = ("dashboards", "deploy")
 """The folders of the repository that ship as ``commlens.<name>``; their build scripts stay behind."""
@@ -25,15 +25,15 @@ PACKAGES = ("dashboards", "deploy")
 def write_assets(folder: pathlib.Path, interval_s: int | None = None) -> list[pathlib.Path]:
     """Copy every shipped asset under ``folder`` (new or empty); returns the files written. With
     ``interval_s``, the alert rules, the PrometheusRule and the PodMonitor are written for Prometheus
-    scraping every ``interval_s`` seconds (``rules.at_interval``)."""
+    scraping every ``interval_s`` seconds (``rule_files.at_interval``)."""
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise ConfigError(f"{folder} is not accepted: give a new or empty folder (nothing there is overwritten)")
     written = [path for name in PACKAGES for path in _copy(files(f"commlens.{name}"), folder / name)]
     if interval_s is not None:
         deploy = folder / "deploy"
         source = (deploy / "prometheus-rules.yaml").read_text()
-        (deploy / "prometheus-rules.yaml").write_text(rules.at_interval(source, interval_s))
-        (deploy / "kubernetes" / "prometheusrule.yaml").write_text(rules.prometheus_rule(source, interval_s))
+        (deploy / "prometheus-rules.yaml").write_text(rule_files.at_interval(source, interval_s))
+        (deploy / "kubernetes" / "prometheusrule.yaml").write_text(rule_files.prometheus_rule(source, interval_s))
         monitor = deploy / "kubernetes" / "podmonitor.yaml"
         monitor.write_text(re.sub(r"interval: \d+[sm]\b", f"interval: {interval_s}s", monitor.read_text()))
     return written

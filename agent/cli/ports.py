@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import socket
 
-from .config import ConfigError
+from ..config import ConfigError
 
 
 def free_port() -> int:

@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 from commlens.exporters import names
 
 from .facts import RankFacts
-from .verdicts import findings
+from .detectors import findings
 from .readers import NO_TELEMETRY_EXIT, clock_offsets as _offsets, from_files, say_skipped
 
 

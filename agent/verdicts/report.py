@@ -19,7 +19,7 @@ import sys
 from .diagnose import caveats, notes
 from .diagnose import verdict as verdict_lines
 from .facts import RankFacts
-from .verdicts import findings
+from .detectors import findings
 from .readers import NO_TELEMETRY, NO_TELEMETRY_EXIT, kept_and_said
 from .timeline import Slice, aligned, clock_offsets, durations_ms, quantile, read_facts
 

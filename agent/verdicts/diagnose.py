@@ -17,7 +17,8 @@ import urllib.error
 import urllib.parse
 
 from .facts import RankFacts
-from .verdicts import Finding, findings
+from .detectors import findings
+from .finding import Finding
 from .readers import (NO_TELEMETRY, NO_TELEMETRY_EXIT, attempts_in, from_endpoints, from_files, from_prometheus,
                       kept_and_said)
 

@@ -213,7 +213,7 @@ def run(world_size: int, steps: int, out_dir: str, faults: tuple[Fault, ...] = (
     summary, each rank's result and torchfrtrace's run."""
     os.makedirs(out_dir, exist_ok=True)
     environment = environment or demo_environment(out_dir, world_size, demo_job_id())
-    from commlens.agent.config import Config
+    from ..config import Config
     from commlens.hooks import distributed
 
     config = Config.from_env({**os.environ, **environment})  # a bad setting fails here, before any rank starts
@@ -254,8 +254,8 @@ def summarize(results: list[dict], out_dir: str, faults: tuple[Fault, ...] = ())
     """The closing summary: per op, then per rank, then the verdict that ``commlens diagnose`` gives
     on the job's trace files and dumps, with the training step of each finding; the injected faults
     are listed apart, labelled as such — no verdict line is derived from them."""
-    from .verdicts import findings
-    from .timeline import durations_ms, quantile, read_facts
+    from ..verdicts import findings
+    from ..verdicts.timeline import durations_ms, quantile, read_facts
 
     found, facts = read_facts(out_dir)  # the report's read: its percentiles, its verdict
     durations = durations_ms(found, lambda s: (s.op,))

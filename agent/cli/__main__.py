@@ -1,0 +1,7 @@
+"""``python -m commlens.agent.cli``: the ``commlens`` command."""
+
+import sys
+
+from .main import main
+
+sys.exit(main())
