@@ -67,8 +67,11 @@ def test_imports_point_one_way_and_never_in_a_circle():
 
 
 def _wing(module: str) -> str | None:
-    """The agent's part a module belongs to: ``verdicts``, ``cli`` or ``runtime`` (None: not the agent's)."""
-    if module == "commlens.agent" or not module.startswith("commlens.agent."):
+    """The agent's part a module belongs to: ``verdicts``, ``cli`` or ``runtime`` (its package's lazy names
+    are the runtime's); None: not the agent's."""
+    if module == "commlens.agent":
+        return "runtime"
+    if not module.startswith("commlens.agent."):
         return None
     part = module.split(".")[2]
     return part if part in ("verdicts", "cli") else "runtime"
