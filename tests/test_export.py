@@ -304,7 +304,8 @@ def test_a_scrape_is_served_when_no_thread_can_be_started_for_it(monkeypatch):
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
             assert b"commlens_test_up 1.0" in response.read()
-        assert metrics.done == 1
+        with metrics.scraped:  # counted done once the server has flushed it, which the client may read before
+            assert metrics.scraped.wait_for(lambda: metrics.done == 1, 30)
     finally:
         monkeypatch.undo()
         server.shutdown()
