@@ -16,7 +16,7 @@ import os
 import urllib.parse
 from typing import Mapping
 
-from commlens.hooks.flight_recorder import ATTEMPT_ENV
+from commlens.ring.dumps import ATTEMPT_ENV
 
 from .stats import DETAILS
 
@@ -42,7 +42,7 @@ class Config:
     attempt: int = 0
     """The job's elastic restarts before this run of the rank (torchrun's ``TORCHELASTIC_RESTART_COUNT``):
     a restarted attempt numbers its collectives from 0 again, and writes its files in its own folder
-    (``flight_recorder.attempt_path``)."""
+    (``commlens.ring.dumps.attempt_path``)."""
     drain_interval_s: float = 0.5
     """The longest between two drains: the in-process sidecar drains sooner when a quarter of the ring has
     filled; the pod sidecar, which no rank can wake, every ``POD_DRAIN_S`` at most."""

@@ -16,8 +16,8 @@ import threading
 from typing import Iterable
 
 from commlens.exporters.telemetry import GroupInFlight
-from commlens.hooks.ops import OPS
-from commlens.hooks.ring import END, START, Record
+from commlens.ring.layout import END, START, Record
+from commlens.ring.ops import OPS
 
 from .shapes import Shapes
 

@@ -18,8 +18,10 @@ import collections
 from typing import Callable, Sequence
 
 from commlens.exporters.telemetry import Collective
-from commlens.hooks.ring import (END, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, NAN_OUTPUT, NOT_ISSUED, REASONS,
-                                 SNAPSHOT, START, STATUS, Folded, Record, Ring)
+from commlens.ring.layout import (END, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, NAN_OUTPUT, NOT_ISSUED, REASONS,
+                                  SNAPSHOT, START, STATUS, Record)
+from commlens.ring.memory import Ring
+from commlens.ring.reader import Folded
 
 from .inflight import InFlight
 from .nonfinite import LossScaleHold, NonfiniteInputs, kinds

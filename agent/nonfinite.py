@@ -18,8 +18,9 @@ import json
 from typing import Callable, Iterator
 
 from commlens.exporters.telemetry import Collective, NonfiniteEntry
-from commlens.hooks.ops import OPS
-from commlens.hooks.ring import LOSS_SCALE, NAN, NAN_HAS_INF, NAN_HAS_NAN, NAN_OUTPUT, START, Folded, Record
+from commlens.ring.layout import LOSS_SCALE, NAN, NAN_HAS_INF, NAN_HAS_NAN, NAN_OUTPUT, START, Record
+from commlens.ring.ops import OPS
+from commlens.ring.reader import Folded
 
 from .shapes import UNMARKED, Shapes
 from .stats import Stats

@@ -23,7 +23,7 @@ from commlens.exporters.otlp import (BatchSpanProcessor, GrpcSpanExporter, HttpS
                                      SpanExporter)
 from commlens.exporters.otlp_metrics import MetricsPusher
 from commlens.exporters.prometheus import serve
-from commlens.hooks.flight_recorder import attempt_path
+from commlens.ring.dumps import attempt_path
 
 from .config import Config, ConfigError
 

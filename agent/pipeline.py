@@ -24,8 +24,9 @@ from typing import Any, Callable, Mapping
 from commlens.exporters.otlp import BatchSpanProcessor
 from commlens.exporters.prometheus import MetricsCollector
 from commlens.exporters.telemetry import Collective, GroupInFlight, StatsSnapshot
-from commlens.hooks.flight_recorder import write_dump
-from commlens.hooks.ring import ERRORS, Ring
+from commlens.ring.dumps import write_dump
+from commlens.ring.layout import ERRORS
+from commlens.ring.memory import Ring
 
 from .config import Config
 from .outputs import span_processor
@@ -49,9 +50,9 @@ class RankPipeline:
         self._errors_before = dict.fromkeys(ERRORS, 0)
         self.metrics = MetricsCollector(self, DURATION_BUCKETS, exposed_buckets(config.metrics_detail))
         self.signalled_ns: int | None = None
-        """When the rank was signalled to stop, in its dumps from then on (``flight_recorder.DUMP_SIGNALLED``)."""
+        """When the rank was signalled to stop, in its dumps from then on (``dumps.DUMP_SIGNALLED``)."""
         self.reasons: tuple[str, ...] = ()
-        """Why the rank's dumps were written so far (``flight_recorder.DUMP_REASONS``)."""
+        """Why the rank's dumps were written so far (``dumps.DUMP_REASONS``)."""
 
     def follow(self, ring: Ring) -> Sidecar:
         """Drain ``ring`` from now on, from its stored cursor (the rank's first ring, or a restarted

@@ -22,8 +22,8 @@ import time
 from typing import Callable
 
 from commlens.exporters.prometheus import MetricsCollector, PodCollector
-from commlens.hooks.flight_recorder import dump_ring
-from commlens.hooks.ring import RING_FILES, Ring
+from commlens.ring.dumps import dump_ring
+from commlens.ring.memory import RING_FILES, Ring
 
 from .config import Config
 from .outputs import MetricsOut

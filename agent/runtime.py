@@ -21,8 +21,8 @@ from typing import Any
 
 from commlens.hooks import (FlightRecorderHook, cuda, NanCheckHook, attribution, instrument, process_ring, record,
                             register_abort_hook, uninstrument, watch_loss_scaling)
-from commlens.hooks.flight_recorder import write_end_note
-from commlens.hooks.ring import ring_file
+from commlens.ring.dumps import write_end_note
+from commlens.ring.memory import ring_file
 
 from .config import Config, ConfigError
 from .job_dumps import JobDumps

@@ -13,9 +13,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from commlens.exporters.telemetry import Collective
-from commlens.hooks.ops import OPS
-from commlens.hooks.record import decode_group, decode_signature
-from commlens.hooks.ring import FLAG_ASYNC, FLAG_LAST_BUCKET, NAN_HAS_INF, NAN_HAS_NAN, PHASES, START, Record, Ring
+from commlens.ring.codec import decode_group, decode_signature
+from commlens.ring.layout import FLAG_ASYNC, FLAG_LAST_BUCKET, NAN_HAS_INF, NAN_HAS_NAN, PHASES, START, Record
+from commlens.ring.memory import Ring
+from commlens.ring.ops import OPS
 
 from .stats import ALL, bus_factor, size_class
 

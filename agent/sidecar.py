@@ -19,7 +19,9 @@ import time
 from typing import Callable, Sequence
 
 from commlens.exporters.telemetry import HAND_OVER_S, Collective, GroupInFlight
-from commlens.hooks.ring import Folded, Record, Ring, RingReader
+from commlens.ring.layout import Record
+from commlens.ring.memory import Ring
+from commlens.ring.reader import Folded, RingReader
 
 from .join import RecordJoin, keep_all
 from .stats import Stats

@@ -18,18 +18,19 @@ import time
 from commlens.agent.config import Config
 from commlens.agent.outputs import span_processor
 from commlens.agent.sidecar import Sidecar
-from commlens.hooks.ops import OpName
 from commlens.hooks import record
-from commlens.hooks.ops import CODE
-from commlens.hooks.ring import Ring
+from commlens.ring import codec
+from commlens.ring.memory import Ring
+from commlens.ring.ops import OpName
+from commlens.ring.ops import CODE
 
 
 def drain_us(collectives: int, per_drain: int, budget: bool, gpu: bool = False) -> float:
     """CPU µs per collective of ``Sidecar.drain`` over ``collectives`` all_reduces of 4 KiB (``gpu``:
     each timed on a GPU, its GPU_START 0.2 ms after issue)."""
     ring = Ring(slots=1 << 16)
-    group = ring.intern(record.encode_group("0", "default", [0, 1], 0, "gloo"))
-    sig = ring.intern(record.encode_signature([([1024], "Float")], [([1024], "Float")]))
+    group = ring.intern(codec.encode_group("0", "default", [0, 1], 0, "gloo"))
+    sig = ring.intern(codec.encode_signature([([1024], "Float")], [([1024], "Float")]))
     code = CODE[OpName.all_reduce]
     kept = []
     sample = (lambda pg, seqs, is_p2p: [])

@@ -24,7 +24,8 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from commlens.agent.sidecar import Sidecar
 from commlens.exporters.otlp import BatchSpanProcessor
 from commlens.hooks import record
-from commlens.hooks.ring import Ring
+from commlens.ring import codec
+from commlens.ring.memory import Ring
 
 COLLECTIVES = 50_000
 ROUNDS = 5
@@ -32,8 +33,8 @@ ROUNDS = 5
 
 def drain_rate() -> float:
     ring = Ring(slots=1 << 18)
-    group = ring.intern(record.encode_group("0", "default_pg", [0, 1, 2, 3], 0, "gloo"))
-    sig = ring.intern(record.encode_signature([([1024], "Float")], [([1024], "Float")]))
+    group = ring.intern(codec.encode_group("0", "default_pg", [0, 1, 2, 3], 0, "gloo"))
+    sig = ring.intern(codec.encode_signature([([1024], "Float")], [([1024], "Float")]))
     rates, op_id, t = [], 0, 0
     for _ in range(ROUNDS):
         sidecar = Sidecar(ring, rank=0, hang_threshold_s=1e9)

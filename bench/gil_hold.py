@@ -31,14 +31,15 @@ def delays_us(config: str, seconds: float, trace_file: str) -> tuple[list[float]
     from commlens.agent.config import Config
     from commlens.agent.outputs import span_processor
     from commlens.agent.sidecar import Sidecar
-    from commlens.hooks.ops import OpName
+    from commlens.ring.ops import OpName
     from commlens.hooks import record
-    from commlens.hooks.ops import CODE
-    from commlens.hooks.ring import Ring
+    from commlens.ring import codec
+    from commlens.ring.ops import CODE
+    from commlens.ring.memory import Ring
 
     ring = Ring(slots=1 << 16)
-    group = ring.intern(record.encode_group("0", "default", [0, 1], 0, "gloo"))
-    sig = ring.intern(record.encode_signature([([1024], "Float")], [([1024], "Float")]))
+    group = ring.intern(codec.encode_group("0", "default", [0, 1], 0, "gloo"))
+    sig = ring.intern(codec.encode_signature([([1024], "Float")], [([1024], "Float")]))
     code = CODE[OpName.all_reduce]
     sidecar = spans = None
     if config == "sidecar":

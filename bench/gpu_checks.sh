@@ -16,12 +16,12 @@ nvidia-smi -L
 python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'NCCL', torch.cuda.nccl.version())"
 include=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 suffix=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-for source in hooks/_*.c; do  # the C extensions (pyproject.toml's), built in place
+for source in ring/_*.c hooks/_*.c; do  # the C extensions (pyproject.toml's), built in place
     cc -O3 -std=c11 -shared -fPIC -I"$include" "$source" -o "${source%.c}$suffix" || exit 1
 done
 site=$(mktemp -d)
 mkdir "$site/commlens"
-for part in hooks agent exporters dashboards deploy; do ln -s "$PWD/$part" "$site/commlens/$part"; done
+for part in ring hooks agent exporters dashboards deploy; do ln -s "$PWD/$part" "$site/commlens/$part"; done
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 echo "== the GPU extension (hooks/_gpu.cpp), built against this torch"
 SECONDS=0

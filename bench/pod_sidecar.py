@@ -107,7 +107,8 @@ def drain(slots: int) -> None:
     from commlens.agent.config import Config
     from commlens.agent.pod import PodSidecar
     from commlens.hooks import record
-    from commlens.hooks.ring import Ring, ring_file
+    from commlens.ring import codec
+    from commlens.ring.memory import Ring, ring_file
 
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     print(f"2. drain: {RANKS} rings x {slots} records, one PodSidecar on one core:")
@@ -117,8 +118,8 @@ def drain(slots: int) -> None:
             for rank in range(RANKS):
                 ring = Ring(slots=slots, path=ring_file(folder, rank))
                 ring.describe({"rank": rank, "local_rank": rank, "world_size": RANKS, "job": "bench"})
-                group = ring.intern(record.encode_group("0", "default_pg", list(range(RANKS)), rank, "gloo"))
-                sig = ring.intern(record.encode_signature([([256], "Float")], [([256], "Float")]))
+                group = ring.intern(codec.encode_group("0", "default_pg", list(range(RANKS)), rank, "gloo"))
+                sig = ring.intern(codec.encode_signature([([256], "Float")], [([256], "Float")]))
                 began = time.monotonic_ns()
                 for op_id in range(1, slots // 2 + 1):
                     t_ns = began + op_id * 1_000_000

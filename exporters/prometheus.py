@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.samples import Exemplar
 
-from commlens.hooks.ring import ERRORS, REASONS
+from commlens.ring.layout import ERRORS, REASONS
 
 from . import names
 from .otlp import trace_id, trace_scope

@@ -17,7 +17,6 @@ Names are imported on first use: what reads a ring imports no torch.
 """
 
 from .lazy import lazy_names
-from . import ring as _ring_module  # noqa: F401 — loaded first, so that ``ring`` below names the function
 
 
 def ring():
@@ -33,7 +32,8 @@ _HOMES = {
     "AbortHookArgs": "ops", "OpName": "ops", "PostHookArgs": "ops", "PreHookArgs": "ops",
     "RemovableHandle": "registry", "hook_errors": "registry", "register_abort_hook": "registry",
     "register_post_hook": "registry", "register_pre_hook": "registry",
-    "END": "ring", "NAN": "ring", "START": "ring", "Record": "ring", "Ring": "ring", "RingReader": "ring",
+    "END": "commlens.ring", "NAN": "commlens.ring", "START": "commlens.ring", "Record": "commlens.ring",
+    "Ring": "commlens.ring", "RingReader": "commlens.ring",
 }
 
 __all__ = sorted([*_HOMES, "ring"])

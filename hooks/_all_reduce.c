@@ -462,7 +462,7 @@ PyMODINIT_FUNC PyInit__all_reduce(void) {
     issuing_now = (int (*)(void))PyCapsule_Import("commlens.hooks._issuing.now", 0);
     issuing_set = (int (*)(int))PyCapsule_Import("commlens.hooks._issuing.set", 0);
     write_record = (uint64_t(*)(PyObject *, const unsigned long long *))PyCapsule_Import(
-        "commlens.hooks._producer.write_record", 0);
+        "commlens.ring._producer.write_record", 0);
     if (issuing_now == NULL || issuing_set == NULL || write_record == NULL)
         return NULL;
     const char *strings[] = {"hooked", "checking_inputs", "reporting", "active", "where", "current", "producer", "is_cuda",

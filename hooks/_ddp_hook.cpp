@@ -49,7 +49,7 @@ void* pointer_in(const py::capsule& capsule, const char* name) {
 void init(py::capsule issuing_set, py::capsule write) {
   set_issuing = reinterpret_cast<int (*)(int)>(pointer_in(issuing_set, "commlens.hooks._issuing.set"));
   write_record = reinterpret_cast<uint64_t (*)(PyObject*, const unsigned long long*)>(
-      pointer_in(write, "commlens.hooks._producer.write_record"));
+      pointer_in(write, "commlens.ring._producer.write_record"));
 }
 
 // What the hook lets go of only with the GIL, on the thread that runs backward: begin()'s results

@@ -112,7 +112,7 @@ int64_t issued = 0;  // ends and checks so far: their order
 
 void init(int64_t size, py::capsule write_at,
           std::tuple<unsigned long long, unsigned long long, unsigned long long> kinds) {
-  void* pointer = PyCapsule_GetPointer(write_at.ptr(), "commlens.hooks._producer.write_record_at");
+  void* pointer = PyCapsule_GetPointer(write_at.ptr(), "commlens.ring._producer.write_record_at");
   if (pointer == nullptr) {
     throw py::error_already_set();
   }

@@ -15,9 +15,11 @@ from typing import Any, Callable, Union
 
 import torch
 
-from . import _producer, extension, process_ring, record
+from commlens.ring import _producer
+from commlens.ring.layout import GPU_START, NAN_HAS_INF, NAN_HAS_NAN
+
+from . import extension, process_ring, record
 from .futures import when_done
-from .ring import GPU_START, NAN_HAS_INF, NAN_HAS_NAN
 
 POOL = 4096
 Done = Union[Callable[[int, int], None], tuple[Any, tuple[int, ...]]]

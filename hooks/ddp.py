@@ -21,13 +21,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from . import _issuing, _producer, extension, groups, issuing, process_ring, signatures
+from commlens.ring import _producer
+from commlens.ring.layout import ERROR, NOT_ISSUED, OK
+from commlens.ring.ops import OpName
+
+from . import _issuing, extension, groups, issuing, process_ring, signatures
 from .futures import then, when_done
-from .ops import OpName
 from .patch import Patches
-from .registry import post_hooks
 from .recorder import InFlight
-from .ring import ERROR, NOT_ISSUED, OK
+from .registry import post_hooks
+
 
 @dataclasses.dataclass
 class DdpBucket:

@@ -20,12 +20,13 @@ from typing import Callable
 import torch
 import torch.distributed.distributed_c10d as c10d
 
+from commlens.ring.layout import END, NAN, OK, START
+from commlens.ring.ops import CODE, OpName
+
 from . import cuda, ddp, extension, finite, functional, futures, groups, issuing, native, poller, process_ring, record, recorder, registry, signatures
 from ._all_reduce import AllReduce
 from .issuing import set_issuing
-from .ops import CODE, OpName
 from .patch import Patches, PatchError
-from .ring import END, NAN, OK, START
 
 
 # Each mirrors the signature of the torch.distributed function of the same name and returns

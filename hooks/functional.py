@@ -14,11 +14,12 @@ import torch
 import torch.distributed.distributed_c10d as c10d
 import torch.distributed._functional_collectives as funcol
 
+from commlens.ring.layout import OK
+from commlens.ring.ops import OpName
+
 from . import groups, issuing, process_ring
-from .ops import OpName
 from .patch import Patches
 from .recorder import InFlight
-from .ring import OK
 
 
 def _resized(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:

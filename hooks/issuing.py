@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from commlens.ring.ops import OpName
+
 from . import _issuing, process_ring
-from .ops import OpName
 from .record import Group
 from .recorder import HookRaised, InFlight, all_tensors, begin
 

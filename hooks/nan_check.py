@@ -14,10 +14,12 @@ from typing import Any
 
 import torch
 
+from commlens.ring.layout import NAN_HAS_INF as FLAG_INF, NAN_HAS_NAN as FLAG_NAN, NAN_OUTPUT as FLAG_OUTPUT
+from commlens.ring.ops import OpName
+
 from . import cuda, finite
-from .ops import OpName, PostHookArgs, PreHookArgs
+from .ops import PostHookArgs, PreHookArgs
 from .registry import register_input_check, register_post_hook
-from .ring import NAN_HAS_INF as FLAG_INF, NAN_HAS_NAN as FLAG_NAN, NAN_OUTPUT as FLAG_OUTPUT
 
 MODES = ("report", "raise")
 

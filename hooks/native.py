@@ -21,8 +21,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed.distributed_c10d as c10d
 
+from commlens.ring.ops import OpName
+
 from . import _issuing, extension, groups, issuing, process_ring, recorder
-from .ops import OpName
 from .patch import Patches
 from .recorder import InFlight
 

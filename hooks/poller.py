@@ -11,9 +11,10 @@ import threading
 import weakref
 from typing import Any, Callable, Protocol
 
+from commlens.ring.layout import OK
+
 from . import process_ring
 from .record import status_of
-from .ring import OK
 
 
 class InFlight(Protocol):

@@ -13,7 +13,7 @@ import os
 import threading
 import warnings
 
-from .ring import Ring
+from commlens.ring.memory import Ring
 
 current: Ring | None = None
 """The ring once created (``ring()``): the hot path reads this, and calls ``ring()`` only while None."""

@@ -1,15 +1,14 @@
-"""The record: how one collective is written into the ring, and the strings its records refer to.
+"""The record: how one collective is written into the ring, and each group's numbers.
 
-The one module that writes records (``ring.py`` holds their layout and codes; ``Ring.write`` is
-positional and C). Every record of one op carries the op's fields, always in this order:
+The one module that writes records (``commlens.ring.layout`` holds their layout and codes; ``Ring.write``
+is positional and C). Every record of one op carries the op's fields, always in this order:
 
-* ``op``: its code (``ops.OPS``), ``pg``: the string id of its group (``encode_group``),
+* ``op``: its code (``commlens.ring.ops.CODE``), ``pg``: the string id of its group (``encode_group``),
 * ``op_id``: unique in the process, ``seq``: its number in the group (``Group``: c10d's formula),
 * ``nbytes``: its payload, ``sig``: the string id of its tensors' shapes and dtypes
   (``encode_signature``), ``peer``: its root or peer as a group rank (-1: none).
 
-The strings are JSON, and every reader decodes them here (``decode_group``, ``decode_signature``).
-Nothing here imports torch: the pod sidecar reads through this module.
+The strings are JSON (``commlens.ring.codec``, where every reader decodes them).
 
 Example::
 
@@ -21,11 +20,13 @@ Example::
 from __future__ import annotations
 
 import itertools
-import json
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
+
+from commlens.ring.codec import encode_group
+from commlens.ring.layout import (END, ERROR, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, OK, REASONS, SNAPSHOT,
+                                   START, TIMEOUT)
 
 from . import process_ring
-from .ring import END, ERROR, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, OK, REASONS, SNAPSHOT, START, TIMEOUT
 
 Write = Callable[..., int]
 """``Ring.write``: (kind, op, flags, pg, op_id, seq, nbytes, sig, peer, aux, where=0, t_ns=now) -> t_ns."""
@@ -105,66 +106,6 @@ def status_of(error: BaseException | None) -> int:
     if error is None:
         return OK
     return TIMEOUT if "timed out" in str(error).lower() or "timeout" in type(error).__name__.lower() else ERROR
-
-
-class GroupDescription(NamedTuple):
-    """A group as its records describe it: ``name``, ``desc``, global ``ranks``, the writer's ``rank``."""
-
-    name: str
-    desc: str
-    ranks: list[int]
-    rank: int
-    backend: str
-
-    @property
-    def own_rank(self) -> int:
-        """The writer's rank in the group (-1: not in it)."""
-        return self.ranks.index(self.rank) if self.rank in self.ranks else -1
-
-
-def encode_group(name: str, desc: str, ranks: list[int], rank: int, backend: str) -> str:
-    return json.dumps({"name": name, "desc": desc, "ranks": ranks, "rank": rank, "backend": backend})
-
-
-def decode_group(text: str) -> GroupDescription | None:
-    """The group ``encode_group`` described; None for text that is not one."""
-    try:
-        found = json.loads(text)
-        return GroupDescription(str(found["name"]), str(found.get("desc", "")), [int(r) for r in found["ranks"]],
-                                int(found.get("rank", -1)), str(found.get("backend", "")))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-class Signature(NamedTuple):
-    """An op's tensors as its ``sig`` string gives them: shapes and c10 dtype names ("Float")."""
-
-    in_sizes: list[list[int]]
-    in_dtypes: list[str]
-    out_sizes: list[list[int]]
-    out_dtypes: list[str]
-
-    @property
-    def dtype(self) -> str:
-        """The op's dtype: its first input's, else its first output's ("" when it has no tensors)."""
-        return (self.in_dtypes or self.out_dtypes or [""])[0]
-
-
-NO_SIGNATURE = Signature([], [], [], [])
-
-
-def encode_signature(inputs: list[tuple[list[int], str]], outputs: list[tuple[list[int], str]]) -> str:
-    """The ``sig`` string of an op whose inputs and outputs have these (shape, dtype name) pairs."""
-    return json.dumps([[s for s, _ in inputs], [d for _, d in inputs], [s for s, _ in outputs], [d for _, d in outputs]])
-
-
-def decode_signature(text: str) -> Signature:
-    """The signature ``encode_signature`` wrote; ``NO_SIGNATURE`` for text that is not one."""
-    try:
-        in_sizes, in_dtypes, out_sizes, out_dtypes = json.loads(text)
-    except (ValueError, TypeError):
-        return NO_SIGNATURE
-    return Signature(in_sizes, in_dtypes, out_sizes, out_dtypes)
 
 
 class Group:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, NoReturn
 
+from commlens.ring.layout import FLAG_ASYNC, FLAG_LAST_BUCKET, OK, STATUS
+from commlens.ring.ops import CODE, OPS, OpName
+
 from . import cuda, finite, process_ring, record, signatures
 from .futures import when_done
-from .ops import CODE, OPS, OpName, AbortHookArgs, PostHookArgs, PreHookArgs
+from .ops import AbortHookArgs, PostHookArgs, PreHookArgs
 from .poller import poller
 from .record import Group, new_op_id, status_of
 from .registry import abort_hooks, post_hooks, pre_hooks
-from .ring import FLAG_ASYNC, FLAG_LAST_BUCKET, OK, STATUS
 
 
 class HookRaised(Exception):

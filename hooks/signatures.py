@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from commlens.ring.codec import encode_signature
+
 from . import finite, process_ring
-from .record import encode_signature
 
 _DTYPE_NAMES: dict[Any, str] = {}
 _signatures: dict[tuple, tuple[int, int]] = {}

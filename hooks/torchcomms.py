@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from commlens.ring.layout import ERROR, OK
+from commlens.ring.ops import OpName
+
 from . import issuing, process_ring
-from .ops import OpName, PostHookArgs
+from .ops import PostHookArgs
 from .record import Group
 from .recorder import InFlight
-from .ring import ERROR, OK
 from .registry import _Hooks
 
 _ALIASES = {"all_gather_single": OpName.all_gather_into_tensor,

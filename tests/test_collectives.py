@@ -138,7 +138,7 @@ def test_a_raising_hook_is_counted_and_reported_once_and_the_collective_goes_on(
 
 def all_reduce_every_way(rank, world_size):
     """all_reduce as users call it, no hooks registered (its one-frame path), then a bad call."""
-    from commlens.hooks.ring import END, START
+    from commlens.ring.layout import END, START
 
     ch.instrument()
     reader = ch.RingReader(ch.ring(), start=ch.ring().claimed())
@@ -168,7 +168,7 @@ def all_reduce_every_way(rank, world_size):
 
 
 def test_all_reduce_called_every_way_reduces_as_torch_does_and_is_recorded_once_each(run_ranks):
-    from commlens.hooks.ring import END, OK, START
+    from commlens.ring.layout import END, OK, START
 
     for r in run_ranks(all_reduce_every_way, 2):
         assert r["reduced"] == [[3.0] * 3, [2.0] * 3, [1.0] * 3, [3.0] * 3, [3.0] * 3]
@@ -215,7 +215,7 @@ def all_reduce_failing(rank, world_size):
 
 
 def test_an_all_reduce_that_raises_is_recorded_as_failed_and_a_failure_of_commlens_leaves_it_unrecorded(run_ranks):
-    from commlens.hooks.ring import END, ERROR, OK, START
+    from commlens.ring.layout import END, ERROR, OK, START
 
     for r in run_ranks(all_reduce_failing, 2):
         assert r["raised"] == r["unrecorded"]  # torch's own error, as without commlens

@@ -9,10 +9,11 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks, quantization_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import commlens.hooks as ch
 from commlens.hooks import ddp
-from commlens.hooks.ops import CODE
-from commlens.hooks.ring import STATUS
+from commlens.ring.layout import STATUS
+from commlens.ring.ops import CODE
+import commlens.hooks as ch
+
 from monitoring import wait_for
 
 

@@ -20,7 +20,7 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 def test_every_variable_the_code_reads_is_in_the_configuration_reference_with_its_default():
-    read = {name for folder in ("agent", "hooks", "exporters") for path in (ROOT / folder).rglob("*.py")
+    read = {name for folder in ("agent", "hooks", "ring", "exporters") for path in (ROOT / folder).rglob("*.py")
             for name in VARIABLE.findall(path.read_text())}
     defaults = {name: default.strip() for names, default in ROW.findall((ROOT / "docs/configuration.md").read_text())
                 for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", names)}
@@ -107,7 +107,7 @@ def test_each_packages_public_api_is_the_list_in_docs_api():
     listed = {package: {name for item in re.findall(r"^- (.+?): ", body, re.M)
                         for name in re.findall(r"`([A-Za-z_]\w*)", item)}
               for package, body in zip(sections[::2], sections[1::2])}
-    packages = {"commlens.hooks", "commlens.agent", "commlens.agent.verdicts", "commlens.agent.cli", "commlens.exporters"}
+    packages = {"commlens.ring", "commlens.hooks", "commlens.agent", "commlens.agent.verdicts", "commlens.agent.cli", "commlens.exporters"}
     public = {package: set(getattr(importlib.import_module(package), "__all__", ())) for package in packages}
     assert {package for package, names in public.items() if names} == set(listed), "packages with an __all__"
     for package, names in listed.items():

@@ -10,11 +10,12 @@ from torch.distributed.fsdp import fully_shard
 from prometheus_client.parser import text_string_to_metric_families
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-import commlens.agent
-import commlens.hooks as ch
 from commlens.agent import Config
+from commlens.ring.ops import OPS
+import commlens.hooks as ch
+import commlens.agent
+
 from ports import free_ports
-from commlens.hooks.ops import OPS
 
 
 def _c10d_seq():

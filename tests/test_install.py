@@ -45,7 +45,7 @@ def test_every_package_commlens_imports_is_one_it_requires_at_install():
             todo += needed(dist)
     files = {str(f.locate()) for dist in brought for f in metadata.distribution(dist).files or ()}
     imported = set()
-    for folder in ("agent", "hooks", "exporters"):
+    for folder in ("agent", "hooks", "ring", "exporters"):
         for path in (ROOT / folder).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Import):

@@ -6,7 +6,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = {"hooks": "commlens.hooks", "agent": "commlens.agent", "exporters": "commlens.exporters"}
+PACKAGES = {"ring": "commlens.ring", "hooks": "commlens.hooks", "agent": "commlens.agent", "exporters": "commlens.exporters"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -39,12 +39,16 @@ def test_imports_point_one_way_and_never_in_a_circle():
     graph = {name: _imports(name, path) for name, path in modules.items()}
     assert graph["commlens.agent.runtime"] >= {"commlens.agent.pipeline", "commlens.hooks.process_ring"}, graph
     assert graph["commlens.agent.verdicts.detectors"] >= {"commlens.agent.verdicts.facts", "commlens.agent.verdicts.catalogue"}
-    for name, imported in graph.items():  # hooks import neither; exporters only the record types of hooks
-        if name.startswith("commlens.hooks."):
-            assert all(m.startswith("commlens.hooks.") for m in imported), (name, imported)
-        if name.startswith("commlens.exporters."):
-            assert imported <= {m for m in modules if m.startswith("commlens.exporters.")} | {
-                "commlens.hooks.ring", "commlens.hooks.record", "commlens.hooks.ops"}, (name, imported)
+    contract = {"commlens.ring.layout", "commlens.ring.codec", "commlens.ring.ops"}
+    for name, imported in graph.items():
+        if name.startswith("commlens.ring"):  # the ring: nothing but its own; its contract nothing at all
+            assert all(m.startswith("commlens.ring") for m in imported), (name, imported)
+            assert not (imported if name in contract else set()), (name, imported)
+        if name.startswith("commlens.hooks"):  # the training thread: itself and the ring, no reader of it
+            assert all(m.startswith(("commlens.hooks", "commlens.ring")) for m in imported), (name, imported)
+            assert "commlens.ring.reader" not in imported, (name, imported)
+        if name.startswith("commlens.exporters."):  # the ring's contract, nothing that runs hooks
+            assert imported <= {m for m in modules if m.startswith("commlens.exporters.")} | contract, (name, imported)
         wing = _wing(name)  # the agent's runtime imports neither wing; the verdicts nothing of the agent's but theirs
         if wing == "runtime":
             assert not {_wing(m) for m in imported} & {"verdicts", "cli"}, (name, imported)
@@ -79,6 +83,6 @@ def _wing(module: str) -> str | None:
 
 def test_records_are_written_only_through_the_record_module():
     positional = re.compile(r"\bwrite\((START|END|GPU_START|NAN|SNAPSHOT)\b")
-    writers = [path.relative_to(ROOT) for folder in ("hooks", "agent", "exporters", "bench")
+    writers = [path.relative_to(ROOT) for folder in ("ring", "hooks", "agent", "exporters", "bench")
                for path in sorted((ROOT / folder).rglob("*.py")) if positional.search(path.read_text())]
     assert writers == [pathlib.Path("hooks/record.py")], writers

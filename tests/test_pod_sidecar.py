@@ -13,8 +13,9 @@ import time
 
 from commlens.agent import pod as agent_pod
 from commlens.agent.config import Config
-from commlens.hooks.flight_recorder import DUMP_REASONS
-from commlens.hooks.ring import END, Ring, ring_file
+from commlens.ring.dumps import DUMP_REASONS
+from commlens.ring.layout import END
+from commlens.ring.memory import Ring, ring_file
 
 from monitoring import PodSidecar, TrainingJob, promtool, wait_for
 

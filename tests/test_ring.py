@@ -14,7 +14,7 @@ import types
 import pytest
 
 from commlens.hooks import END, START, Ring, RingReader
-from commlens.hooks.ring import GPU_START, LOSS_SCALE, NAN
+from commlens.ring.layout import GPU_START, LOSS_SCALE, NAN
 
 CHILDREN = pathlib.Path(__file__).resolve().parent / "children"
 
@@ -134,8 +134,8 @@ def test_the_sidecar_counts_non_finite_collectives_alike_whether_they_end_within
     from commlens.agent.join import NAN_SPANS_KEPT
     from commlens.agent.sidecar import Sidecar
     from commlens.hooks import record
-    from commlens.hooks.ops import CODE, OpName
-    from commlens.hooks.ring import NAN_HAS_INF
+    from commlens.ring.ops import CODE, OpName
+    from commlens.ring.layout import NAN_HAS_INF
 
     def drained(across: bool) -> tuple:
         ring, seen, offered, folded = Ring(slots=1024), [], [], []
@@ -296,7 +296,7 @@ def test_strings_of_any_length_are_interned_once_and_a_full_arena_is_counted():
 
 def test_another_process_resolves_strings_interned_by_a_writer_that_has_died(tmp_path):
     path = str(tmp_path / "ring")
-    script = ("import sys, json; from commlens.hooks.ring import Ring; ring = Ring(slots=8, path=sys.argv[1]); "
+    script = ("import sys, json; from commlens.ring import Ring; ring = Ring(slots=8, path=sys.argv[1]); "
               "print(json.dumps([ring.intern(sys.argv[2]), ring.intern('é' * 300)]))")
     done = subprocess.run([sys.executable, "-c", script, path, "group " * 100], capture_output=True, text=True,
                           check=True)
@@ -412,7 +412,7 @@ def test_a_reader_in_another_process_never_accepts_a_torn_record_and_counts_ever
 
 
 def test_reading_and_draining_a_ring_imports_no_torch():
-    script = ("import sys; from commlens.hooks.ring import Ring, RingReader; import commlens.agent.sidecar, "
+    script = ("import sys; from commlens.ring import Ring, RingReader; import commlens.agent.sidecar, "
               "commlens.agent.stats, commlens.exporters.prometheus, commlens.exporters.otlp; "
               "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)

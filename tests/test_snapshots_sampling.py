@@ -10,13 +10,16 @@ import sys
 import time
 
 import pytest
+from opentelemetry.sdk.trace.export import SpanExportResult
 
-from ports import free_port
 from commlens.agent.sidecar import Sidecar
 from commlens.exporters.otlp import BatchSpanProcessor
-from opentelemetry.sdk.trace.export import SpanExportResult
 from commlens.hooks import record
-from commlens.hooks.ring import ERROR, NAN_HAS_NAN, OK, Ring
+from commlens.ring import codec
+from commlens.ring.layout import ERROR, NAN_HAS_NAN, OK
+from commlens.ring.memory import Ring
+
+from ports import free_port
 
 CHILDREN = pathlib.Path(__file__).resolve().parent / "children"
 
@@ -112,7 +115,7 @@ def test_the_sidecar_builds_only_the_collectives_the_sampler_keeps_and_every_ano
     failed, nonfinite = [seq for seq in range(1, 201) if seq not in sampled][:2]  # anomalies the sampler would drop
     ring = Ring(slots=1024)
     sidecar = Sidecar(ring, rank=0, hang_threshold_s=60, on_collective=spans.queue, sample=spans.sampled)
-    group = ring.intern(record.encode_group("0", "default_pg", [0, 1], 0, "gloo"))
+    group = ring.intern(codec.encode_group("0", "default_pg", [0, 1], 0, "gloo"))
     for seq in range(1, 201):  # collectives of 100 µs, one a millisecond: none slow
         record.start(ring.write, 0, group, seq, seq, 64, 0, -1, t_ns=seq * 1_000_000)
         if seq == nonfinite:
@@ -142,7 +145,7 @@ def test_past_the_first_non_finite_collectives_of_a_group_they_are_sampled_and_e
     sampled = _kept(reference, range(NAN_SPANS_KEPT + 1, total + 1))
     ring = Ring(slots=4096)
     sidecar = Sidecar(ring, rank=0, hang_threshold_s=60, on_collective=spans.queue, sample=spans.sampled)
-    group = ring.intern(record.encode_group("0", "default_pg", [0, 1], 0, "gloo"))
+    group = ring.intern(codec.encode_group("0", "default_pg", [0, 1], 0, "gloo"))
     for seq in range(1, total + 1):
         record.start(ring.write, 0, group, seq, seq, 64, 0, -1, t_ns=seq * 1_000_000)
         record.nan(ring.write, 0, group, seq, seq, 0, -1, 0, NAN_HAS_NAN, 1)
@@ -156,13 +159,13 @@ def test_past_the_first_non_finite_collectives_of_a_group_they_are_sampled_and_e
 
 
 def test_a_slow_outlier_is_judged_against_its_own_op_and_size_at_the_default_detail_level():
-    from commlens.hooks.ops import CODE, OpName
+    from commlens.ring.ops import CODE, OpName
 
     slow = []
     ring = Ring(slots=1024)
     sidecar = Sidecar(ring, rank=0, hang_threshold_s=60, detail="group",
                       on_collective=lambda c: slow.append((c.op, c.seq)) if c.slow else None)
-    group = ring.intern(record.encode_group("0", "default_pg", [0, 1], 0, "gloo"))
+    group = ring.intern(codec.encode_group("0", "default_pg", [0, 1], 0, "gloo"))
     small, large = CODE[OpName.all_reduce], CODE[OpName.all_gather_into_tensor]
     timeline = [(small, 256, 100_000)] * 40 + [(large, 1 << 30, 50_000_000)] * 3 + [(small, 256, 2_000_000)]
     t = 0
@@ -183,12 +186,12 @@ def test_a_ranks_first_non_finite_input_carries_what_it_had_issued_before_it_eve
     all_reduce with NaN, still in flight (its START handed over before the folded ones). The entry says
     what had been issued before it; the send its number; both on their spans. A NAN record before or
     after its START alike."""
-    from commlens.hooks.ops import CODE, OpName
+    from commlens.ring.ops import CODE, OpName
 
     ring, seen = Ring(slots=4096), []
     sidecar = Sidecar(ring, rank=3, hang_threshold_s=60, on_collective=seen.append)
-    pair = ring.intern(record.encode_group("1", "tp", [2, 3], 1, "gloo"))
-    stage = ring.intern(record.encode_group("6", "pp", [3, 5], 0, "gloo"))
+    pair = ring.intern(codec.encode_group("1", "tp", [2, 3], 1, "gloo"))
+    stage = ring.intern(codec.encode_group("6", "pp", [3, 5], 0, "gloo"))
     op_ids = iter(range(1, 1000))
 
     def issue(op, group, seq, peer=-1, nan=False, ends=True):
@@ -224,12 +227,12 @@ def test_a_pipeline_stage_whose_scaler_scales_no_loss_counts_the_overflow_it_rec
     gradients come from the stage after it). Its all_reduce's input holds the Inf of an overflow that
     stage sent it, and its scaler skips the step: no values entered. The next step's Inf, in a step it
     applies, did enter (there: its entry)."""
-    from commlens.hooks.ops import CODE, OpName
-    from commlens.hooks.ring import NAN_HAS_INF
+    from commlens.ring.ops import CODE, OpName
+    from commlens.ring.layout import NAN_HAS_INF
 
     ring = Ring(slots=4096)
     sidecar = Sidecar(ring, rank=0, hang_threshold_s=60)
-    group = ring.intern(record.encode_group("9", "dp", [0, 4], 0, "gloo"))
+    group = ring.intern(codec.encode_group("9", "dp", [0, 4], 0, "gloo"))
     code = CODE[OpName.all_reduce]
     record.loss_scale(ring.write, "made")
     for seq, outcome in ((1, "skipped"), (2, "applied")):

@@ -34,7 +34,7 @@ def _note(rank: str, error: Exception) -> None:
         return
     import json
 
-    from commlens.hooks.flight_recorder import attempt_path, current_attempt
+    from commlens.ring.dumps import attempt_path, current_attempt
 
     path = attempt_path(path, current_attempt())  # an elastic restart's attempt: in its own folder
     try:

@@ -77,7 +77,7 @@ class RankFacts:
     vanished: bool = False
     """It had no chance to say how its process ended — SIGKILL, the OOM killer, a crash — as its peers'
     waits on it or failures tell (``verdicts.detectors``): after the fact, it left neither a dump nor a note that it
-    ended (``flight_recorder.ENDED``) where other ranks of its job left theirs; live (``--prometheus``),
+    ended (``commlens.ring.dumps.ENDED``) where other ranks of its job left theirs; live (``--prometheus``),
     its own endpoint went down with no ``commlens_rank_up`` 0, signal or exception in its last scrapes."""
     stopped: bool = False
     """Its process was told to stop (SIGTERM), as its snapshots say (live); with ``gone``: it ended so, as

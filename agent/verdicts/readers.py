@@ -27,7 +27,7 @@ import urllib.request
 from typing import Callable, Iterable, Iterator
 
 from commlens.exporters import names
-from commlens.hooks.flight_recorder import ATTEMPT_FOLDER, DUMP_REASONS, DUMP_SIGNALLED, ENDED
+from commlens.ring.dumps import ATTEMPT_FOLDER, DUMP_REASONS, DUMP_SIGNALLED, ENDED
 
 from .facts import RankFacts, ranges
 
@@ -506,7 +506,7 @@ def _on_the_jobs_clock(span: dict, offset: int) -> dict:
 
 def attempts_in(folder: str) -> list[tuple[int, str]]:
     """The attempts of the job whose folder this is, with each one's folder: the first in ``folder``
-    itself, each elastic restart's in its ``attempt-N`` (``flight_recorder.ATTEMPT_FOLDER``), in order."""
+    itself, each elastic restart's in its ``attempt-N`` (``commlens.ring.dumps.ATTEMPT_FOLDER``), in order."""
     pattern = re.compile(re.escape(ATTEMPT_FOLDER).replace(r"\{attempt\}", r"([1-9][0-9]*)") + "$")
     later = sorted((int(m.group(1)), os.path.join(folder, name)) for name in os.listdir(folder)
                    if (m := pattern.match(name)) and os.path.isdir(os.path.join(folder, name)))

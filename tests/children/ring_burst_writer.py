@@ -2,7 +2,9 @@
 1,024-slot ring, on a line from its stdin."""
 
 import sys
-from commlens.hooks.ring import Ring, START
+
+from commlens.ring.layout import START
+from commlens.ring.memory import Ring
 ring = Ring(slots=1024, path=sys.argv[1])
 print("ready", flush=True)
 sys.stdin.readline()

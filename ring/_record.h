@@ -1,5 +1,5 @@
 /* The layout of one ring record, shared by the producer and reader (_producer.c) and the sidecar's
- * fold (_fold.c); ring.py's RECORD is the same layout for Python. */
+ * fold (_fold.c); layout.py's RECORD is the same layout for Python. */
 #ifndef COMMLENS_RECORD_H
 #define COMMLENS_RECORD_H
 

@@ -1,4 +1,4 @@
-/* The sidecar's fold of ring records (agent/sidecar.py reads it through ring.RingReader.read_folded):
+/* The sidecar's fold of ring records (agent/sidecar.py reads it through reader.RingReader.read_folded):
  * in C so that the collectives that start and end within one drain, nearly all of them, cost the
  * reader no Python object each. */
 #define PY_SSIZE_T_CLEAN

@@ -1,4 +1,4 @@
-/* Both sides of the commlens ring's slot protocol (see ring.py for the layout): the producer, in C
+/* Both sides of the commlens ring's slot protocol (layout.py and _record.h: the layout): the producer, in C
  * because it runs twice per collective on the training thread, and the reader's copy of whole records,
  * in C because the ordering that makes a copy safe across processes and CPUs needs explicit acquire
  * and release (read_whole, below).
@@ -11,7 +11,7 @@
  * ``where`` is the module attribution: (module string id << 8) | phase.
  * It never waits, takes no lock and allocates nothing but the returned int. With ``wake_fd`` set (a
  * non-blocking pipe's write end, -1 by default), each quarter of the ring it claims also writes one
- * byte there: the reader's signal to drain before the ring laps (ring.py, ``Ring.wake_reader``).
+ * byte there: the reader's signal to drain before the ring laps (memory.py, ``Ring.wake_reader``).
  * The capsule ``write_record`` is the same write for C++ callers, without the GIL (_ddp_hook.cpp), and
  * ``write_record_at`` the same at a given time (the GPU's, on this clock: _gpu.cpp).
  * The sidecar's fold of what a reader copied is _fold.c's.
@@ -212,7 +212,7 @@ static PyObject *read_whole(PyObject *module, PyObject *args) {
     return Py_BuildValue("(NK)", out, (unsigned long long)head);
 }
 
-/* The string table's two atomic steps (ring.py): claim(buffer, offset, n) adds n to the uint64 at
+/* The string table's two atomic steps (memory.py): claim(buffer, offset, n) adds n to the uint64 at
  * offset and returns what it held (a producer's share of the arena, in any process); publish(buffer,
  * offset, length) stores a string's uint32 length with release ordering once its bytes are written,
  * and published(buffer, offset) loads it with acquire ordering: 0 until then. */
@@ -280,7 +280,7 @@ static PyMemberDef producer_members[] = {
 
 static PyTypeObject ProducerType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "commlens.hooks._producer.Producer",
+    .tp_name = "commlens.ring._producer.Producer",
     .tp_basicsize = sizeof(Producer),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Writes records into a commlens ring; never waits, never locks.",
@@ -305,13 +305,13 @@ PyMODINIT_FUNC PyInit__producer(void) {
         Py_DECREF(m);
         return NULL;
     }
-    PyObject *capsule = PyCapsule_New((void *)write_record, "commlens.hooks._producer.write_record", NULL);
+    PyObject *capsule = PyCapsule_New((void *)write_record, "commlens.ring._producer.write_record", NULL);
     if (capsule == NULL || PyModule_AddObject(m, "write_record", capsule) < 0) {
         Py_XDECREF(capsule);
         Py_DECREF(m);
         return NULL;
     }
-    capsule = PyCapsule_New((void *)write_record_at, "commlens.hooks._producer.write_record_at", NULL);
+    capsule = PyCapsule_New((void *)write_record_at, "commlens.ring._producer.write_record_at", NULL);
     if (capsule == NULL || PyModule_AddObject(m, "write_record_at", capsule) < 0) {
         Py_XDECREF(capsule);
         Py_DECREF(m);

@@ -1,0 +1,76 @@
+"""The ring's contract, for writers and readers alike: the record's layout and its fields' codes (kinds,
+flags, statuses, phases), what the header holds and where. ``_record.h`` is the same record for C;
+``_producer.c`` and ``_fold.c`` check its size against ``RECORD``'s. Imports nothing.
+
+Example::
+
+    fields = RECORD.unpack(data)           # 72 bytes, as a slot holds them
+    record = Record._make(fields)
+    record.kind == START, STATUS[record.flags] if record.kind == END else None
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+START, END, NAN, GPU_START, SNAPSHOT, LOSS_SCALE = 1, 2, 3, 4, 5, 6
+"""Record kinds: a collective was issued, finished, had a non-finite tensor, started on the GPU; the
+writer asks its reader for a flight-recorder snapshot (``flags``: the reason's index in ``REASONS``);
+a loss scaler began or ended a step (``flags``: the index in ``LOSS_SCALE_EVENTS``)."""
+REASONS = ("abort", "hang", "signal", "exception", "peer", "exit")
+"""Why a snapshot was written (each one's meaning: ``commlens_abort_snapshots_total`` in docs/metrics.md)."""
+ERRORS = ("hook", "recorder", "string_dropped", "work_unjudged", "gpu_pool_exhausted", "gpu_captured")
+"""What the writer lost, counted in the header (``commlens_telemetry_errors_total`` in docs/metrics.md)."""
+LOSS_SCALE_EVENTS = ("scaled", "applied", "skipped", "made")
+"""A loss scaler (``torch.amp.GradScaler``) scaled a loss: the step's gradients follow; it ended the
+step and applied it; it skipped it, the gradients holding Inf or NaN; it was made, enabled: its first
+step begins (hooks/loss_scale.py)."""
+NAN_OUTPUT, NAN_HAS_NAN, NAN_HAS_INF = 1, 2, 4
+"""Bits of a NAN record's ``flags``: the tensor was an output; it held NaN; it held Inf."""
+FLAG_ASYNC, FLAG_LAST_BUCKET = 1, 2
+"""Bits of a START record's ``flags``: the op is async; it is a DDP model's last gradient bucket."""
+OK, ERROR, TIMEOUT, NOT_ISSUED = 0, 1, 2, 3
+STATUS = ("ok", "error", "timeout", "not_issued")
+"""An END record's ``flags``: the op's status, by index. ``not_issued``: a DDP bucket whose communication
+hook issued no collective (``noop_hook``); it is no collective, and readers of the ring drop it."""
+PHASES = ("", "other", "forward", "backward", "optimizer")
+"""A record's ``phase``: where in the training step the op was issued (module attribution)."""
+
+HEADER = struct.Struct("<8sIIIII")
+"""The header's first fields: magic, version, slots, record size, string bytes, string alignment;
+the rest at the offsets below."""
+HEADER_SIZE = 128
+INFO_OFFSET = 28  # the string id of the writer's description (uint32)
+CLOCK_OFFSET = 32  # wall clock - monotonic clock of the writer, ns (int64)
+PID_OFFSET = 40  # the writer's pid (uint32)
+CLOSED_OFFSET = 44  # 1 once the writer closed the ring (uint32)
+STRING_CLAIM_OFFSET = 48  # bytes of the string arena claimed so far (uint64)
+CLAIM_OFFSET = 56  # the producers' next index (uint64)
+CURSOR_OFFSET = 64  # the reader's next index (uint64)
+ERRORS_OFFSET = 72  # one uint64 per ERRORS kind
+MAGIC = b"CMLNSRNG"
+VERSION = 5
+RECORD = struct.Struct("<QBBBBIQQQQIiIIQ")
+STRING_ALIGN = 8
+
+
+class Record(NamedTuple):
+    """One decoded ring record, field for field as stored: ``head`` and ``tail`` both hold its
+    position in the ring's total write order + 1 (how a reader knows it is whole)."""
+
+    head: int
+    kind: int
+    op: int
+    flags: int
+    phase: int
+    pg: int
+    op_id: int
+    seq: int
+    t_ns: int
+    nbytes: int
+    sig: int
+    peer: int
+    aux: int
+    module: int
+    tail: int
