@@ -17,7 +17,7 @@ python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.versio
 include=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 suffix=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 for source in ring/_*.c hooks/_*.c; do  # the C extensions (pyproject.toml's), built in place
-    cc -O3 -std=c11 -shared -fPIC -I"$include" "$source" -o "${source%.c}$suffix" || exit 1
+    cc -O3 -std=c11 -shared -fPIC -I"$include" -Iring "$source" -o "${source%.c}$suffix" || exit 1
 done
 site=$(mktemp -d)
 mkdir "$site/commlens"

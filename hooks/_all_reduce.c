@@ -1,7 +1,7 @@
 /* all_reduce's common case recorded and issued in one C call, with no Python frame of commlens' own
  * (but the NaN check's report of an input holding NaN or Inf): synchronous, one tensor, a known group, no
  * pre- or post-hook but the NaN check's (which the scan of _nonfinite.c stands in for, and, in report
- * mode, its NAN record where the scan finds NaN or Inf: ``registry.reporting``), outside a DDP bucket
+ * mode, its NAN record where the scan finds NaN or Inf: ``state.reporting``), outside a DDP bucket
  * and outside another wrapper's collective. It writes START and END through the ring's producer, as
  * recorder.run_unhooked does, sets the issuing flag around the call as issuing.issue does, and hands
  * every other call, unchanged, to ``general`` (distributed.py's wrapper). On two ranks the training
@@ -11,13 +11,12 @@
  * by the GPU's poll at the GPU's times, as cuda.py does for the other ops; a capture is general's.
  *
  *     all_reduce = AllReduce(original, general, default_op, code, steps_aside, known, not_member, in_place,
- *                            describe_in_place, scanned, new_op_id, failed, internal_error, registry, ddp,
- *                            record, process_ring, kinds=(START, END, OK, NAN),
+ *                            describe_in_place, scanned, new_op_id, failed, internal_error, count_error,
  *                            gpu=(api_capsule, torch._C._cuda_isCurrentStreamCapturing, torch.strided))
  *     all_reduce(tensor, op=default_op, group=None, async_op=False)   # torch.distributed.all_reduce's
  *
- * ``registry``, ``ddp``, ``record`` and ``process_ring`` are those modules' namespaces, read at each
- * call: ``hooked``, ``checking_inputs``, ``reporting``; ``active``; ``where``; ``current``.
+ * What it reads at each call (the hooks registered, DDP's hooks running, module attribution, the ring)
+ * is the hot path's state (_state.h); the records it writes are built by _record.h's builders.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -26,22 +25,24 @@
 #include <structmember.h>
 
 #include "_gpu.h"
+#include "_record.h"
+#include "_state.h"
 
 static int (*issuing_now)(void);
 static int (*issuing_set)(int);
 static uint64_t (*write_record)(PyObject *, const unsigned long long *);
+static commlens_state *state;
 
-static PyObject *s_hooked, *s_checking_inputs, *s_reporting, *s_active, *s_where, *s_current, *s_producer, *s_is_cuda, *s_shape,
-    *s_dtype, *s_sid, *s_next_collective_seq, *s_start, *s_reporting_found, *s_get_device, *s_layout, *s_count_error,
-    *s_pool_exhausted, *s_gpu_check, *s_end;
+static PyObject *s_producer, *s_is_cuda, *s_shape, *s_dtype, *s_sid, *s_next_collective_seq, *s_start, *s_get_device,
+    *s_layout, *s_pool_exhausted, *s_gpu_check, *s_end;
 static PyObject *s_parameters[4]; /* tensor, op, group, async_op */
 
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     PyObject *original, *general, *default_op, *known, *not_member, *in_place, *describe_in_place, *scanned,
-        *new_op_id, *failed, *internal_error, *registry, *ddp, *record, *process_ring;
-    unsigned long long code, start, end, ok, nan;
+        *new_op_id, *failed, *internal_error, *count_error;
+    unsigned long long code;
     int steps_aside;
     PyObject *ring, *producer; /* the ring last written to, and its producer */
     const commlens_gpu_api *gpu; /* NULL: CUDA tensors are general's */
@@ -66,19 +67,16 @@ static int general_decides(void) {
     return 1;
 }
 
-/* Whether namespace[name] is true (absent: false); -1 on error. */
-static int flag_in(PyObject *namespace, PyObject *name) {
-    PyObject *value = PyDict_GetItemWithError(namespace, name);
-    return value == NULL ? (PyErr_Occurred() ? -1 : 0) : PyObject_IsTrue(value);
-}
+/* Whether one of the state's objects is set (NULL: deleted, as None). */
+static int set(PyObject *value) { return value != NULL && value != Py_None; }
 
 /* The NaN check's NAN record for an input its scan found non-finite, from the one input check's
- * ``report`` (registry.reporting, a Python call: the check counts its finding): 1 with ``c``'s nan
+ * ``report`` (state.reporting, a Python call: the check counts its finding): 1 with ``c``'s nan
  * fields set, 0 when the check must run itself (general's), -1 on error. */
 static int reported(AllReduce *self, PyObject *tensor, Common *c) {
-    PyObject *report = PyDict_GetItemWithError(self->registry, s_reporting);
-    if (report == NULL || report == Py_None)
-        return PyErr_Occurred() ? -1 : 0;
+    PyObject *report = state->reporting;
+    if (!set(report))
+        return 0;
     Py_INCREF(report);
     PyObject *found = PyObject_CallOneArg(report, tensor);
     Py_DECREF(report);
@@ -125,7 +123,7 @@ static int described(AllReduce *self, PyObject *tensor, Common *c) {
         return -1;
     PyObject *scan = NULL;
     int found = PyArg_ParseTuple(entry, "KKO", &c->sig, &c->nbytes, &scan) ? 1 : -1;
-    int checking = found < 0 ? -1 : flag_in(self->registry, s_checking_inputs);
+    int checking = found < 0 ? -1 : state->checking_inputs;
     if (checking > 0) {
         PyObject *finite = scan == Py_None ? NULL : PyObject_CallFunctionObjArgs(self->scanned, tensor, scan, NULL);
         found = scan == Py_None ? 0 : finite == NULL ? -1 : finite == Py_True;
@@ -152,12 +150,12 @@ static int on_gpu(AllReduce *self, PyObject *tensor, Common *c) {
     PyObject *entry = lookup_in_place(self, tensor);
     PyObject *scan = NULL;
     int found = entry == NULL ? -1 : PyArg_ParseTuple(entry, "KKO", &c->sig, &c->nbytes, &scan) ? 1 : -1;
-    int checking = found < 0 ? -1 : flag_in(self->registry, s_checking_inputs);
+    int checking = found < 0 ? -1 : state->checking_inputs;
     if (checking > 0 && !(PyTuple_Check(scan) && PyTuple_GET_SIZE(scan) == 2 &&
                           PyLong_AsLong(PyTuple_GET_ITEM(scan, 0)) == 0)) { /* it holds floats to check */
-        PyObject *check = PyDict_GetItemWithError(self->registry, s_reporting_found);
-        if (check == NULL || check == Py_None) /* not the NaN check in report mode alone: general's */
-            found = PyErr_Occurred() ? -1 : 0;
+        PyObject *check = state->reporting_found;
+        if (!set(check)) /* not the NaN check in report mode alone: general's */
+            found = 0;
         else {  /* held until issued: the calls below may run Python, and another thread unregister the check */
             Py_INCREF(check);
             c->found = check;
@@ -182,15 +180,13 @@ static int common_case(AllReduce *self, PyObject *const a[4], Common *c) {
     Py_INCREF(info); /* the calls below may run Python, and another thread clear ``known`` */
     int other = PyObject_IsTrue(a[3]);
     if (other == 0)
-        other = flag_in(self->registry, s_hooked);
-    if (other == 0)
-        other = flag_in(self->ddp, s_active);
+        other = state->hooked || state->ddp_active;
     if (other == 0 && self->steps_aside)
         other = issuing_now();
     int common = other != 0 ? (other > 0 ? 0 : -1) : described(self, a[0], c);
-    PyObject *where = common > 0 ? PyDict_GetItemWithError(self->record, s_where) : NULL;
+    PyObject *where = common > 0 ? state->where : NULL;
     c->where = 0;
-    if (where != NULL && where != Py_None) {
+    if (set(where)) {
         Py_INCREF(where);
         PyObject *at = PyObject_CallNoArgs(where);
         Py_DECREF(where);
@@ -198,9 +194,9 @@ static int common_case(AllReduce *self, PyObject *const a[4], Common *c) {
         Py_XDECREF(at);
         common = PyErr_Occurred() ? -1 : 1;
     }
-    PyObject *ring = common > 0 ? PyDict_GetItemWithError(self->process_ring, s_current) : NULL;
-    if (common > 0 && (ring == NULL || ring == Py_None))  /* no ring yet: general creates it */
-        common = PyErr_Occurred() ? -1 : 0;
+    PyObject *ring = common > 0 ? state->ring : NULL;
+    if (common > 0 && !set(ring))  /* no ring yet: general creates it */
+        common = 0;
     if (common > 0 && ring != self->ring) {
         Py_INCREF(ring);
         PyObject *producer = PyObject_GetAttr(ring, s_producer);
@@ -243,15 +239,7 @@ static int counted(AllReduce *self, PyObject *label) {
 
 /* process_ring.count_error("gpu_pool_exhausted"): the op goes untimed on the GPU, or unchecked. */
 static int pool_exhausted(AllReduce *self) {
-    PyObject *count = PyDict_GetItemWithError(self->process_ring, s_count_error);
-    if (count == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_RuntimeError, "process_ring.count_error is gone");
-        return -1;
-    }
-    Py_INCREF(count);
-    PyObject *result = PyObject_CallOneArg(count, s_pool_exhausted);
-    Py_DECREF(count);
+    PyObject *result = PyObject_CallOneArg(self->count_error, s_pool_exhausted);
     Py_XDECREF(result);
     return result == NULL ? -1 : 0;
 }
@@ -261,8 +249,8 @@ static int pool_exhausted(AllReduce *self) {
  * was written, -3 after it (the caller ends the op as failed). Errors of commlens' own are counted. */
 static int64_t gpu_started(AllReduce *self, PyObject *tensor, Common *c, const unsigned long long *start) {
     if (c->found != NULL) {
-        unsigned long long n[11] = {self->nan, self->code, 0, start[3], start[4], start[5], 0, c->sig,
-                                    (unsigned long long)-1LL, 0, 0};
+        record_fields n; /* its NAN_HAS_* bit and count the GPU's poll adds */
+        nan_fields(n, self->code, start[3], start[4], start[5], c->sig, -1, 0, 0, 0);
         int issued = self->gpu->check(tensor, c->producer, n, c->found);
         if ((issued < 0 || (issued == 0 && pool_exhausted(self) < 0)) && counted(self, s_gpu_check) < 0)
             return -2;
@@ -290,13 +278,12 @@ static PyObject *issue(AllReduce *self, PyObject *const a[4], Common *c) {
             return NULL;
         return PyObject_Vectorcall(self->original, a, 4, NULL);
     }
+    record_fields v;
     if (c->nan_flags) { /* before START, as the check's hook writes it: tensor 0 held nan_count of them */
-        unsigned long long n[11] = {self->nan, self->code, c->nan_flags, sid, op_id, seq, c->nan_count, c->sig,
-                                    (unsigned long long)-1LL, 0, 0};
-        write_record(c->producer, n);
+        nan_fields(v, self->code, sid, op_id, seq, c->sig, -1, 0, c->nan_flags, c->nan_count);
+        write_record(c->producer, v);
     }
-    unsigned long long v[11] = {self->start, self->code, 0, sid, op_id, seq, c->nbytes, c->sig,
-                                (unsigned long long)-1LL, 0, c->where};
+    start_fields(v, self->code, sid, op_id, seq, c->nbytes, c->sig, -1, 0, 0, c->where);
     int64_t pair = -1;
     if (c->device < 0)
         write_record(c->producer, v);
@@ -320,9 +307,7 @@ static PyObject *issue(AllReduce *self, PyObject *const a[4], Common *c) {
         PyErr_Restore(type, error, traceback);
         return NULL;
     }
-    v[0] = self->end;
-    v[2] = self->ok;
-    v[10] = 0;
+    end_fields(v, self->code, sid, op_id, seq, c->nbytes, c->sig, -1, STATUS_OK, 0);
     if (pair >= 0 && self->gpu->end(pair, c->producer, v) == 0)
         return result;  /* the GPU's poll writes GPU_START and END */
     write_record(c->producer, v);
@@ -372,17 +357,15 @@ static PyObject *all_reduce_call(PyObject *callable, PyObject *const *args, size
 static int all_reduce_init(AllReduce *self, PyObject *args, PyObject *kwds) {
     static char *names[] = {"original", "general", "default_op", "code", "steps_aside", "known", "not_member",
                             "in_place", "describe_in_place", "scanned", "new_op_id", "failed", "internal_error",
-                            "registry", "ddp", "record", "process_ring", "kinds", "gpu", NULL};
-    PyObject *o[15], *gpu = Py_None;
+                            "count_error", "gpu", NULL};
+    PyObject *o[12], *gpu = Py_None;
     if (self->original != NULL) {
         PyErr_SetString(PyExc_TypeError, "an AllReduce is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOKpO!OO!OOOOOO!O!O!O!(KKKK)|O", names, &o[0], &o[1], &o[2],
-                                     &self->code, &self->steps_aside, &PyDict_Type, &o[3], &o[4], &PyDict_Type,
-                                     &o[5], &o[6], &o[7], &o[8], &o[9], &o[10], &PyDict_Type, &o[11], &PyDict_Type,
-                                     &o[12], &PyDict_Type, &o[13], &PyDict_Type, &o[14], &self->start, &self->end,
-                                     &self->ok, &self->nan, &gpu))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOKpO!OO!OOOOOO|O", names, &o[0], &o[1], &o[2], &self->code,
+                                     &self->steps_aside, &PyDict_Type, &o[3], &o[4], &PyDict_Type, &o[5], &o[6],
+                                     &o[7], &o[8], &o[9], &o[10], &o[11], &gpu))
         return -1;
     if (gpu != Py_None) {
         PyObject *api;
@@ -397,9 +380,8 @@ static int all_reduce_init(AllReduce *self, PyObject *args, PyObject *kwds) {
     }
     PyObject **fields[] = {&self->original, &self->general, &self->default_op, &self->known, &self->not_member,
                            &self->in_place, &self->describe_in_place, &self->scanned, &self->new_op_id,
-                           &self->failed, &self->internal_error, &self->registry, &self->ddp, &self->record,
-                           &self->process_ring};
-    for (int i = 0; i < 15; i++) {
+                           &self->failed, &self->internal_error, &self->count_error};
+    for (int i = 0; i < 12; i++) {
         Py_INCREF(o[i]);
         *fields[i] = o[i];
     }
@@ -410,8 +392,7 @@ static int all_reduce_init(AllReduce *self, PyObject *args, PyObject *kwds) {
 static void all_reduce_dealloc(AllReduce *self) {
     PyObject *held[] = {self->original, self->general, self->default_op, self->known, self->not_member,
                         self->in_place, self->describe_in_place, self->scanned, self->new_op_id, self->failed,
-                        self->internal_error, self->registry, self->ddp, self->record, self->process_ring,
-                        self->ring, self->producer, self->capturing, self->strided};
+                        self->internal_error, self->count_error, self->ring, self->producer, self->capturing, self->strided};
     for (size_t i = 0; i < sizeof(held) / sizeof(held[0]); i++)
         Py_XDECREF(held[i]);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -463,17 +444,15 @@ PyMODINIT_FUNC PyInit__all_reduce(void) {
     issuing_set = (int (*)(int))PyCapsule_Import("commlens.hooks._issuing.set", 0);
     write_record = (uint64_t(*)(PyObject *, const unsigned long long *))PyCapsule_Import(
         "commlens.ring._producer.write_record", 0);
-    if (issuing_now == NULL || issuing_set == NULL || write_record == NULL)
+    state = (commlens_state *)PyCapsule_Import(COMMLENS_STATE_CAPSULE, 0);
+    if (issuing_now == NULL || issuing_set == NULL || write_record == NULL || state == NULL)
         return NULL;
-    const char *strings[] = {"hooked", "checking_inputs", "reporting", "active", "where", "current", "producer", "is_cuda",
-                             "shape", "dtype", "sid", "next_collective_seq", "START", "tensor", "op", "group",
-                             "async_op", "reporting_found", "get_device", "layout", "count_error",
-                             "gpu_pool_exhausted", "GPU check", "END"};
-    PyObject **interned[] = {&s_hooked, &s_checking_inputs, &s_reporting, &s_active, &s_where, &s_current, &s_producer,
-                             &s_is_cuda, &s_shape, &s_dtype, &s_sid, &s_next_collective_seq, &s_start,
-                             &s_parameters[0], &s_parameters[1], &s_parameters[2], &s_parameters[3],
-                             &s_reporting_found, &s_get_device, &s_layout, &s_count_error, &s_pool_exhausted,
-                             &s_gpu_check, &s_end};
+    const char *strings[] = {"producer", "is_cuda", "shape", "dtype", "sid", "next_collective_seq", "START", "tensor",
+                             "op", "group", "async_op", "get_device", "layout", "gpu_pool_exhausted", "GPU check",
+                             "END"};
+    PyObject **interned[] = {&s_producer, &s_is_cuda, &s_shape, &s_dtype, &s_sid, &s_next_collective_seq, &s_start,
+                             &s_parameters[0], &s_parameters[1], &s_parameters[2], &s_parameters[3], &s_get_device,
+                             &s_layout, &s_pool_exhausted, &s_gpu_check, &s_end};
     for (size_t i = 0; i < sizeof(strings) / sizeof(strings[0]); i++)
         if ((*interned[i] = PyUnicode_InternFromString(strings[i])) == NULL)
             return NULL;

@@ -1,9 +1,7 @@
 /* One pass over a CPU tensor's contiguous memory: whether every element of it is finite.
  *
- * An IEEE float is NaN or Inf exactly when all its exponent bits are set: adding one to the exponent
- * field of such an element carries into the sign bit, and of no other. So the pass is an AND, an ADD
- * and an OR per element in unsigned integers: no rounding, no overflow (a sum can overflow on finite
- * values), no temporary, and a loop the compiler vectorises. It is the NaN check's common case on
+ * The test is _finite.h's: an AND, an ADD and an OR per element in unsigned integers: no rounding, no
+ * overflow (a sum can overflow on finite values), no temporary, and a loop the compiler vectorises. It is the NaN check's common case on
  * the CPU (hooks/nan_check.py); a tensor it finds non-finite is then counted, NaN and Inf apart, by a
  * second pass (an all-ones exponent with a zero mantissa is Inf, with any other a NaN), so that a job
  * whose every collective holds Inf (a diverged job, an overflow storm) pays two passes, not torch's
@@ -17,23 +15,14 @@
 #include <Python.h>
 #include <stdint.h>
 
-enum { KIND_FLOAT32, KIND_FLOAT64, KIND_FLOAT16, KIND_BFLOAT16, KINDS };
+#include "_finite.h"
 
-/* On x86-64 Linux, copies of each scan for CPUs with AVX-512 (64 bytes an instruction) and AVX2 (32),
- * chosen when the module loads; elsewhere (aarch64's NEON, macOS) the one the compiler vectorises. */
-#if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define WITH_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
-#endif
-#ifndef WITH_SIMD_CLONES
-#define WITH_SIMD_CLONES
-#endif
+enum { KIND_FLOAT32, KIND_FLOAT64, KIND_FLOAT16, KIND_BFLOAT16, KINDS };
 
 /* A block's worth of accumulators (256 bytes: four AVX-512 or eight AVX2 registers) lets the ORs of
  * consecutive vectors run side by side: one accumulator chains every OR to the one before, and halves
  * the speed of a scan of data in cache (bench/nan_check.py: 1 MiB of float32 in 17 µs, now ~8). */
-#define SCAN(NAME, UINT, EXPONENT, LOWEST_EXPONENT_BIT, SIGN)                                      \
+#define SCAN(NAME, UINT, CARRY, SIGN)                                                               \
     WITH_SIMD_CLONES                                                                                \
     static int NAME(const UINT *x, Py_ssize_t n) {                                                  \
         enum { BLOCK = 256 / sizeof(UINT) };                                                        \
@@ -41,18 +30,18 @@ enum { KIND_FLOAT32, KIND_FLOAT64, KIND_FLOAT16, KIND_BFLOAT16, KINDS };
         Py_ssize_t i = 0;                                                                           \
         for (; i + BLOCK <= n; i += BLOCK)                                                          \
             for (int k = 0; k < BLOCK; k++)                                                         \
-                block[k] |= (UINT)((x[i + k] & (UINT)(EXPONENT)) + (UINT)(LOWEST_EXPONENT_BIT));    \
+                block[k] |= CARRY(x[i + k]);                                                        \
         for (; i < n; i++)                                                                          \
-            carried |= (UINT)((x[i] & (UINT)(EXPONENT)) + (UINT)(LOWEST_EXPONENT_BIT));             \
+            carried |= CARRY(x[i]);                                                                 \
         for (int k = 0; k < BLOCK; k++)                                                             \
             carried |= block[k];                                                                    \
         return !(carried & (UINT)(SIGN));                                                           \
     }
 
-SCAN(finite32, uint32_t, 0x7f800000u, 0x00800000u, 0x80000000u)
-SCAN(finite64, uint64_t, 0x7ff0000000000000ull, 0x0010000000000000ull, 0x8000000000000000ull)
-SCAN(finite16, uint16_t, 0x7c00u, 0x0400u, 0x8000u)
-SCAN(finite_bf16, uint16_t, 0x7f80u, 0x0080u, 0x8000u)
+SCAN(finite32, uint32_t, CARRY32, NONFINITE32)
+SCAN(finite64, uint64_t, CARRY64, NONFINITE64)
+SCAN(finite16, uint16_t, CARRY16, NONFINITE16)
+SCAN(finite_bf16, uint16_t, CARRY_BF16, NONFINITE16)
 
 static int scan(const void *x, Py_ssize_t n, int kind) {
     switch (kind) {

@@ -21,7 +21,8 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim
 
-from . import process_ring, record
+from . import process_ring
+from ._state import state
 
 """By the phase byte of a record; 0 (``""``): attribution was off."""
 OTHER, FORWARD, BACKWARD, OPTIMIZER = range(1, 5)
@@ -94,13 +95,13 @@ def enable() -> ModuleAttribution:
     global _active
     if _active is None:
         _active = ModuleAttribution(process_ring.ring()).enable()
-        record.where = _active.where
+        state.where = _active.where
     return _active
 
 
 def disable() -> None:
     global _active
     if _active is not None:
-        record.where = None
+        state.where = None
         _active.disable()
         _active = None

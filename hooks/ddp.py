@@ -30,6 +30,7 @@ from .futures import then, when_done
 from .patch import Patches
 from .recorder import InFlight
 from .registry import post_hooks
+from ._state import state as hot_state
 
 
 @dataclasses.dataclass
@@ -63,8 +64,6 @@ class Steps:
 
 _scope = threading.local()
 """``bucket`` is set while a wrapped hook runs: collectives it issues add to it, unrecorded."""
-active = 0
-"""Wrapped hooks running now, in any thread: the torch.distributed wrappers look further only then."""
 _active_lock = threading.Lock()
 
 
@@ -93,9 +92,8 @@ def wrap(hook: Callable | None = None) -> Callable:
         flight = _start(state, bucket, steps)
         if flight is None:
             return hook(state, bucket)
-        global active
-        with _active_lock:
-            active += 1
+        with _active_lock:  # hot_state.ddp_active: wrapped hooks running now, in any thread (the wrappers look further)
+            hot_state.ddp_active += 1
         _scope.bucket = flight.bucket
         seq_source = flight.group.seq_source
         seq_before = seq_source() if seq_source is not None else None
@@ -104,7 +102,7 @@ def wrap(hook: Callable | None = None) -> Callable:
         finally:
             _scope.bucket = None
             with _active_lock:
-                active -= 1
+                hot_state.ddp_active -= 1
         if not isinstance(future, torch._C.Future):  # DDP raises its own error for this
             flight.complete(ERROR, TypeError(f"communication hook returned {type(future).__name__}"))
             return future

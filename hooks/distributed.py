@@ -20,12 +20,12 @@ from typing import Callable
 import torch
 import torch.distributed.distributed_c10d as c10d
 
-from commlens.ring.layout import END, NAN, OK, START
 from commlens.ring.ops import CODE, OpName
 
-from . import cuda, ddp, extension, finite, functional, futures, groups, issuing, native, poller, process_ring, record, recorder, registry, signatures
+from . import (cuda, ddp, extension, finite, functional, futures, groups, issuing, native, poller, process_ring, record,
+               recorder, signatures)
 from ._all_reduce import AllReduce
-from .issuing import set_issuing
+from ._state import state
 from .patch import Patches, PatchError
 
 
@@ -134,14 +134,6 @@ def _instrumented(op: OpName, original: Callable, describe: Callable, kind: str 
     unhooked_ok = kind == "collective"
     issue = _marking_sync_p2p(original) if kind == "sync_p2p" else original
 
-    def collective(*args, **kwargs):
-        if set_issuing(True):  # inside another wrapper's collective (a sync send's isend, a DDP bucket's all_reduce)
-            return recorded(*args, **kwargs)
-        try:  # PyTorch's own process-group hooks step aside meanwhile (native.py)
-            return recorded(*args, **kwargs)
-        finally:
-            set_issuing(False)
-
     def recorded(*args, **kwargs):
         if kind == "async_p2p" and getattr(_sync_p2p, "active", False):
             return original(*args, **kwargs)
@@ -150,19 +142,19 @@ def _instrumented(op: OpName, original: Callable, describe: Callable, kind: str 
             info = groups.known.get(group) or groups.group_of(group)
         except Exception:  # bad arguments or no process group: torch says so itself
             return original(*args, **kwargs)
-        if info is groups.NOT_MEMBER or (ddp.active and ddp.nested_collective(tensors, outputs)):
+        if info is groups.NOT_MEMBER or (state.ddp_active and ddp.nested_collective(tensors, outputs)):
             return original(*args, **kwargs)
         if group_target is None and target is not None:
             group_target = info.group_rank(target)
-        if unhooked_ok and not async_op and not registry.hooked:
+        if unhooked_ok and not async_op and not state.hooked:
             result = recorder.run_unhooked(code, info, tensors, outputs, -1 if group_target is None else group_target,
-                                           original, args, kwargs, registry.checking_inputs)
+                                           original, args, kwargs, state.checking_inputs)
             if result is not recorder.UNPROVEN:
                 return result
         return issuing.record(op, info, tensors, outputs, async_op, group_target if rooted else None,
                               None if rooted else group_target, issue, args, kwargs)
 
-    chosen = collective if native.AVAILABLE else recorded  # before 2.14 there is nothing to step aside for
+    chosen = issuing.stepping_aside(recorded) if native.AVAILABLE else recorded  # before 2.14 nothing steps aside
     chosen.__wrapped__ = original
     return chosen
 
@@ -197,8 +189,7 @@ def _all_reduce_in_c(original: Callable, general: Callable) -> Callable:
     return AllReduce(original, general, parameters["op"].default, CODE[OpName.all_reduce], native.AVAILABLE,
                      groups.known, groups.NOT_MEMBER, signatures.in_place, signatures.describe_in_place,
                      finite.scanned, record.new_op_id, recorder.failed_unhooked, process_ring.internal_error,
-                     vars(registry), vars(ddp), vars(record), vars(process_ring), kinds=(START, END, OK, NAN),
-                     gpu=_gpu_api())
+                     process_ring.count_error, gpu=_gpu_api())
 
 
 def _gpu_api() -> tuple | None:

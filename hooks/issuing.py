@@ -54,6 +54,21 @@ def issue(flight: InFlight, call: Callable, /, *args: Any, **kwargs: Any) -> Any
         set_issuing(was)
 
 
+def stepping_aside(wrapper: Callable) -> Callable:
+    """``wrapper`` with ``issuing()`` true while it runs (and as it was after): PyTorch's own process-group
+    hooks step aside for whatever it issues, recorded or not (native.py)."""
+
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        if set_issuing(True):  # inside another wrapper's collective (a sync send's isend, a DDP bucket's all_reduce)
+            return wrapper(*args, **kwargs)
+        try:
+            return wrapper(*args, **kwargs)
+        finally:
+            set_issuing(False)
+
+    return collective
+
+
 def settle(step: Callable[..., None], *args: Any) -> None:
     """``step(*args)`` once the op is issued (``InFlight.issued`` or a source's own): as ``start()``
     does, a propagating post-hook's error reaches the caller, a failure of commlens is counted."""

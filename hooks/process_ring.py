@@ -15,8 +15,8 @@ import warnings
 
 from commlens.ring.memory import Ring
 
-current: Ring | None = None
-"""The ring once created (``ring()``): the hot path reads this, and calls ``ring()`` only while None."""
+from ._state import state
+
 _lock = threading.Lock()
 _warned = False
 
@@ -24,22 +24,21 @@ _warned = False
 def ring() -> Ring:
     """This process's ring, created on first use from ``COMMLENS_RING_SLOTS`` / ``COMMLENS_RING_PATH``
     (unless the agent created it first, in a pod sidecar's folder: ``ring_at``)."""
-    global current
-    if current is None:
+    if state.ring is None:  # the ring once made: the hot path reads it there, and calls ring() only while None
         with _lock:
-            if current is None:
-                current = _ring_from_env()
-    return current
+            if state.ring is None:
+                state.ring = _ring_from_env()
+    return state.ring
 
 
 def ring_at(path: str | None, slots: int) -> Ring:
     """This process's ring, created as the file ``path`` (None: private memory) with ``slots`` slots
     unless it exists (the agent's checked configuration wins over the environment's); a ValueError
     if the process already records into another ring."""
-    global current
     with _lock:
+        current = state.ring
         if current is None:
-            current = Ring(slots=slots, path=path)
+            current = state.ring = Ring(slots=slots, path=path)
         elif current.path != path:
             raise ValueError(f"commlens already records into {current.path or 'an anonymous ring'}, not {path!r}: "
                              "start commlens before anything else records collectives")
@@ -63,8 +62,8 @@ def _ring_from_env() -> Ring:
 def count_error(kind: str) -> None:
     """Count lost telemetry in the ring's header (``ERRORS``); nowhere if there is no ring (it could
     not be created: that error is the one the caller is reporting)."""
-    if current is not None:
-        current.count_error(kind)
+    if state.ring is not None:
+        state.ring.count_error(kind)
 
 
 def internal_error(where: str, error: Exception) -> None:

@@ -27,6 +27,7 @@ from commlens.ring.layout import (END, ERROR, GPU_START, LOSS_SCALE, LOSS_SCALE_
                                    START, TIMEOUT)
 
 from . import process_ring
+from ._state import state
 
 Write = Callable[..., int]
 """``Ring.write``: (kind, op, flags, pg, op_id, seq, nbytes, sig, peer, aux, where=0, t_ns=now) -> t_ns."""
@@ -34,24 +35,23 @@ Write = Callable[..., int]
 new_op_id: Callable[[], int] = itertools.count(1).__next__
 """A fresh op id: larger than every id issued so far, smaller than every later one (C, no frame)."""
 
-where: Callable[[], int] | None = None
-"""Set by ``attribution.enable()``: the ``(module string id << 8) | phase`` of a collective issued now."""
 
 
 def writer() -> Write:
     """This process's ring's ``write``."""
-    return (process_ring.current or process_ring.ring()).write
+    return (state.ring or process_ring.ring()).write
 
 
 def producer() -> Any:
     """This process's ring's producer, for writers in C and C++ (``_producer.write_record``)."""
-    return (process_ring.current or process_ring.ring()).producer
+    return (state.ring or process_ring.ring()).producer
 
 
 def start(write: Write, op: int, pg: int, op_id: int, seq: int, nbytes: int, sig: int, peer: int,
           flags: int = 0, bucket: int = 0, t_ns: int | None = None) -> int:
     """START: the op is about to be issued (``flags``: ``FLAG_*``; ``bucket``: a DDP bucket's index + 1);
     returns its time."""
+    where = state.where  # set by ``attribution.enable()``: the (module string id << 8) | phase of an op issued now
     at = 0 if where is None else where()
     if t_ns is None:
         return write(START, op, flags, pg, op_id, seq, nbytes, sig, peer, bucket, at)

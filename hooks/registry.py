@@ -19,6 +19,7 @@ import warnings
 from typing import Any, Callable
 
 from . import process_ring
+from ._state import state
 
 Hook = Callable[..., None]
 Reporter = Callable[[Any], "tuple[int, int] | None"]
@@ -115,25 +116,20 @@ def _report(kind: str, hook: Hook, error: Exception) -> None:
 
 
 pre_hooks, post_hooks, abort_hooks = _Hooks("pre"), _Hooks("post"), _Hooks("abort")
-hooked = False
-"""Whether a pre- or post-hook that must see every collective is registered: one lookup for the hot
-path. (Abort hooks run where a collective fails, on every path.)"""
-checking_inputs = False
-"""Whether an input check is registered (``register_input_check``)."""
-reporting: Reporter | None = None
-"""The one input check's ``report``, where it is the only one and has one: a collective whose inputs
-hold NaN or Inf then needs no frame of the check's, only the NAN record (the C all_reduce writes it)."""
-reporting_found: Found | None = None
-"""The same check's ``found``, with ``reporting``: on a CUDA tensor, the GPU's poll writes the NAN record."""
 
 
 def _update_hooked() -> None:
-    global hooked, checking_inputs, reporting, reporting_found
-    hooked = bool(post_hooks.entries) or len(pre_hooks.entries) > len(pre_hooks.input_checks)
-    checking_inputs = bool(pre_hooks.input_checks)
+    """The hot path's state (``_state.c``) after a hook came or went: ``hooked``, whether a pre- or post-hook
+    that must see every collective is registered (abort hooks run where a collective fails, on every
+    path); ``checking_inputs``, whether an input check is (``register_input_check``); ``reporting`` and
+    ``reporting_found``, the one input check's ``report`` and ``found`` where it is the only one and has
+    them: a collective whose inputs hold NaN or Inf then needs no frame of the check's, only the NAN
+    record (the C all_reduce writes it; on a CUDA tensor, the GPU's poll)."""
+    state.hooked = bool(post_hooks.entries) or len(pre_hooks.entries) > len(pre_hooks.input_checks)
+    state.checking_inputs = bool(pre_hooks.input_checks)
     checks = pre_hooks.input_checks
-    reporting, reporting_found = next(((report, found) for hook, report, found in pre_hooks.reporters
-                                       if len(checks) == 1 and hook is checks[0]), (None, None))
+    state.reporting, state.reporting_found = next(((report, found) for hook, report, found in pre_hooks.reporters
+                                                   if len(checks) == 1 and hook is checks[0]), (None, None))
 
 
 def register_pre_hook(hook: Hook, *, propagate: bool = False) -> RemovableHandle:

@@ -9,20 +9,18 @@
 
 #include "_record.h"
 
-/* fold_run(data, record_type, start, end, gpu_start, nan, nan_output, barrier) -> (records, groups): the
- * records of ``data`` (whole records as read_whole copied them), where each ``start`` record whose
- * ``end`` record with status ok (flags 0) follows in ``data``, with no other record of its op_id there
- * but at most one ``gpu_start`` between them and one ``nan`` record of its input before it (its
- * ``flags`` without ``nan_output``; none where ``data`` holds a ``barrier`` record, which must be read
- * in order with them, or ``nan`` is -1), is folded away into one group per (op, pg, nbytes, sig, peer, timed
- * on a GPU or not, the nan record's flags), in order of first appearance: (op, pg, nbytes, sig, seqs,
- * seconds, records, gpu, nan) where
- * seqs are uint64, seconds float64 (end - start), records the collectives' own (START, END, or START,
- * GPU_START, END: 72 bytes each) and gpu, for a GPU's group, float64 pairs (queue, execution): the GPU
- * start, within [start, end], less start, and end less it; nan: the flags of their nan records (0:
- * none). ``records``: every other record, in
- * order, as ``record_type`` tuples. Most collectives start and end within one drain: their counting
- * then costs the reader no Python object each (agent/sidecar.py). */
+/* fold_run(data, record_type) -> (records, groups): the records of ``data`` (whole records as read_whole
+ * copied them), where each START whose END with status ok follows in ``data``, with no other record of
+ * its op_id there but at most one GPU_START between them and one NAN record of its input before it (its
+ * flags without NAN_OUTPUT; none where ``data`` holds a LOSS_SCALE record, which must be read in order
+ * with them), is folded away into one group per (op, pg, nbytes, sig, peer, timed on a GPU or not, the
+ * NAN record's flags), in order of first appearance: (op, pg, nbytes, sig, seqs, seconds, records, gpu,
+ * nan) where seqs are uint64, seconds float64 (end - start), records the collectives' own (START, END,
+ * or START, GPU_START, END: 72 bytes each) and gpu, for a GPU's group, float64 pairs (queue, execution):
+ * the GPU start, within [start, end], less start, and end less it; nan: the flags of their NAN records
+ * (0: none). ``records``: every other record, in order, as ``record_type`` tuples. Most collectives
+ * start and end within one drain: their counting then costs the reader no Python object each
+ * (agent/sidecar.py). The kinds and codes are _record.h's. */
 typedef struct {
     uint64_t *keys;
     Py_ssize_t *values; /* index + 1; 0: empty */
@@ -96,9 +94,8 @@ static PyObject *group_tuple(const group_t *g) {
 static PyObject *fold_run(PyObject *module, PyObject *args) {
     Py_buffer view;
     PyTypeObject *record_type;
-    int start_kind, end_kind, gpu_kind, nan_kind, nan_output, barrier_kind;
-    if (!PyArg_ParseTuple(args, "y*O!iiiiii", &view, &PyType_Type, &record_type, &start_kind, &end_kind, &gpu_kind,
-                          &nan_kind, &nan_output, &barrier_kind))
+    int nan_kind = KIND_NAN; /* -1: no NAN record is folded */
+    if (!PyArg_ParseTuple(args, "y*O!", &view, &PyType_Type, &record_type))
         return NULL;
     if (!PyType_IsSubtype(record_type, &PyTuple_Type) || view.len % RECORD_SIZE) {
         PyBuffer_Release(&view);
@@ -125,31 +122,31 @@ static PyObject *fold_run(PyObject *module, PyObject *args) {
         goto done;
     }
     for (Py_ssize_t i = 0; nan_kind >= 0 && i < n; i++)
-        if (records[i].kind == barrier_kind)
+        if (records[i].kind == KIND_LOSS_SCALE)
             nan_kind = -1;
     for (Py_ssize_t i = 0; i < n; i++) { /* each op_id's ok END, GPU_START and NAN, and the op_ids with others */
         const record_t *r = &records[i];
-        if (r->kind == end_kind && r->flags == 0) {
+        if (r->kind == KIND_END && r->flags == STATUS_OK) {
             Py_ssize_t *found = table_slot(&ends, r->op_id);
             if (!*found)
                 *found = i + 1;
-        } else if (r->kind == nan_kind && !(r->flags & nan_output)) {
+        } else if (r->kind == nan_kind && !(r->flags & NAN_OUTPUT)) {
             Py_ssize_t *found = table_slot(&nans, r->op_id);
             if (*found) /* a second tensor's: not the common case, left to the reader */
                 *table_slot(&others, r->op_id) = 1;
             *found = i + 1;
-        } else if (r->kind == gpu_kind) {
+        } else if (r->kind == KIND_GPU_START) {
             Py_ssize_t *found = table_slot(&gpus, r->op_id);
             if (*found) /* a second one: not the common case, left to the reader */
                 *table_slot(&others, r->op_id) = 1;
             *found = i + 1;
-        } else if (r->kind != start_kind && r->kind != end_kind) {
+        } else if (r->kind != KIND_START && r->kind != KIND_END) {
             *table_slot(&others, r->op_id) = 1;
         }
     }
     for (Py_ssize_t i = 0; i < n; i++) { /* pair each START with its END, and count each pair's group */
         const record_t *r = &records[i];
-        if (r->kind != start_kind)
+        if (r->kind != KIND_START)
             continue;
         Py_ssize_t j = *table_slot(&ends, r->op_id) - 1, g_at = *table_slot(&gpus, r->op_id) - 1;
         Py_ssize_t n_at = *table_slot(&nans, r->op_id) - 1;
@@ -262,7 +259,7 @@ done:
 
 static PyMethodDef module_methods[] = {
     {"fold_run", fold_run, METH_VARARGS,
-     "fold_run(data, record_type, start, end, gpu_start, nan, nan_output, barrier) -> (records, groups of STARTs "
+     "fold_run(data, record_type) -> (records, groups of STARTs "
      "folded with their ok ENDs)"},
     {NULL, NULL, 0, NULL},
 };

@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 
 from ._fold import fold_run
 from ._producer import read_whole
-from .layout import CLAIM_OFFSET, END, GPU_START, HEADER_SIZE, LOSS_SCALE, NAN, NAN_OUTPUT, RECORD, START, Record
+from .layout import CLAIM_OFFSET, HEADER_SIZE, RECORD, Record
 from .memory import Ring
 
 
@@ -82,7 +82,7 @@ class RingReader:
         holding no LOSS_SCALE (whose step they may belong to)."""
         pieces = self._read(limit, lambda data: [data])  # runs of whole records, and records one at a time
         data = b"".join(piece if isinstance(piece, bytes) else RECORD.pack(*piece) for piece in pieces)
-        records, folded = fold_run(data, Record, START, END, GPU_START, NAN, NAN_OUTPUT, LOSS_SCALE)
+        records, folded = fold_run(data, Record)
         make = tuple.__new__  # a NamedTuple without its __new__
         return records, [make(Folded, group) for group in folded]
 

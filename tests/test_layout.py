@@ -86,3 +86,39 @@ def test_records_are_written_only_through_the_record_module():
     writers = [path.relative_to(ROOT) for folder in ("ring", "hooks", "agent", "exporters", "bench")
                for path in sorted((ROOT / folder).rglob("*.py")) if positional.search(path.read_text())]
     assert writers == [pathlib.Path("hooks/record.py")], writers
+
+
+def test_the_c_record_is_the_python_record_field_for_field_and_code_for_code():
+    """``ring/_record.h`` and ``ring/layout.py`` are one contract: the struct's fields in ``RECORD``'s
+    order and widths, and every kind, status and flag the same number on both sides."""
+    from commlens.ring import layout
+
+    header = (ROOT / "ring/_record.h").read_text()
+    struct = re.search(r"typedef struct \{(.*?)\} record_t;", header, re.S).group(1)
+    widths = {"uint64_t": "Q", "uint32_t": "I", "int32_t": "i", "uint8_t": "B"}
+    fields = [(name, widths[ctype]) for ctype, names in re.findall(r"(\w+) ([\w, ]+);", struct)
+              for name in names.replace(" ", "").split(",")]
+    assert [name for name, _ in fields] == list(layout.Record._fields), fields
+    assert "<" + "".join(code for _, code in fields) == layout.RECORD.format
+    codes = dict((name, int(value)) for name, value in re.findall(r"\b([A-Z][A-Z_0-9]+) = (\d+)", header))
+    python = {f"KIND_{name}": getattr(layout, name) for name in ("START", "END", "NAN", "GPU_START", "SNAPSHOT", "LOSS_SCALE")}
+    python |= {f"STATUS_{status.upper()}": i for i, status in enumerate(layout.STATUS)}
+    python |= {name: getattr(layout, name) for name in ("NAN_OUTPUT", "NAN_HAS_NAN", "NAN_HAS_INF", "FLAG_ASYNC",
+                                                         "FLAG_LAST_BUCKET")}
+    assert codes == python
+
+
+def test_c_and_cpp_write_records_and_set_the_issuing_flag_each_in_one_place():
+    """One hot-path contract across the languages: C builds records only through ``_record.h``'s builders
+    (in ``_all_reduce.c``), C++ only in ``_gpu.cpp`` (its GPU_START, from the fields Python built);
+    the issuing flag is set by one file a language; and no module's namespace is handed to C."""
+    sources = {path.relative_to(ROOT).as_posix(): path.read_text()
+               for folder in ("ring", "hooks") for pattern in ("*.c", "*.cpp", "*.h", "*.py")
+               for path in sorted((ROOT / folder).glob(pattern))}
+    built = re.compile(r"\[11\]\s*=\s*\{|\bv\[0\]\s*=|_fields\(\w+,|\[0\] = GPU_START")
+    builders = sorted(path for path, text in sources.items() if built.search(text) and not path.endswith(".py"))
+    assert builders == ["hooks/_all_reduce.c", "hooks/_gpu.cpp", "ring/_record.h"], builders
+    assert not re.search(r"\[11\]\s*=\s*\{|\bv\[0\]\s*=", sources["hooks/_all_reduce.c"])  # the builders, not by hand
+    setting = sorted(path for path, text in sources.items() if re.search(r"\b(issuing_set|set_issuing)\(", text))
+    assert setting == ["hooks/_all_reduce.c", "hooks/_ddp_hook.cpp", "hooks/_issuing.c", "hooks/issuing.py"], setting
+    assert [path for path, text in sources.items() if path.endswith(".py") and "vars(" in text] == []

@@ -363,7 +363,7 @@ def test_bad_slot_counts_are_refused_with_what_is_accepted(slots):
 
 
 def test_a_producer_used_before_init_refuses_and_a_second_init_lets_go_of_the_first_buffer():
-    from commlens.hooks._producer import Producer
+    from commlens.ring._producer import Producer
 
     with pytest.raises(ValueError, match="not initialised"):
         Producer.__new__(Producer).write(1, 0, 0, 0, 1, 1, 0, 0, -1, 0)
