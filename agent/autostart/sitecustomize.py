@@ -28,7 +28,7 @@ def _start_in_rank() -> None:
 
 
 def _note(rank: str, error: Exception) -> None:
-    """The note that the verdict reads (agent/verdicts/readers.py: ``NOT_STARTED``)."""
+    """The note that the verdict reads (agent/verdicts/readers/files.py: ``NOT_STARTED``)."""
     path = os.environ.get("COMMLENS_NOT_STARTED", "").replace("{rank}", rank)
     if not path:
         return

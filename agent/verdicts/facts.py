@@ -1,6 +1,6 @@
 """What the verdict is drawn from: each rank's facts about each of its groups.
 
-Readers (``readers.py``) fill ``RankFacts`` from metrics, Prometheus or a job's files; the detectors
+Readers (``readers/``) fill ``RankFacts`` from metrics, Prometheus or a job's files; the detectors
 (``verdicts.detectors``) turn them into ``Finding``s; both write sets of ranks as ``ranges``.
 """
 

@@ -1,10 +1,8 @@
-"""The readers: ranks' facts (``facts.RankFacts``) from their metrics endpoints, from Prometheus, or
-from a job's trace files and flight-recorder dumps.
+"""Ranks' facts from a job's folder: its OTLP JSON-lines trace files, its flight-recorder dumps (read
+without running code) and the notes ranks leave (ended cleanly, commlens not started), on the job's clock.
 
 Example::
 
-    facts = from_endpoints(["http://node1:9464/metrics", "http://node1:9465/metrics"])
-    jobs = from_prometheus("http://prometheus:9090")     # job -> its ranks' facts
     facts = from_files("./commlens-out/job-7")
 """
 
@@ -13,328 +11,23 @@ from __future__ import annotations
 import collections
 import contextlib
 import glob
-import itertools
 import json
-import math
 import os
 import pickle
 import re
 import statistics
-import sys
-import time
-import urllib.parse
-import urllib.request
 from typing import Callable, Iterable, Iterator
 
 from commlens.exporters import names
 from commlens.ring.dumps import ATTEMPT_FOLDER, DUMP_REASONS, DUMP_SIGNALLED, ENDED
 
-from .facts import RankFacts, ranges
+from ..facts import RankFacts, ranges
+from .common import lost, say_skipped
 
-DURATION_SUM, DURATION_COUNT = f"{names.COLLECTIVE_DURATION}_sum", f"{names.COLLECTIVE_DURATION}_count"
-NO_TELEMETRY = "no trace file (*.jsonl) with commlens spans and no flight-recorder dump"
-"""What a job's folder without telemetry lacks, as the commands that read one say it."""
-NO_TELEMETRY_EXIT = 3
-"""The exit status of ``diagnose``, ``timeline`` and ``report`` where the telemetry is missing, could not be
-read, or (``diagnose``, nothing wrong found) is incomplete: 2 is a usage error, 1 something wrong."""
+
 NOT_STARTED = "not-started-{rank}.json"
 """A rank's note in its job's folder that commlens did not start in it (``{"rank": 3, "error": "..."}``):
 ``commlens run``'s ``sitecustomize`` (agent/autostart) writes it, under the name it sets, and trains on."""
-
-
-def say_skipped(problem: str) -> None:
-    print(f"commlens: skipped {problem}", file=sys.stderr)
-
-
-def kept_and_said(unread: list[str]) -> Callable[[str], None]:
-    """An ``on_problem`` that says each problem (``say_skipped``) and keeps it in ``unread``, for the
-    verdict's caveats."""
-    def problem(line: str) -> None:
-        unread.append(line)
-        say_skipped(line)
-    return problem
-
-
-def from_metrics_texts(first: Iterable[str], second: Iterable[str], window_s: float) -> list[RankFacts]:
-    """Facts from the Prometheus text of each rank's endpoint, as the ``first`` scrape found them, and
-    the ``second`` taken ``window_s`` later: waits come from what happened between the two, and a rank
-    that no longer answers is gone."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    ranks: dict[int, RankFacts] = {}
-    totals: dict[tuple[int, str], list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
-    reporting: list[set[int]] = [set(), set()]
-    down: set[int] = set()  # a pod sidecar's rank whose process has ended
-    endings: dict[int, set[str]] = collections.defaultdict(set)  # snapshot reasons seen, by rank
-    world_size = 0
-    for index, texts in enumerate((first, second)):
-        for text in texts:
-            for s in (sample for family in text_string_to_metric_families(text) for sample in family.samples):
-                rank = int(s.labels.get("rank", -1))
-                if rank < 0:
-                    continue
-                reporting[index].add(rank)
-                facts = ranks.setdefault(rank, RankFacts(rank))
-                pg = s.labels.get("pg")
-                if s.name == DURATION_SUM:
-                    totals[(rank, pg)][2 * index] += s.value
-                elif s.name == DURATION_COUNT:
-                    totals[(rank, pg)][2 * index + 1] += s.value
-                elif s.name == names.INFO:
-                    world_size = max(world_size, int(s.labels.get("world_size", 0)))
-                    facts.node = s.labels.get("node", "")
-                elif s.name == names.RANK_UP and s.value == 0:
-                    down.add(rank)
-                elif s.name == names.total(names.ABORT_SNAPSHOTS) and s.value > 0:
-                    endings[rank].add(s.labels["reason"])
-                elif index == 0:  # the state as first seen: a hang may resolve during the window
-                    _metric_fact(facts, s.name, s.labels, s.value)
-                if s.name in (names.HUNG_SEQ, names.P2P_HUNG):
-                    facts.group(pg).hung_lately = True
-    for (rank, pg), (sum0, count0, sum1, count1) in totals.items():
-        seconds, count = sum1 - sum0, count1 - count0
-        if count > 0:
-            ranks[rank].group(pg).wait_s = seconds / count
-            ranks[rank].group(pg).waited_s = seconds / window_s
-            ranks[rank].group(pg).completed = round(count)
-    for rank in range(world_size):  # a rank no endpoint answered for
-        ranks.setdefault(rank, RankFacts(rank))
-    for rank, facts in ranks.items():
-        _settle(facts, rank not in reporting[1] or rank in down, endings[rank])
-    return [ranks[rank] for rank in sorted(ranks)]
-
-
-def _metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> None:
-    pg = labels.get("pg")
-    if name == names.LAST_SEQ and labels.get("state") == "enqueued":
-        facts.group(pg).issued = int(value)
-    elif name == names.LAST_SEQ and labels.get("state") == "completed":
-        facts.group(pg).finished = int(value)
-    elif name == names.HUNG_SEQ:
-        facts.group(pg).hung = (labels["op"], int(value))
-    elif name == names.HUNG_BYTES:
-        facts.group(pg).hung_bytes = int(value)
-    elif name == names.P2P_HUNG:
-        facts.group(pg).p2p_hung = (labels["op"], int(labels["peer"]), value)
-    elif name == names.FAILED_SEQ:
-        facts.group(pg).failed = (labels["op"], int(value))
-    elif name == names.P2P_FAILED:
-        facts.group(pg).p2p_failed = (labels["op"], int(labels["peer"]), None)
-    elif name == names.NONFINITE_FIRST_SEQ:
-        group = facts.group(pg)
-        if group.nonfinite is None or value < group.nonfinite[0]:
-            group.nonfinite = (int(value), labels["op"], labels["kind"])
-    elif name == names.NONFINITE_FIRST_SEND:
-        sends = facts.group(pg).first_sends
-        if value < sends.get(int(labels["peer"]), (value + 1,))[0]:  # its first of either kind
-            sends[int(labels["peer"])] = (int(value), labels["kind"])
-    elif name == names.NONFINITE_ENTRY_SEQ:
-        facts.entry = (pg, labels["op"], int(value), labels["kind"], int(labels.get("peer") or -1))
-    elif name == names.NONFINITE_ISSUED_BEFORE and labels.get("peer"):
-        facts.received_before[(pg, int(labels["peer"]))] = int(value)
-    elif name == names.NONFINITE_ISSUED_BEFORE:
-        facts.issued_before[pg] = int(value)
-    elif name == names.total(names.LOSS_SCALE_STEPS) and labels.get("outcome") == "skipped":
-        facts.loss_scale_skipped = int(value)
-
-
-def _settle(facts: RankFacts, gone: bool, reasons: set[str]) -> None:
-    """Live: whether the rank is gone, how it ended (its snapshot ``reasons``), and a group in which it
-    issued collectives and completed none (no completed sequence number is exported before the first)
-    has completed up to 0."""
-    facts.gone, facts.lost, facts.stopped = gone, _lost(reasons), "signal" in reasons
-    for group in facts.groups.values():
-        if group.finished is None and group.issued > 0:
-            group.finished = 0
-
-
-def _lost(reasons: set[str]) -> bool:
-    """Snapshot reasons of a rank that ended without a signal or an exception."""
-    return "exit" in reasons and not reasons & {"signal", "exception"}
-
-
-def from_endpoints(urls: list[str], window_s: float = 5.0, timeout_s: float = 5.0,
-                   on_problem: Callable[[str], None] = say_skipped) -> list[RankFacts]:
-    """Scrape each rank's metrics endpoint twice, ``window_s`` apart. An endpoint that does not
-    answer is left out (its rank is then missing from every group), and ``on_problem`` gets one line
-    naming it."""
-    unanswered: set[str] = set()
-
-    def scrape() -> list[str]:
-        texts = []
-        for url in urls:
-            try:
-                with urllib.request.urlopen(url, timeout=timeout_s) as response:
-                    texts.append(response.read().decode())
-            except (OSError, ValueError) as error:
-                if url not in unanswered:
-                    unanswered.add(url)
-                    on_problem(f"the metrics endpoint {url}: {getattr(error, 'reason', None) or error}")
-        return texts
-
-    first = scrape()
-    time.sleep(window_s)  # the window over which waits are measured
-    return from_metrics_texts(first, scrape(), window_s)
-
-
-# -- sources: Prometheus ----------------------------------------------------------------------------
-
-
-def from_prometheus(url: str, job: str | None = None) -> dict[str, list[RankFacts]]:
-    """Facts for each job Prometheus knows (or only ``job``), from instant queries of its HTTP API; their
-    windows hold 4 of its scrapes or more (``scrape_interval_s``). A job that torchrun restarted (its
-    ranks' ``commlens_info`` of more than one ``attempt`` in the last 15 min) gives facts for each
-    attempt, keyed "<job>, attempt <N>": each read as the next one began (its ranks' ends all scraped),
-    over windows that begin with it (the attempts' collectives are numbered alike, their counters start
-    again)."""
-    selector = f'job="{job}"' if job else ""
-    interval = scrape_interval_s(url, job)
-    began: dict[str, dict[int, float]] = collections.defaultdict(dict)
-    """Each job's attempts in the last 15 min, with each one's first scrape (over its ranks)."""
-    for item in _query(url, f"min by (job, attempt) (min_over_time(timestamp({names.INFO}{{{selector}}})"
-                            f"[15m:{interval}s]))"):
-        began[item["metric"].get("job", "")][int(item["metric"].get("attempt", "0"))] = float(item["value"][1])
-    restarted = {name: sorted(attempts.items()) for name, attempts in began.items() if len(attempts) > 1}
-    found = _prometheus_facts(url, selector, interval) if not began or began.keys() - restarted.keys() else {}
-    for name, attempts in restarted.items():
-        found.pop(name, None)
-        for (attempt, first), after in itertools.zip_longest(attempts, attempts[1:]):
-            at = None if after is None else after[1] - 0.001  # as the next began: its ranks' ends all scraped
-            facts = _prometheus_facts(url, f'job="{name}"', interval, at, first).get(name, [])
-            if facts:
-                found[f"{name}, attempt {attempt}"] = facts
-    return found
-
-
-def _query(url: str, expr: str, at: float | None = None) -> list[dict]:
-    """An instant query's result (at ``at``, a Unix time; None: now)."""
-    address = url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode(
-        {"query": expr, **({"time": repr(at)} if at is not None else {})})
-    with urllib.request.urlopen(address, timeout=10) as response:
-        body = json.load(response)
-    if body.get("status") != "success":
-        raise RuntimeError(f"Prometheus at {url} refused {expr!r}: {body.get('error')}")
-    return body["data"]["result"]
-
-
-def _prometheus_facts(url: str, selector: str, interval: int, at: float | None = None,
-                      since: float | None = None) -> dict[str, list[RankFacts]]:
-    """Each job's facts as of ``at`` (None: now), over windows that begin no earlier than ``since``."""
-    end = time.time() if at is None else at
-
-    def span(seconds: float) -> str:  # a window of ``seconds``, cut at ``since`` (whose scrape it keeps)
-        if since is None or seconds <= end - since:
-            return f"{int(seconds)}s"
-        return f"{max(1, math.ceil((end - since) * 1000) + 1)}ms"
-
-    window, lookback = span(max(15, 4 * interval)), span(max(60, 4 * interval))
-    last_15m, last_5m = span(900), span(300)
-
-    def query(expr: str) -> list[dict]:
-        return _query(url, expr, at)
-
-    jobs: dict[str, dict[int, RankFacts]] = collections.defaultdict(dict)
-
-    def each(expr: str):
-        for item in query(expr):
-            labels, value = item["metric"], float(item["value"][1])
-            facts = jobs[labels.get("job", "")].setdefault(int(labels["rank"]), RankFacts(int(labels["rank"])))
-            yield facts, labels, value
-
-    enqueued = f'{names.LAST_SEQ}{{state="enqueued"{"," + selector if selector else ""}}}'
-    completed = f'{names.LAST_SEQ}{{state="completed"{"," + selector if selector else ""}}}'
-    hung = f"{names.HUNG_SEQ}{{{selector}}}"
-    # the last issued and completed (by their state label); then, while a group had a hang in the last
-    # minute: what each rank had issued (a late rank may have caught up since), and the hang itself
-    for name, expr in ((names.LAST_SEQ, f"last_over_time({enqueued}[{last_15m}])"),
-                       (names.LAST_SEQ, f"last_over_time({completed}[{last_15m}])"),
-                       (names.LAST_SEQ, f"min_over_time(({enqueued} and on (job, pg) {hung})[{lookback}:1s])"),
-                       (names.HUNG_SEQ, f"max_over_time({hung}[{lookback}])"),
-                       (names.HUNG_BYTES, f"last_over_time({names.HUNG_BYTES}{{{selector}}}[{lookback}])"),
-                       (names.P2P_HUNG, f"{names.P2P_HUNG}{{{selector}}}"),
-                       *((name, f"{name}{{{selector}}}") for name in (
-                           names.NONFINITE_FIRST_SEQ, names.NONFINITE_FIRST_SEND, names.NONFINITE_ENTRY_SEQ,
-                           names.NONFINITE_ISSUED_BEFORE)),
-                       (names.total(names.LOSS_SCALE_STEPS), f"{names.total(names.LOSS_SCALE_STEPS)}{{{selector}}}"),
-                       (names.FAILED_SEQ, f"last_over_time({names.FAILED_SEQ}{{{selector}}}[{last_5m}])"),
-                       (names.P2P_FAILED, f"last_over_time({names.P2P_FAILED}{{{selector}}}[{last_5m}])")):
-        for facts, labels, value in each(expr):
-            _metric_fact(facts, name, labels, value)
-    by = "sum by (job, pg, rank)"
-    for facts, labels, value in each(f"{by} (rate({DURATION_SUM}{{{selector}}}[{window}])) / "
-                                     f"{by} (rate({DURATION_COUNT}{{{selector}}}[{window}]))"):
-        facts.group(labels["pg"]).wait_s = value
-    for facts, labels, value in each(f"{by} (rate({DURATION_SUM}{{{selector}}}[{window}]))"):
-        facts.group(labels["pg"]).waited_s = value
-    for facts, labels, value in each(f"{by} (increase({DURATION_COUNT}{{{selector}}}[{window}]))"):
-        facts.group(labels["pg"]).completed = round(value)
-    p2p_hung = f"{names.P2P_HUNG}{{{selector}}}"
-    for facts, labels, _ in each(f"max_over_time({hung}[{window}]) or max_over_time({p2p_hung}[{window}])"):
-        facts.group(labels["pg"]).hung_lately = True
-    for facts, labels, value in each(f"min_over_time((sum by (job, rank) (rate({DURATION_SUM}{{{selector}}}"
-                                     f"[{window}])))[{last_5m}:5s])"):
-        facts.least_waited = value
-    info = f"last_over_time({names.INFO}{{{selector}}}[{last_15m}])"
-    for facts, labels, _ in each(info):
-        facts.node = labels.get("node", "")
-    # down for 2 scrapes at least: one missed is an endpoint too busy to answer in time (CommlensRankKilled's `for`)
-    for facts, _, _ in each(f"{info} and on (job, instance) (max_over_time(up[{int(2500 * interval)}ms]) == 0)"):
-        facts.unreachable = True
-    aborts = f'{names.total(names.ABORT_SNAPSHOTS)}{{reason="abort"{"," + selector if selector else ""}}}'
-    for facts, _, _ in each(f"increase({aborts}[{last_5m}]) > 0"):
-        facts.aborted = True
-    said_up = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(
-        f"last_over_time({names.RANK_UP}{{{selector}}}[{last_15m}])")}
-    live = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(enqueued)}
-    down = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(f"{names.RANK_UP}{{{selector}}} == 0")}
-    endings: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
-    # over the job: a pod sidecar's counts end with it, and a killed rank stays the evidence after
-    for _, labels, _ in each(f"max_over_time({names.total(names.ABORT_SNAPSHOTS)}{{{selector}}}[{last_15m}]) > 0"):
-        endings[(labels.get("job", ""), int(labels["rank"]))].add(labels["reason"])
-    for name, ranks in jobs.items():
-        for rank, facts in ranks.items():
-            _settle(facts, (name, rank) not in live or (name, rank) in down, endings[(name, rank)])
-            # its own endpoint gone without a word of how it ended (an in-process agent's; docs/verdicts.md)
-            facts.vanished = facts.unreachable and (name, rank) not in said_up and not endings[(name, rank)] & {
-                "signal", "exception", "exit"}
-    return {name: [ranks[r] for r in sorted(ranks)] for name, ranks in jobs.items()}
-
-
-def scrape_interval_s(url: str, job: str | None = None) -> int:
-    """The longest scrape interval of the active targets (of ``job``), in seconds, as Prometheus' targets
-    API says; where it says nothing (VictoriaMetrics fed by vmagents, a query front-end), the spacing of
-    ``up``'s samples over the last 5 min; 1 where neither does."""
-    return max(_targets_intervals(url, job) or _up_spacings(url, job), default=1) or 1
-
-
-def _targets_intervals(url: str, job: str | None) -> list[int]:
-    try:
-        targets = _get_json(url.rstrip("/") + "/api/v1/targets?state=active")["data"]["activeTargets"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-    return [sum(int(n) * {"h": 3600, "m": 60, "s": 1}[unit] for n, unit in re.findall(r"(\d+)([hms])(?!s)",
-                                                                                    target.get("scrapeInterval", "")))
-            for target in targets if not job or target.get("labels", {}).get("job") == job]
-
-
-def _up_spacings(url: str, job: str | None) -> list[int]:
-    """The median spacing of each target's ``up`` samples (a scrape writes one) over the last 5 min."""
-    selector = f'{{job="{job}"}}' if job else ""
-    try:
-        series = _get_json(url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode(
-            {"query": f"up{selector}[5m]"}))["data"]["result"]
-        stamps = [[float(t) for t, _ in s["values"]] for s in series]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-    return [round(statistics.median(b - a for a, b in zip(t, t[1:]))) for t in stamps if len(t) > 1]
-
-
-def _get_json(address: str) -> dict:
-    with urllib.request.urlopen(address, timeout=10) as response:
-        return json.load(response)
-
-
-# -- sources: trace files and dumps -----------------------------------------------------------------
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -651,7 +344,7 @@ def _dump_fact(facts: RankFacts, dump: dict, collectives: list[tuple[str, int, s
     if isinstance(dump.get(DUMP_SIGNALLED), int):
         facts.signalled_ns = dump[DUMP_SIGNALLED]
     if isinstance(dump.get(DUMP_REASONS), list):  # the pod sidecar's dump of a rank whose process was killed
-        facts.lost = _lost(set(map(str, dump[DUMP_REASONS])))
+        facts.lost = lost(set(map(str, dump[DUMP_REASONS])))
     for pg, seq, op, inputs, completed in collectives:
         group = facts.group(pg)
         group.issued = max(group.issued, seq)

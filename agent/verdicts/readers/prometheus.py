@@ -1,0 +1,178 @@
+"""Ranks' facts from Prometheus (or VictoriaMetrics): instant queries of its HTTP API over windows of
+4 of its scrapes or more, each attempt of a restarted job apart.
+
+Example::
+
+    jobs = from_prometheus("http://prometheus:9090")     # job -> its ranks' facts
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import math
+import re
+import statistics
+import time
+import urllib.parse
+import urllib.request
+
+from commlens.exporters import names
+
+from ..facts import RankFacts
+from .metrics import DURATION_COUNT, DURATION_SUM, metric_fact, settle
+
+
+def from_prometheus(url: str, job: str | None = None) -> dict[str, list[RankFacts]]:
+    """Facts for each job Prometheus knows (or only ``job``), from instant queries of its HTTP API; their
+    windows hold 4 of its scrapes or more (``scrape_interval_s``). A job that torchrun restarted (its
+    ranks' ``commlens_info`` of more than one ``attempt`` in the last 15 min) gives facts for each
+    attempt, keyed "<job>, attempt <N>": each read as the next one began (its ranks' ends all scraped),
+    over windows that begin with it (the attempts' collectives are numbered alike, their counters start
+    again)."""
+    selector = f'job="{job}"' if job else ""
+    interval = scrape_interval_s(url, job)
+    began: dict[str, dict[int, float]] = collections.defaultdict(dict)
+    """Each job's attempts in the last 15 min, with each one's first scrape (over its ranks)."""
+    for item in _query(url, f"min by (job, attempt) (min_over_time(timestamp({names.INFO}{{{selector}}})"
+                            f"[15m:{interval}s]))"):
+        began[item["metric"].get("job", "")][int(item["metric"].get("attempt", "0"))] = float(item["value"][1])
+    restarted = {name: sorted(attempts.items()) for name, attempts in began.items() if len(attempts) > 1}
+    found = _prometheus_facts(url, selector, interval) if not began or began.keys() - restarted.keys() else {}
+    for name, attempts in restarted.items():
+        found.pop(name, None)
+        for (attempt, first), after in itertools.zip_longest(attempts, attempts[1:]):
+            at = None if after is None else after[1] - 0.001  # as the next began: its ranks' ends all scraped
+            facts = _prometheus_facts(url, f'job="{name}"', interval, at, first).get(name, [])
+            if facts:
+                found[f"{name}, attempt {attempt}"] = facts
+    return found
+
+
+def _query(url: str, expr: str, at: float | None = None) -> list[dict]:
+    """An instant query's result (at ``at``, a Unix time; None: now)."""
+    address = url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode(
+        {"query": expr, **({"time": repr(at)} if at is not None else {})})
+    with urllib.request.urlopen(address, timeout=10) as response:
+        body = json.load(response)
+    if body.get("status") != "success":
+        raise RuntimeError(f"Prometheus at {url} refused {expr!r}: {body.get('error')}")
+    return body["data"]["result"]
+
+
+def _prometheus_facts(url: str, selector: str, interval: int, at: float | None = None,
+                      since: float | None = None) -> dict[str, list[RankFacts]]:
+    """Each job's facts as of ``at`` (None: now), over windows that begin no earlier than ``since``."""
+    end = time.time() if at is None else at
+
+    def span(seconds: float) -> str:  # a window of ``seconds``, cut at ``since`` (whose scrape it keeps)
+        if since is None or seconds <= end - since:
+            return f"{int(seconds)}s"
+        return f"{max(1, math.ceil((end - since) * 1000) + 1)}ms"
+
+    window, lookback = span(max(15, 4 * interval)), span(max(60, 4 * interval))
+    last_15m, last_5m = span(900), span(300)
+
+    def query(expr: str) -> list[dict]:
+        return _query(url, expr, at)
+
+    jobs: dict[str, dict[int, RankFacts]] = collections.defaultdict(dict)
+
+    def each(expr: str):
+        for item in query(expr):
+            labels, value = item["metric"], float(item["value"][1])
+            facts = jobs[labels.get("job", "")].setdefault(int(labels["rank"]), RankFacts(int(labels["rank"])))
+            yield facts, labels, value
+
+    enqueued = f'{names.LAST_SEQ}{{state="enqueued"{"," + selector if selector else ""}}}'
+    completed = f'{names.LAST_SEQ}{{state="completed"{"," + selector if selector else ""}}}'
+    hung = f"{names.HUNG_SEQ}{{{selector}}}"
+    # the last issued and completed (by their state label); then, while a group had a hang in the last
+    # minute: what each rank had issued (a late rank may have caught up since), and the hang itself
+    for name, expr in ((names.LAST_SEQ, f"last_over_time({enqueued}[{last_15m}])"),
+                       (names.LAST_SEQ, f"last_over_time({completed}[{last_15m}])"),
+                       (names.LAST_SEQ, f"min_over_time(({enqueued} and on (job, pg) {hung})[{lookback}:1s])"),
+                       (names.HUNG_SEQ, f"max_over_time({hung}[{lookback}])"),
+                       (names.HUNG_BYTES, f"last_over_time({names.HUNG_BYTES}{{{selector}}}[{lookback}])"),
+                       (names.P2P_HUNG, f"{names.P2P_HUNG}{{{selector}}}"),
+                       *((name, f"{name}{{{selector}}}") for name in (
+                           names.NONFINITE_FIRST_SEQ, names.NONFINITE_FIRST_SEND, names.NONFINITE_ENTRY_SEQ,
+                           names.NONFINITE_ISSUED_BEFORE)),
+                       (names.total(names.LOSS_SCALE_STEPS), f"{names.total(names.LOSS_SCALE_STEPS)}{{{selector}}}"),
+                       (names.FAILED_SEQ, f"last_over_time({names.FAILED_SEQ}{{{selector}}}[{last_5m}])"),
+                       (names.P2P_FAILED, f"last_over_time({names.P2P_FAILED}{{{selector}}}[{last_5m}])")):
+        for facts, labels, value in each(expr):
+            metric_fact(facts, name, labels, value)
+    by = "sum by (job, pg, rank)"
+    for facts, labels, value in each(f"{by} (rate({DURATION_SUM}{{{selector}}}[{window}])) / "
+                                     f"{by} (rate({DURATION_COUNT}{{{selector}}}[{window}]))"):
+        facts.group(labels["pg"]).wait_s = value
+    for facts, labels, value in each(f"{by} (rate({DURATION_SUM}{{{selector}}}[{window}]))"):
+        facts.group(labels["pg"]).waited_s = value
+    for facts, labels, value in each(f"{by} (increase({DURATION_COUNT}{{{selector}}}[{window}]))"):
+        facts.group(labels["pg"]).completed = round(value)
+    p2p_hung = f"{names.P2P_HUNG}{{{selector}}}"
+    for facts, labels, _ in each(f"max_over_time({hung}[{window}]) or max_over_time({p2p_hung}[{window}])"):
+        facts.group(labels["pg"]).hung_lately = True
+    for facts, labels, value in each(f"min_over_time((sum by (job, rank) (rate({DURATION_SUM}{{{selector}}}"
+                                     f"[{window}])))[{last_5m}:5s])"):
+        facts.least_waited = value
+    info = f"last_over_time({names.INFO}{{{selector}}}[{last_15m}])"
+    for facts, labels, _ in each(info):
+        facts.node = labels.get("node", "")
+    # down for 2 scrapes at least: one missed is an endpoint too busy to answer in time (CommlensRankKilled's `for`)
+    for facts, _, _ in each(f"{info} and on (job, instance) (max_over_time(up[{int(2500 * interval)}ms]) == 0)"):
+        facts.unreachable = True
+    aborts = f'{names.total(names.ABORT_SNAPSHOTS)}{{reason="abort"{"," + selector if selector else ""}}}'
+    for facts, _, _ in each(f"increase({aborts}[{last_5m}]) > 0"):
+        facts.aborted = True
+    said_up = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(
+        f"last_over_time({names.RANK_UP}{{{selector}}}[{last_15m}])")}
+    live = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(enqueued)}
+    down = {(labels.get("job", ""), int(labels["rank"])) for _, labels, _ in each(f"{names.RANK_UP}{{{selector}}} == 0")}
+    endings: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
+    # over the job: a pod sidecar's counts end with it, and a killed rank stays the evidence after
+    for _, labels, _ in each(f"max_over_time({names.total(names.ABORT_SNAPSHOTS)}{{{selector}}}[{last_15m}]) > 0"):
+        endings[(labels.get("job", ""), int(labels["rank"]))].add(labels["reason"])
+    for name, ranks in jobs.items():
+        for rank, facts in ranks.items():
+            settle(facts, (name, rank) not in live or (name, rank) in down, endings[(name, rank)])
+            # its own endpoint gone without a word of how it ended (an in-process agent's; docs/verdicts.md)
+            facts.vanished = facts.unreachable and (name, rank) not in said_up and not endings[(name, rank)] & {
+                "signal", "exception", "exit"}
+    return {name: [ranks[r] for r in sorted(ranks)] for name, ranks in jobs.items()}
+
+
+def scrape_interval_s(url: str, job: str | None = None) -> int:
+    """The longest scrape interval of the active targets (of ``job``), in seconds, as Prometheus' targets
+    API says; where it says nothing (VictoriaMetrics fed by vmagents, a query front-end), the spacing of
+    ``up``'s samples over the last 5 min; 1 where neither does."""
+    return max(_targets_intervals(url, job) or _up_spacings(url, job), default=1) or 1
+
+
+def _targets_intervals(url: str, job: str | None) -> list[int]:
+    try:
+        targets = _get_json(url.rstrip("/") + "/api/v1/targets?state=active")["data"]["activeTargets"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [sum(int(n) * {"h": 3600, "m": 60, "s": 1}[unit] for n, unit in re.findall(r"(\d+)([hms])(?!s)",
+                                                                                    target.get("scrapeInterval", "")))
+            for target in targets if not job or target.get("labels", {}).get("job") == job]
+
+
+def _up_spacings(url: str, job: str | None) -> list[int]:
+    """The median spacing of each target's ``up`` samples (a scrape writes one) over the last 5 min."""
+    selector = f'{{job="{job}"}}' if job else ""
+    try:
+        series = _get_json(url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode(
+            {"query": f"up{selector}[5m]"}))["data"]["result"]
+        stamps = [[float(t) for t, _ in s["values"]] for s in series]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [round(statistics.median(b - a for a, b in zip(t, t[1:]))) for t in stamps if len(t) > 1]
+
+
+def _get_json(address: str) -> dict:
+    with urllib.request.urlopen(address, timeout=10) as response:
+        return json.load(response)
