@@ -19,8 +19,8 @@ import time
 from typing import Any, Callable, Iterable
 
 from commlens.exporters import names
-from commlens.exporters.otlp import (BatchSpanProcessor, GrpcSpanExporter, HttpSpanExporter, JsonLinesSpanExporter,
-                                     SpanExporter)
+from commlens.exporters.otlp import BatchSpanProcessor
+from commlens.exporters.span_exporters import GrpcSpanExporter, HttpSpanExporter, JsonLinesSpanExporter, SpanExporter
 from commlens.exporters.otlp_metrics import MetricsPusher
 from commlens.exporters.prometheus import serve
 from commlens.ring.dumps import attempt_path

@@ -97,9 +97,9 @@ def file_span_rates() -> tuple[float, float]:
 
     from google.protobuf.json_format import MessageToDict
 
-    from commlens.exporters import otlp
+    from commlens.exporters import span_exporters
 
-    class ProtobufJsonLines(otlp.JsonLinesSpanExporter):
+    class ProtobufJsonLines(span_exporters.JsonLinesSpanExporter):
         """The same file sink, each line from protobuf's own JSON mapping of the protobuf request: the baseline."""
 
         form = "protobuf"
@@ -115,7 +115,7 @@ def file_span_rates() -> tuple[float, float]:
     collectives, rates = _collectives(), {"commlens": [], "protobuf": []}
     with tempfile.TemporaryDirectory() as folder:
         for _ in range(ROUNDS):
-            for name, transport in (("commlens", otlp.JsonLinesSpanExporter), ("protobuf", ProtobufJsonLines)):
+            for name, transport in (("commlens", span_exporters.JsonLinesSpanExporter), ("protobuf", ProtobufJsonLines)):
                 path = os.path.join(folder, name)
                 exporter = BatchSpanProcessor(transport(path), {"service.name": "bench"}, job="bench",
                                         world_size=4, queue_size=len(collectives))

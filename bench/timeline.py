@@ -20,7 +20,8 @@ import tempfile
 import time
 
 from commlens.exporters.telemetry import Collective
-from commlens.exporters.otlp import JsonLinesSpanExporter, BatchSpanProcessor
+from commlens.exporters.otlp import BatchSpanProcessor
+from commlens.exporters.span_exporters import JsonLinesSpanExporter
 
 RANKS, GROUPS = 4, 4
 

@@ -12,7 +12,8 @@ import commlens.agent
 from commlens.agent import Config, ConfigError
 from ports import free_port
 from commlens.exporters.telemetry import Collective
-from commlens.exporters.otlp import GrpcSpanExporter, HttpSpanExporter, BatchSpanProcessor
+from commlens.exporters.otlp import BatchSpanProcessor
+from commlens.exporters.span_exporters import GrpcSpanExporter, HttpSpanExporter
 from opentelemetry.sdk.trace.export import SpanExportResult
 from receivers import GrpcReceiver, HttpReceiver, span_attributes, spans_of
 
@@ -122,7 +123,7 @@ def test_an_agent_started_again_in_the_process_exports_only_the_collectives_afte
 
 
 def test_beside_training_the_trace_file_gets_every_span(tmp_path):
-    from commlens.exporters.otlp import JsonLinesSpanExporter
+    from commlens.exporters.span_exporters import JsonLinesSpanExporter
 
     path = tmp_path / "traces.jsonl"
     exporter = BatchSpanProcessor(JsonLinesSpanExporter(str(path)), {}, job="j", beside_training=True)

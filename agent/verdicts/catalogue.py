@@ -1,9 +1,9 @@
 """The catalogue: each kind of verdict once — its precedence, its title, the alert rules that find it
 live (PromQL, ``rules/<kind>.yaml``) and, through their names, their runbooks (``docs/runbooks.md``).
-``detectors.py`` finds the same kinds in ranks' facts; ``deploy/prometheus-rules.yaml`` is built from
+``detectors/`` finds the same kinds in ranks' facts; ``deploy/prometheus-rules.yaml`` is built from
 ``rules/`` (``rules_text``, by ``python deploy/build.py``).
 
-Adding a kind: a ``Kind`` in ``KINDS``, its detector in ``detectors.py``, its rules in
+Adding a kind: a ``Kind`` in ``KINDS``, its detector in ``detectors/``, its rules in
 ``rules/<name>.yaml``, a runbook section per alert, and its tests.
 
 Example::
