@@ -44,8 +44,8 @@ class Config:
     a restarted attempt numbers its collectives from 0 again, and writes its files in its own folder
     (``commlens.ring.dumps.attempt_path``)."""
     drain_interval_s: float = 0.5
-    """The longest between two drains: the in-process sidecar drains sooner when a quarter of the ring has
-    filled; the pod sidecar, which no rank can wake, every ``POD_DRAIN_S`` at most."""
+    """The longest between two drains: the sidecar, in-process or the pod's, drains sooner when a rank has
+    filled a quarter of its ring (``commlens.ring.wakeups``)."""
     hang_threshold_s: float = 300.0
     slow_factor: float = 5.0
     metrics_addr: str = "0.0.0.0"

@@ -6,7 +6,7 @@ pod").
 Example::
 
     pod = PodSidecar(Config.from_env(), "/dev/shm/commlens")
-    pod.start()      # serves metrics, drains every POD_DRAIN_S
+    pod.start()      # serves metrics; drains as a rank's ring fills a quarter, and every drain interval
     ...
     pod.stop()       # drains what is left, flushes spans
 """
@@ -24,6 +24,7 @@ from typing import Callable
 from commlens.exporters.prometheus import MetricsCollector, PodCollector
 from commlens.ring.dumps import dump_ring
 from commlens.ring.memory import RING_FILES, Ring
+from commlens.ring.wakeups import WakeFiles
 
 from .config import Config
 from .outputs import MetricsOut
@@ -32,9 +33,6 @@ from .sidecar import Sidecar
 
 ATTEMPT_FLUSH_S = 2.0
 """The longest a rank's last attempt's spans are waited for, once torchrun has restarted the rank."""
-POD_DRAIN_S = 0.05
-"""The longest between two drains here: a rank cannot wake this process when its ring fills, as it
-wakes its own sidecar thread (``Ring.wake_reader``)."""
 
 
 class RankFeed:
@@ -107,6 +105,7 @@ class PodSidecar:
         self._lock = threading.Lock()
         self._ending = threading.Event()  # stop() was called: the loop ends once no rank's process lives
         self._stop = threading.Event()  # the loop ends now
+        self._wakes = WakeFiles()  # each rank's ring file's FIFO: it wakes the loop as the ring fills a quarter
         self._thread: threading.Thread | None = None
         self.collector = PodCollector(self._metrics, self._up)
         self.metrics_out = MetricsOut(config, self.collector, "a free port")
@@ -124,7 +123,7 @@ class PodSidecar:
         self._ending.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        self._stop.set()
+        self.stop_waiting()
         if self._thread is not None:
             self._thread.join(timeout_s)
         deadline = time.monotonic() + timeout_s
@@ -136,9 +135,14 @@ class PodSidecar:
     def stop_waiting(self) -> None:
         """Let ``stop`` go on without waiting for the ranks still alive (a second signal)."""
         self._stop.set()
+        self._wakes.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(min(self.config.drain_interval_s, POD_DRAIN_S, self.config.hang_threshold_s / 4)):
+        interval_s = min(self.config.drain_interval_s, self.config.hang_threshold_s / 4)
+        while not self._stop.is_set():
+            self._wakes.wait(interval_s)
+            if self._stop.is_set():
+                return
             try:
                 self.poll()
             except Exception as error:  # noqa: BLE001 — the loop goes on: a frozen sidecar hides every hang
@@ -180,6 +184,7 @@ class PodSidecar:
                                              attempt=info.get("attempt", 0))
                 feed = self.feeds[info["rank"]] = RankFeed(config, info, self._hang)
             feed.info = info
+            self._wakes.watch(path)
             feed.follow(ring)
             self._paths[path] = inode
 

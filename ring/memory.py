@@ -14,12 +14,10 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import mmap
 import os
-import select
 import struct
 import time
 import weakref
@@ -28,6 +26,7 @@ from ._producer import Producer, claim, publish, published, read_whole
 from .layout import (CLAIM_OFFSET, CLOCK_OFFSET, CLOSED_OFFSET, CURSOR_OFFSET, ERRORS, ERRORS_OFFSET, HEADER,
                      HEADER_SIZE, INFO_OFFSET, MAGIC, PID_OFFSET, RECORD, STRING_ALIGN, STRING_CLAIM_OFFSET,
                      VERSION, Record)
+from .wakeups import Wakeup, open_wake_file
 
 _U32, _I64, _SEQ = struct.Struct("<I"), struct.Struct("<q"), struct.Struct("<Q")
 DEFAULT_SLOTS = 1 << 16
@@ -55,7 +54,7 @@ class Ring:
         if not isinstance(string_bytes, int) or string_bytes < STRING_ALIGN or string_bytes % STRING_ALIGN:
             raise ValueError(f"string_bytes={string_bytes!r} is not accepted: it must be a multiple of 8, >= 8")
         size = HEADER_SIZE + slots * RECORD.size + string_bytes
-        self._fd = None
+        self._fd = self._wake_fd = None
         if path is None:
             mapped = mmap.mmap(-1, size)
         else:  # a new file renamed into place: a reader that has the old one mapped keeps it whole
@@ -74,7 +73,8 @@ class Ring:
         _I64.pack_into(mapped, CLOCK_OFFSET, time.time_ns() - time.monotonic_ns())
         _U32.pack_into(mapped, PID_OFFSET, os.getpid())
         self._mapped(mapped, slots, string_bytes, path)
-        if path is not None:
+        if path is not None:  # its wake FIFO first: a reader that finds the ring finds that too
+            self._wake_fd = self.producer.wake_fd = open_wake_file(path)
             os.replace(temporary, path)
 
     @classmethod
@@ -94,7 +94,7 @@ class Ring:
             os.close(fd)
             raise ValueError(f"{path!r} is not a commlens ring of format version {VERSION}")
         ring = cls.__new__(cls)
-        ring._fd = fd
+        ring._fd, ring._wake_fd = fd, None
         ring._mapped(mapped, slots, string_bytes, path)
         return ring
 
@@ -113,12 +113,14 @@ class Ring:
     def wake_reader(self) -> Wakeup:
         """(The writer's process) A ``Wakeup`` that this process's producers signal each time they have
         claimed a quarter of the ring: its reader can sleep long and still drain before the ring laps.
-        One at a time; ``Wakeup.close()`` detaches it."""
+        One at a time; ``Wakeup.close()`` detaches it. (A ring made as a file signals a reader in another
+        process, the pod sidecar, through the FIFO beside it until then: ``wakeups.WakeFiles``.)"""
         return Wakeup(self.producer)
 
     def __del__(self) -> None:
-        if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
+        for fd in (getattr(self, "_fd", None), getattr(self, "_wake_fd", None)):
+            if fd is not None:
+                os.close(fd)
 
     # -- the header ---------------------------------------------------------------------------------
 
@@ -259,43 +261,3 @@ def _forget_writers_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_writers_in_child)
-
-
-class Wakeup:
-    """A pipe that a ring's producers write a byte to each quarter of the ring they claim (in C, one
-    ``write`` per ``slots / 4`` records, on whichever thread claims that record), and its reader waits on.
-
-    Example::
-
-        wakeup = ring.wake_reader()
-        wakeup.wait(0.5)     # True: a quarter of the ring filled (or ``set()``); False: 0.5 s passed
-        wakeup.close()
-    """
-
-    def __init__(self, producer: Producer):
-        self._producer = producer
-        self._read_fd, self._write_fd = os.pipe()
-        for fd in (self._read_fd, self._write_fd):
-            os.set_blocking(fd, False)
-        producer.wake_fd = self._write_fd
-
-    def wait(self, timeout_s: float) -> bool:
-        """Sleep until the ring has filled a quarter since the last wait, ``set()``, or ``timeout_s``."""
-        woken = bool(select.select([self._read_fd], [], [], timeout_s)[0])
-        if woken:
-            with contextlib.suppress(BlockingIOError):
-                os.read(self._read_fd, 4096)
-        return woken
-
-    def set(self) -> None:
-        """Wake the waiter now."""
-        with contextlib.suppress(BlockingIOError):  # a full pipe wakes it already
-            os.write(self._write_fd, b"\1")
-
-    def close(self) -> None:
-        """Detach from the producers, then close the pipe (producers write only while holding the GIL,
-        as this does: none can be between reading ``wake_fd`` and writing to it)."""
-        if self._producer.wake_fd == self._write_fd:
-            self._producer.wake_fd = -1
-        os.close(self._read_fd)
-        os.close(self._write_fd)
