@@ -36,7 +36,6 @@ new_op_id: Callable[[], int] = itertools.count(1).__next__
 """A fresh op id: larger than every id issued so far, smaller than every later one (C, no frame)."""
 
 
-
 def writer() -> Write:
     """This process's ring's ``write``."""
     return (state.ring or process_ring.ring()).write
