@@ -128,6 +128,8 @@ class PodSidecar:
             self._thread.join(timeout_s)
         deadline = time.monotonic() + timeout_s
         self.poll()
+        if self._thread is None or not self._thread.is_alive():
+            self._wakes.close()
         for feed in list(self.feeds.values()):
             feed.pipeline.spans.shutdown(max(0.0, deadline - time.monotonic()))
         self.metrics_out.stop(deadline)
@@ -140,16 +142,17 @@ class PodSidecar:
     def _run(self) -> None:
         interval_s = min(self.config.drain_interval_s, self.config.hang_threshold_s / 4)
         while not self._stop.is_set():
-            self._wakes.wait(interval_s)
-            if self._stop.is_set():
-                return
             try:
+                self._wakes.wait(interval_s)
+                if self._stop.is_set():
+                    return
                 self.poll()
             except Exception as error:  # noqa: BLE001 — the loop goes on: a frozen sidecar hides every hang
                 self.errors += 1
                 if self.errors == 1:
                     print(f"commlens sidecar: a drain failed ({error!r}); going on, later failures are only "
                           "counted", file=sys.stderr)
+                self._stop.wait(interval_s)  # and not at once again
             if self._ending.is_set() and not any(feed.alive for feed in list(self.feeds.values())):
                 return
 

@@ -105,8 +105,10 @@ class Agent:
         writes it from a SNAPSHOT record). What each reason adds: docs/running.md ("Snapshots on the
         way down"). ``blocking=False`` is a signal's: the thread it interrupted may hold any lock, so
         it waits on none (``RankPipeline.write_dump``)."""
-        if self.pipeline is None:  # a pod sidecar reads this rank's ring
-            record.snapshot(process_ring.ring().write, reason)
+        if self.pipeline is None:  # a pod sidecar reads this rank's ring: woken to it now
+            ring = process_ring.ring()
+            record.snapshot(ring.write, reason)
+            ring.wake()
             return None
         deadline = time.monotonic() + self.config.snapshot_timeout_s
         if reason in ("hang", "abort"):

@@ -1,4 +1,4 @@
-"""commlens.hooks — what runs on the training thread: hooks, the ring, the flight recorder, NaN checks.
+"""commlens.hooks — what runs on the training thread: hooks, the ring's writers, the flight recorder, NaN checks.
 
 Example::
 

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import mmap
@@ -74,7 +75,8 @@ class Ring:
         _U32.pack_into(mapped, PID_OFFSET, os.getpid())
         self._mapped(mapped, slots, string_bytes, path)
         if path is not None:  # its wake FIFO first: a reader that finds the ring finds that too
-            self._wake_fd = self.producer.wake_fd = open_wake_file(path)
+            self._wake_fd = open_wake_file(path)
+            self.producer.wake_fd = -1 if self._wake_fd is None else self._wake_fd
             os.replace(temporary, path)
 
     @classmethod
@@ -117,10 +119,25 @@ class Ring:
         process, the pod sidecar, through the FIFO beside it until then: ``wakeups.WakeFiles``.)"""
         return Wakeup(self.producer)
 
+    def wake(self) -> None:
+        """(The writer's process) Wake a reader in another process now (a SNAPSHOT request it should not
+        wait a drain interval for); nothing for a ring without a wake FIFO."""
+        if self._wake_fd is not None:
+            with contextlib.suppress(BlockingIOError):  # a full FIFO wakes it already
+                os.write(self._wake_fd, b"\1")
+
     def __del__(self) -> None:
-        for fd in (getattr(self, "_fd", None), getattr(self, "_wake_fd", None)):
-            if fd is not None:
-                os.close(fd)
+        if getattr(self, "_wake_fd", None) is not None:
+            self._forget_wake_file()
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+
+    def _forget_wake_file(self) -> None:
+        """Stop signalling through the wake FIFO and close it (the producer may outlive the ring)."""
+        if self.producer.wake_fd == self._wake_fd:
+            self.producer.wake_fd = -1
+        os.close(self._wake_fd)
+        self._wake_fd = None
 
     # -- the header ---------------------------------------------------------------------------------
 
@@ -257,6 +274,8 @@ def _forget_writers_in_child() -> None:
         if ring._fd is not None:
             os.close(ring._fd)
             ring._fd = None
+        if ring._wake_fd is not None:  # nor does the FIFO stay open in it: its end is the writer's
+            ring._forget_wake_file()
     _writers.clear()
 
 

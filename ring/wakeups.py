@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import threading
 
 from ._producer import Producer
 
@@ -27,17 +28,22 @@ def wake_file(ring_path: str) -> str:
     return f"{ring_path}.wake"
 
 
-def open_wake_file(ring_path: str) -> int:
+def open_wake_file(ring_path: str) -> int | None:
     """(The writer) A new FIFO at ``wake_file(ring_path)`` (renamed into place, as the ring's file is),
     open for writing without ever blocking: opened for reading too, so that a write finds a reader
     whether or not one is there (a byte nobody reads fills the FIFO, and a full FIFO already holds a
-    wake-up)."""
+    wake-up). None where the file system has no FIFOs: the reader then drains on its interval alone."""
     path = wake_file(ring_path)
     temporary = f"{path}.{os.getpid()}.new"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(temporary)
-    os.mkfifo(temporary, 0o600)
-    fd = os.open(temporary, os.O_RDWR | os.O_NONBLOCK)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        os.mkfifo(temporary, 0o600)
+        fd = os.open(temporary, os.O_RDWR | os.O_NONBLOCK)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        return None
     os.replace(temporary, path)
     return fd
 
@@ -46,24 +52,33 @@ class WakeFiles:
     """(A reader in another process) The wake FIFOs of the rings it follows, waited on together.
 
     ``watch(ring_path)`` opens one (again, for a ring replaced by a restarted writer); a FIFO whose every
-    writer has ended is dropped; ``set()`` wakes the waiter from another thread."""
+    writer has ended is dropped; ``set()`` wakes the waiter from another thread. One thread waits; any
+    thread may watch."""
 
     def __init__(self) -> None:
         self._files: dict[str, int] = {}
+        self._lock = threading.Lock()
         self._own = Wakeup(None)
 
     def watch(self, ring_path: str) -> None:
-        self._forget(ring_path)
-        with contextlib.suppress(OSError):  # a writer that opened none (of an older commlens): timed drains
-            self._files[ring_path] = os.open(wake_file(ring_path), os.O_RDONLY | os.O_NONBLOCK)
+        with self._lock:
+            self._forget(ring_path)
+            with contextlib.suppress(OSError):  # a writer with no FIFO (no FIFOs there): timed drains
+                self._files[ring_path] = os.open(wake_file(ring_path), os.O_RDONLY | os.O_NONBLOCK)
 
     def wait(self, timeout_s: float) -> bool:
-        """Sleep until a writer has filled a quarter of its ring since the last wait, ``set()``, or
-        ``timeout_s``; whether woken before it."""
-        ready = select.select([self._own.fd, *self._files.values()], [], [], timeout_s)[0]
-        for path, fd in list(self._files.items()):
-            if fd in ready and self._emptied(fd) == b"":  # its writers have all ended
-                self._forget(path)
+        """Sleep until a writer has filled a quarter of its ring since the last wait (or asked for a
+        snapshot), ``set()``, or ``timeout_s``; whether woken before it."""
+        waiting = select.poll()
+        with self._lock:
+            watched = dict(self._files)
+        for fd in (self._own.fd, *watched.values()):
+            waiting.register(fd, select.POLLIN)
+        ready = {fd for fd, _ in waiting.poll(timeout_s * 1000)}
+        with self._lock:
+            for path, fd in watched.items():
+                if fd in ready and self._files.get(path) == fd and self._emptied(fd) == b"":  # its writers ended
+                    self._forget(path)
         if self._own.fd in ready:
             self._emptied(self._own.fd)
         return bool(ready)
@@ -72,8 +87,9 @@ class WakeFiles:
         self._own.set()
 
     def close(self) -> None:
-        for path in list(self._files):
-            self._forget(path)
+        with self._lock:
+            for path in list(self._files):
+                self._forget(path)
         self._own.close()
 
     def _forget(self, ring_path: str) -> None:
@@ -108,8 +124,9 @@ class Wakeup:
         """What the waiter waits on (``select``)."""
         for fd in (self.fd, self._write_fd):
             os.set_blocking(fd, False)
-        if producer is not None:
-            producer.wake_fd = self._write_fd
+        self._before = -1
+        if producer is not None:  # in place of the ring file's FIFO, if it has one, until closed
+            self._before, producer.wake_fd = producer.wake_fd, self._write_fd
 
     def wait(self, timeout_s: float) -> bool:
         """Sleep until the ring has filled a quarter since the last wait, ``set()``, or ``timeout_s``."""
@@ -128,6 +145,6 @@ class Wakeup:
         """Detach from the producers, then close the pipe (producers write only while holding the GIL,
         as this does: none can be between reading ``wake_fd`` and writing to it)."""
         if self._producer is not None and self._producer.wake_fd == self._write_fd:
-            self._producer.wake_fd = -1
+            self._producer.wake_fd = self._before
         os.close(self.fd)
         os.close(self._write_fd)

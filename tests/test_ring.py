@@ -15,6 +15,7 @@ import pytest
 
 from commlens.hooks import END, START, Ring, RingReader
 from commlens.ring.layout import GPU_START, LOSS_SCALE, NAN
+from commlens.ring.wakeups import WakeFiles
 
 CHILDREN = pathlib.Path(__file__).resolve().parent / "children"
 
@@ -334,6 +335,28 @@ def test_another_process_reads_the_shared_ring(tmp_path):
     finally:
         writer.communicate("")
 
+
+
+def test_a_writer_in_another_process_wakes_its_reader_as_its_ring_fills_and_its_end_lets_it_go(tmp_path):
+    """The pod sidecar's wake-up: a ring file's FIFO gets a byte for each quarter of the ring its
+    writer claims; the reader waits on it, and lets it go once the writer has ended."""
+    path = str(tmp_path / "local-rank-0.ring")
+    writer = subprocess.Popen([sys.executable, str(CHILDREN / "ring_writer.py"), path], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    wakes = WakeFiles()
+    try:
+        assert writer.stdout.readline().strip() == "written"  # 100 records into 64 slots: six quarters
+        wakes.watch(path)
+        assert wakes.wait(30) and not wakes.wait(0.05)  # woken once for what was written, then quiet
+        writer.communicate("")
+        assert wakes.wait(30) and not wakes.wait(0.05)  # its end, once: the FIFO is let go
+        restarted = Ring(slots=64, path=path)  # a restarted rank: a new FIFO under the same name
+        wakes.watch(path)
+        for index in range(16):
+            restarted.write(START, 1, 0, 0, index, index, 4, 0, -1, 0)
+        assert wakes.wait(30)
+    finally:
+        wakes.close()
 
 
 def test_a_killed_writer_is_seen_dead_while_its_forked_child_lives_and_a_closed_one_reopens(tmp_path):
