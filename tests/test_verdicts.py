@@ -907,3 +907,23 @@ def test_a_peer_the_job_s_teardown_stopped_is_not_late_for_the_op_with_it_that_f
         facts[3].signalled_ns = 1_500
     lines = [f.line() for f in findings(facts)]
     assert culprits("\n".join(lines)) == {3}, lines
+
+
+def test_a_rank_waiting_on_a_peer_the_teardown_ended_while_it_waited_elsewhere_is_held_up_not_hung():
+    """Live, 8 ranks in tensor x pipeline x data parallel: rank 3 left its loop; its pipeline peer rank 1's
+    send failed on it and the job was torn down. Rank 4 waits in its data-parallel all_reduce with rank 0,
+    which the teardown ended while it waited in its tensor-parallel pair with rank 1 (the matrix's
+    tp-pp-dp:leave:pod:3, from its Prometheus): rank 4 is held up through rank 0, not a hang of its own."""
+    facts = [RankFacts(rank) for rank in (0, 1, 3, 4)]
+    for f in facts:
+        f.gone = True
+    facts[0].stopped = facts[3].stopped = True
+    facts[0].group("1").issued, facts[0].group("1").hung = 42, ("all_reduce", 42)
+    facts[0].group("1").hung_lately = True
+    facts[0].group("9").issued = facts[0].group("9").finished = 20
+    facts[1].group("1").issued = facts[1].group("1").finished = 41
+    facts[1].group("6").p2p_failed = ("send", 3, None)
+    facts[3].group("9").issued, facts[3].group("9").finished, facts[3].group("9").hung = 21, 20, ("all_reduce", 21)
+    facts[3].group("9").hung_lately = True
+    lines = [f.line() for f in findings(facts)]
+    assert culprits("\n".join(lines)) == {3}, lines

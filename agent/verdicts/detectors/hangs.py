@@ -62,6 +62,13 @@ def hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[F
             and (why := _late(f, pg, seq, bool(live), first_wait, threshold_s)) is not None}
     elsewhere = {rank: where for rank in late if (where := _waiting_elsewhere(
         next(f for f in everyone if f.rank == rank), pg, bool(live), first_wait)) is not None}
+    # live, a rank the job's teardown ended while behind (not late itself: ``_late``) holds the others up
+    # where it waited in another group then, a link of the chain; where it waited nowhere, nobody is at fault
+    torn_down = [f for f in members if live and f.rank not in ops and f.rank not in late and f.stopped and f.gone
+                 and (pg not in f.groups or f.groups[pg].issued < seq)]
+    for f in torn_down:
+        if (where := _waiting_elsewhere(f, pg, True, first_wait)) is not None:
+            late[f.rank], elsewhere[f.rank] = "was behind as the job was stopped", where
     waits_in = tuple(sorted({group for group, _ in elsewhere.values()}))
     elsewhere = {rank: why for rank, (_, why) in elsewhere.items()}
     elsewhere.update(_waiting_earlier(pg, members, late, seq))
@@ -80,8 +87,8 @@ def hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[F
         unmatched = _unmatched(pg, members, seq, ops, waiting, how, majority) or _unlike(pg, members, seq, waiting, majority)
         if unmatched:
             return [unmatched]
-        if any(f.vanished and f.lost for f in everyone):  # gone without a word, maybe before it was seen in pg
-            return []
+        if torn_down or any(f.vanished and f.lost for f in everyone):  # behind when stopped; gone without a
+            return []  # word, maybe before it was seen in pg
         found.append(Finding("hang", tuple(waiting), pg, majority, seq,
                              f"ranks {waiting} wait in seq {seq} and no rank is behind: look at the network "
                              "or the backend"))
