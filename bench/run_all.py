@@ -43,7 +43,7 @@ BENCHES = (
     Bench("hook_overhead", ("bench/hook_overhead.py",), "the hot path alone, a backend that returns at once"),
     Bench("export_throughput", ("bench/export_throughput.py",), "the sidecar's drain, span building, the trace file"),
     Bench("nan_check", ("bench/nan_check.py",), "the NaN/Inf check against one torch.sum of the payload"),
-    Bench("agent_cost", ("bench/agent_cost.py", "--repeats", "3"),
+    Bench("agent_cost", ("bench/agent_cost.py", "--repeats", "5"),
           "the whole agent, each configuration against no commlens: fresh 2-rank jobs, and CPU on one rank"),
     Bench("latency_loop", ("bench/latency_loop.py",), "2 ranks, configurations switched in place: rank 0 by thread"),
     Bench("step_cost", ("bench/step_cost.py",), "a DDP step of 2 ranks, each configuration paired with none"),
