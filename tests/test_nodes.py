@@ -212,6 +212,28 @@ def test_a_node_whose_ranks_arrive_last_while_waiting_in_their_own_groups_is_nam
     assert not any(f.kind == "node_slow" for f in findings(facts))
 
 
+def test_behind_a_slow_link_a_node_that_arrives_last_and_waits_a_little_less_is_not_named_slow():
+    """Node 1's link slow: node 2's ranks arrive last in the data-parallel groups across the nodes and
+    spend 3 % less of their time in collectives than any other rank, as a slow node's do; but they, as
+    every rank, spend under half the time outside collectives that they did minutes before: the network
+    is slow, no node. Where node 2's ranks spend as much time outside collectives as they did (computing
+    longer, as a slow node's do, while the others wait more), the node is slow."""
+    facts = [RankFacts(rank, node=f"node-{rank // 2}", least_waited=0.1) for rank in range(6)]
+    for pg, ranks in (("1", (0, 1)), ("2", (2, 3)), ("3", (4, 5)), ("4", (0, 2, 4)), ("5", (1, 3, 5))):
+        for rank in ranks:
+            group, last = facts[rank].group(pg), rank in (4, 5)
+            if pg in ("4", "5"):
+                group.wait_s, group.waited_s = (0.002, 0.03) if last else (0.03, 0.3)
+            else:
+                group.wait_s, group.waited_s = (0.04, 0.89) if last else (0.03, 0.65)
+            group.completed = 200
+    found = findings(facts)
+    assert [(f.kind, f.node) for f in found] == [("network_slow", "")], found
+    for f in facts[4:]:
+        f.least_waited = 0.85
+    assert [(f.kind, f.node, f.ranks) for f in findings(facts)] == [("node_slow", "node-2", (4, 5))]
+
+
 def test_a_slow_link_is_named_as_the_network_and_no_rank_or_node_is():
     """Node 1's link slow: node 0's ranks, blocked in their sends across it, arrive last in the
     data-parallel groups, and every rank waits most of its time in the pipeline's groups, as it did not

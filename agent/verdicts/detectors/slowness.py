@@ -92,7 +92,8 @@ def node_last(found: list[Finding], facts: list[RankFacts]) -> list[Finding]:
     is slow, and named in place of its ranks' straggler findings. Its ranks may wait in the groups
     they share, as everything they do is slow: the stragglers' test of waiting in no other group does
     not hold for them (as CommlensNodeSlow). Behind a slow link the ranks that send across it arrive
-    last, but spend as much of their time in collectives as anyone: no node computes while others wait."""
+    last, and spend as much of their time in collectives as anyone, or a few % less; but they, as every
+    rank, wait on the network (``_waits_on_network``), where a slow node's ranks compute longer."""
     if waiting(facts) or any(f.gone or f.unreachable for f in facts) or (node := _computing_node(facts)) is None:
         return slow_node(found, facts)
     nodes = {f.rank: f.node for f in facts}
@@ -102,7 +103,7 @@ def node_last(found: list[Finding], facts: list[RankFacts]) -> list[Finding]:
         groups = {f.rank: f.groups[pg] for f in facts if pg in f.groups}
         if len({nodes[rank] for rank in groups}) > 1 and (arrival := _least_waiting(groups)) is not None:
             last.add(arrival[0])
-    if not set(ranks) <= last:
+    if not set(ranks) <= last or any(_waits_on_network(f) for f in facts if f.node == node):
         return slow_node(found, facts)
     return [Finding("node_slow", tuple(ranks), "", "", None,
                     f"every rank of the node arrives last, by over {STRAGGLER_MIN_S * 1e3:.0f} ms per collective, "
@@ -140,14 +141,23 @@ def network_slow(facts: list[RankFacts]) -> list[Finding]:
     take longer on every rank while nobody computes more — they wait on the network, not on a rank."""
     if len({f.node for f in facts}) < 2 or waiting(facts) or any(f.gone or f.least_waited is None for f in facts):
         return []
-    now = {f.rank: in_collectives(f) for f in facts}
-    if not all(1 - now[f.rank] < 0.5 * (1 - f.least_waited) for f in facts):
+    if not all(_waits_on_network(f) for f in facts):
         return []
+    now = {f.rank: in_collectives(f) for f in facts}
     return [Finding("network_slow", tuple(sorted(now)), "", "", None,
                     f"every rank spends {min(now.values()):.0%}–{max(now.values()):.0%} of its time in collectives, "
                     f"where it spent as little as {min(f.least_waited for f in facts):.0%}–"
                     f"{max(f.least_waited for f in facts):.0%} in the last 5 min, and no rank or node is what the "
                     "others wait for: the collectives are slow — look at the links between the nodes")]
+
+
+def _waits_on_network(f: RankFacts) -> bool:
+    """Live: whether the rank spends under half the time outside collectives that it spent at its most in
+    the last 5 min: its collectives slowed while its own work did not (as ``commlens:rank_waits_on_network``).
+
+    >>> _waits_on_network(RankFacts(rank=0, least_waited=0.1, groups={"0": GroupFacts(waited_s=0.9)}))
+    True"""
+    return f.least_waited is not None and 1 - in_collectives(f) < 0.5 * (1 - f.least_waited)
 
 
 def straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:
