@@ -46,6 +46,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import random
@@ -221,6 +222,9 @@ from matrix_train import SHAPES  # noqa: E402
 MATRIX_SCRIPT = os.path.join(os.path.dirname(SCRIPT), "matrix_train.py")
 FAULT_STEP = 20
 """The step the fault strikes at; ``size`` and ``desync`` in the job's loss all_reduce of that step."""
+JUDGED_AFTER_S = 30
+"""A slowness fault strikes this many seconds of steps later: once the rules judge every rank (20 s
+from its first scrape, its windows full) and have its healthy share of time in collectives to compare."""
 EXPECTED = {"nan": ("CommlensNaNOrigin",), "inf": ("CommlensNaNOrigin",),
             "late": ("CommlensRankLate", "CommlensPeerLate"), "leave": ("CommlensRankLate", "CommlensPeerLate"),
             "kill": ("CommlensRankKilled",), "size": ("CommlensCollectiveMismatch",),
@@ -405,7 +409,8 @@ def run_cell(tmp_path: pathlib.Path, cell: Cell, alert_timeout_s: float = 90, af
     layout, fault = LAYOUTS[cell.layout], cell.fault
     trains_on = TRAINS_ON_S.get(fault)
     slowed_s = 0.06 if fault.startswith("slow") else 0  # the slow rank's --slow-ms: every step waits for it
-    steps = FAULT_STEP + int(trains_on / (layout.step_s + slowed_s)) if trains_on else 100_000
+    fault_step = FAULT_STEP + (math.ceil(JUDGED_AFTER_S / layout.step_s) if fault.startswith("slow") else 0)
+    steps = fault_step + int(trains_on / (layout.step_s + slowed_s)) if trains_on else 100_000
     if fault == "none":
         steps = int(trains_on / layout.step_s)
     extra = ["--layout", cell.layout, "--precision", cell.precision, "--step-ms", str(layout.step_ms),
@@ -415,7 +420,7 @@ def run_cell(tmp_path: pathlib.Path, cell: Cell, alert_timeout_s: float = 90, af
     hang_threshold_s = 60 if fault.startswith("slow") else 3
     culprit = "" if cell.culprit is None else str(cell.culprit)
     expected = EXPECTED[fault]
-    with TrainingJob(tmp_path, cell.ranks, fault, rank=cell.culprit or 0, step=FAULT_STEP, steps=steps,
+    with TrainingJob(tmp_path, cell.ranks, fault, rank=cell.culprit or 0, step=fault_step, steps=steps,
                      hang_threshold_s=hang_threshold_s, extra=extra, pod=MODES[cell.mode], script=MATRIX_SCRIPT,
                      start_now=False) as job, Prometheus(tmp_path, job, [RULES]) as prometheus:
         wait_for(lambda: len(prometheus.query("up")) == len(job.targets), "Prometheus' first scrapes")
@@ -453,7 +458,7 @@ def run_cell(tmp_path: pathlib.Path, cell: Cell, alert_timeout_s: float = 90, af
         live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
         ended_by = "itself"
         try:
-            job.wait(max(60, (steps - FAULT_STEP) * layout.step_s * 3) if trains_on else 120)
+            job.wait(max(60, (steps - fault_step) * layout.step_s * 3) if trains_on else 120)
         except subprocess.TimeoutExpired:
             ended_by = "harness"
             end_session(job.process, 30)

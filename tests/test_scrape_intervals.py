@@ -145,6 +145,14 @@ def test_the_rules_as_written_go_quiet_at_a_30_s_scrape_where_the_rendered_ones_
     assert _replay(tmp_path, at_interval(RULES.read_text(), 30), 30, "straggler") == ""
 
 
+def test_a_windows_offset_is_widened_with_its_range_and_an_evaluations_is_kept():
+    """The offset that asks whether a series was there as a window began (a rank judged once its window
+    is full) widens with the window; the one that reads the last evaluation (``offset 1s``) does not."""
+    written = "rate(x[20s]) and on (job) x offset 20s\n`y offset 1s`\nz unless x offset 5m"
+    assert at_interval(written, 30) == "rate(x[2m]) and on (job) x offset 2m\n`y offset 1s`\nz unless x offset 5m"
+    assert at_interval(written, 5) == written
+
+
 @pytest.mark.parametrize("text", ["90s", "0s", "15", "2h", "fast"])
 def test_a_scrape_interval_out_of_range_is_refused_naming_what_is_accepted(text):
     with pytest.raises(ValueError, match=rf"'{text}' is not accepted: give a scrape interval of 1s to 60s"):

@@ -2,8 +2,9 @@
 
 ``deploy/prometheus-rules.yaml`` is written for scrapes of ``WRITTEN_FOR_S`` or less: its shortest
 windows hold 4 scrapes there (20 s). At a longer interval a 20 s ``rate()`` holds one sample or none
-and its rules go quiet; ``at_interval`` widens every window below 4 scrape intervals to 4, and every
-``for`` below one interval to one, and the prose that quotes them.
+and its rules go quiet; ``at_interval`` widens every window below 4 scrape intervals to 4 (a range, and
+the ``offset`` that asks whether a series was there as a window began), and every ``for`` below one
+interval to one, and the prose that quotes them.
 
 Example::
 
@@ -25,6 +26,9 @@ before it fires on what a scrape of one showed before another's)."""
 
 _UNITS = {"s": 1, "m": 60, "h": 3600}
 _RANGE = re.compile(r"\[(\d+)([smh])(:\d+[smh])?\]")
+_OFFSET = re.compile(r"\boffset (\d+)([smh])\b")
+"""An offset of ``WRITTEN_FOR_S`` or more is a window's length (a series there as the window began); a
+shorter one is about the rules' evaluation (the last one), whatever the scrape interval."""
 _FOR = re.compile(r"^(\s+for: )(\d+)([smh])$", re.MULTILINE)
 _QUOTED = re.compile(r"the last (\d+) (s|min)\b")
 """How the rules' comments and descriptions quote a window."""
@@ -51,6 +55,10 @@ def at_interval(rules: str, interval_s: int) -> str:
         seconds = int(found[1]) * _UNITS[found[2]]
         return found[0] if seconds >= window else f"[{_duration(window)}{found[3] or ''}]"
 
+    def offset(found: re.Match) -> str:
+        seconds = int(found[1]) * _UNITS[found[2]]
+        return found[0] if seconds < WRITTEN_FOR_S or seconds >= window else f"offset {_duration(window)}"
+
     def held(found: re.Match) -> str:
         seconds = int(found[2]) * _UNITS[found[3]]
         return found[0] if seconds >= hold else f"{found[1]}{_duration(hold)}"
@@ -59,7 +67,7 @@ def at_interval(rules: str, interval_s: int) -> str:
         seconds = int(found[1]) * (60 if found[2] == "min" else 1)
         return found[0] if seconds >= window else f"the last {_duration(window, ' ')}"
 
-    return _QUOTED.sub(quoted, _FOR.sub(held, _RANGE.sub(widened, rules)))
+    return _QUOTED.sub(quoted, _FOR.sub(held, _OFFSET.sub(offset, _RANGE.sub(widened, rules))))
 
 
 def prometheus_rule(rules: str, interval_s: int, source: str = "deploy/prometheus-rules.yaml") -> str:

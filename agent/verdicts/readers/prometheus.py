@@ -105,18 +105,22 @@ def _prometheus_facts(url: str, selector: str, interval: int, at: float | None =
         for facts, labels, value in each(expr):
             metric_fact(facts, name, labels, value)
     by = "sum by (job, pg, rank)"
+    # a group's numbers only over a full window: its series there as the window began (as the rules'
+    # 20 s records); a window that began before them holds a part of it, scaled to the whole
+    full = f"and on (job, pg, rank) {DURATION_COUNT}{{{selector}}} offset {window}"
     for facts, labels, value in each(f"{by} (rate({DURATION_SUM}{{{selector}}}[{window}])) / "
-                                     f"{by} (rate({DURATION_COUNT}{{{selector}}}[{window}]))"):
+                                     f"{by} (rate({DURATION_COUNT}{{{selector}}}[{window}])) {full}"):
         facts.group(labels["pg"]).wait_s = value
-    for facts, labels, value in each(f"{by} (rate({DURATION_SUM}{{{selector}}}[{window}]))"):
+    for facts, labels, value in each(f"{by} (rate({DURATION_SUM}{{{selector}}}[{window}])) {full}"):
         facts.group(labels["pg"]).waited_s = value
-    for facts, labels, value in each(f"{by} (increase({DURATION_COUNT}{{{selector}}}[{window}]))"):
+    for facts, labels, value in each(f"{by} (increase({DURATION_COUNT}{{{selector}}}[{window}])) {full}"):
         facts.group(labels["pg"]).completed = round(value)
     p2p_hung = f"{names.P2P_HUNG}{{{selector}}}"
     for facts, labels, _ in each(f"max_over_time({hung}[{window}]) or max_over_time({p2p_hung}[{window}])"):
         facts.group(labels["pg"]).hung_lately = True
     for facts, labels, value in each(f"min_over_time((sum by (job, rank) (rate({DURATION_SUM}{{{selector}}}"
-                                     f"[{window}])))[{last_5m}:5s])"):
+                                     f"[{window}])) and on (job, rank) {DURATION_COUNT}{{{selector}}} offset "
+                                     f"{window})[{last_5m}:5s])"):
         facts.least_waited = value
     info = f"last_over_time({names.INFO}{{{selector}}}[{last_15m}])"
     for facts, labels, _ in each(info):
