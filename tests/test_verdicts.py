@@ -246,6 +246,32 @@ def test_after_the_fact_a_pipeline_straggler_is_named_by_its_share_of_time_in_th
     assert not [f for f in found if f.kind == "straggler"], [f.line() for f in found]
 
 
+@pytest.mark.parametrize("slow_from_s, named", [(60, {2}), (None, set())], ids=["slow-from-60-s", "healthy"])
+def test_after_the_fact_a_pipeline_straggler_that_began_mid_job_is_named_over_the_jobs_last_seconds(
+        tmp_path, slow_from_s, named):
+    """Point-to-point spans of a pipeline of 4 stages (group 1), 90 s of 100 ms steps, each stage 50 % of
+    its time in its sends and recvs; from 60 s on stage 2 loads its data 30 ms longer, and spends 20 %
+    there while the others wait, 80 %. Over the job it spent 40 % where the others spent 60 %: a
+    quarter under, not what the others wait for; over the job's last 20 s, as live saw it then, 20 %
+    against 80 %: it is named, and only it. A healthy job: nobody."""
+    ms = 1_000_000
+    for rank in range(4):
+        spans = []
+        for step in range(900):
+            slow = slow_from_s is not None and step >= slow_from_s * 10
+            busy = (20 if rank == 2 else 80) * ms if slow else 50 * ms
+            t = 10**18 + step * 100 * ms
+            spans += [(rank, "1", 2 * step + 1, t, t + busy // 2), (rank, "1", 2 * step + 2, t + busy // 2, t + busy)]
+        _write_spans(tmp_path / f"traces-{rank}.jsonl", spans, **{names.P2P: 1, names.OP: "recv",
+                                                                    names.PEER: (rank + 1) % 4})
+    found = findings(from_files(str(tmp_path), on_problem=pytest.fail))
+    assert {rank for f in found for rank in f.ranks} == named, [f.line() for f in found]
+    if named:
+        assert [f.kind for f in found] == ["straggler"]
+        assert "it spent 20% of its time in the group's point-to-point ops where the member that spent most " \
+               "spent 80%, over its last 20 s" in found[0].line(), found[0].line()
+
+
 def _killed(partner_failed: bool) -> list[str]:
     """A pod sidecar's metrics text as a torn-down job left it: rank 1 killed inside its pair's (group 1)
     all_reduce seq 31; rank 0 waited past the hang threshold in the job's loss all_reduce (group 0) seq

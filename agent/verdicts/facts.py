@@ -10,6 +10,11 @@ import dataclasses
 from typing import Iterable
 
 
+END_WINDOW_S = 20.0
+"""After the fact, shares of time in collectives are also taken over each rank's last this many seconds
+of ops (``GroupFacts.waited_at_end_s``), as the rules' window."""
+
+
 @dataclasses.dataclass
 class GroupFacts:
     """What one rank shows of one process group."""
@@ -43,7 +48,11 @@ class GroupFacts:
     """Mean seconds per collective over the window (live)."""
     waited_s: float | None = None
     """Seconds per second spent in its collectives over the window (live; the same window for every
-    rank)."""
+    rank), or over the rank's time from its first op to its last (after the fact)."""
+    waited_at_end_s: float | None = None
+    """After the fact: as ``waited_s``, over the rank's last ``END_WINDOW_S`` seconds of ops: the job's end
+    as live would have seen it (a straggler that began mid-job is diluted over the whole); None live, or
+    where its ops span under twice that."""
     completed: int = 0
     """Collectives that completed in the window (live)."""
     arrivals: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)

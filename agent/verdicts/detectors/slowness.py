@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import statistics
 
-from ..facts import GroupFacts, RankFacts
+from ..facts import END_WINDOW_S, GroupFacts, RankFacts
 from ..finding import Finding
 from .waits import cost, in_collectives, member, ranks_by_seq, waited_within, waiting, who
 
@@ -199,8 +199,8 @@ def straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> l
     mean = {rank: _trimmed_mean(values) for rank, values in late.items()}
     rank, *others = sorted(mean, key=mean.get, reverse=True)
     runner_up = max((mean[r] for r in others), default=0.0)
-    if mean[rank] > STRAGGLER_MIN_S and mean[rank] > STRAGGLER_LEAD * runner_up \
-            and _computes_while_they_wait(rank, groups, everyone):
+    if mean[rank] > STRAGGLER_MIN_S and mean[rank] > STRAGGLER_LEAD * runner_up and any(
+            _computes_while_they_wait(rank, groups, everyone, at_end) for at_end in _views(groups, everyone)):
         # its cost over all the group's collectives, where spans were sampled (a budget a second): the
         # waits for it per collective seen, times the collectives issued
         issued = max(len(common), *(g.issued for g in groups.values()))
@@ -230,22 +230,35 @@ def _pipeline_straggler(pg: str, groups: dict[int, GroupFacts], everyone: list[R
     """After the fact, in a group of point-to-point ops alone (a pipeline's stages, which exchange as
     often as their place in it makes them): the member that spent least of its time in the group's
     ops, well under the member that spent most (``_waits_less``), computing while they waited for it
-    (``_computes_while_they_wait``), as live. Not in a group where a member waited long (a one-off stall
-    or a late rank, which ``stalls`` and ``hang`` name): over the job its share would take that in; nor
-    in a job where an op failed (a rank gone: the job torn down, its shares cut short by the fault)."""
-    shares = {rank: g.waited_s for rank, g in groups.items() if g.waited_s is not None}
-    if len(shares) < len(groups) or any(_waited_long(g) for g in groups.values()):
+    (``_computes_while_they_wait``), as live: over the job, or over its last seconds (``_views``). Not
+    in a group where a member waited long (a one-off stall or a late rank, which ``stalls`` and ``hang``
+    name): over the job its share would take that in; nor in a job where an op failed (a rank gone: the
+    job torn down, its shares cut short by the fault)."""
+    if any(_waited_long(g) for g in groups.values()):
         return []
     if any(g.failed or g.p2p_failed for f in everyone for g in f.groups.values()):
         return []
-    rank, most = min(shares, key=shares.get), max(shares.values())
-    if not (_waits_less(shares[rank], most) and _computes_while_they_wait(rank, groups, everyone)):
-        return []
-    caused = sum(share - shares[rank] for share in shares.values())
-    return [Finding("straggler", (rank,), pg, "all", None,
-                    f"it spent {shares[rank]:.0%} of its time in the group's point-to-point ops where the member "
-                    f"that spent most spent {most:.0%}: they wait for it; the waits for it cost the job "
-                    f"{caused / len(everyone):.1%} of its time")]
+    for at_end in _views(groups, everyone):
+        shares = {rank: g.waited_at_end_s if at_end else g.waited_s for rank, g in groups.items()}
+        if any(share is None for share in shares.values()):
+            continue
+        rank, most = min(shares, key=shares.get), max(shares.values())
+        if _waits_less(shares[rank], most) and _computes_while_they_wait(rank, groups, everyone, at_end):
+            caused = sum(share - shares[rank] for share in shares.values())
+            over = f"its last {END_WINDOW_S:.0f} s" if at_end else "the job"
+            return [Finding("straggler", (rank,), pg, "all", None,
+                            f"it spent {shares[rank]:.0%} of its time in the group's point-to-point ops where the "
+                            f"member that spent most spent {most:.0%}, over {over}: they wait for it; the waits "
+                            f"for it cost the job {caused / len(everyone):.1%} of its time then")]
+    return []
+
+
+def _views(groups: dict[int, GroupFacts], everyone: list[RankFacts]) -> tuple[bool, ...]:
+    """After the fact, the times a straggler is judged over: the job (False), and its last seconds (True:
+    a straggler that began mid-job, diluted over the whole), unless a rank of the job waited long or an
+    op failed (the job's end is then that fault's, which other findings name)."""
+    troubled = any(_waited_long(g) or g.failed or g.p2p_failed for f in everyone for g in f.groups.values())
+    return (False,) if troubled or any(g.waited_at_end_s is None for g in groups.values()) else (False, True)
 
 
 def _waited_long(g: GroupFacts) -> bool:
@@ -255,13 +268,14 @@ def _waited_long(g: GroupFacts) -> bool:
     return bool(g.hangs_seen or g.p2p_waits_seen) or any(seconds / 1e9 >= STALL_MIN_S for seconds in slow)
 
 
-def _computes_while_they_wait(rank: int, groups: dict[int, GroupFacts], everyone: list[RankFacts]) -> bool:
+def _computes_while_they_wait(rank: int, groups: dict[int, GroupFacts], everyone: list[RankFacts],
+                              at_end: bool = False) -> bool:
     """Whether ``rank``, last to arrive in a group of ``groups``' members, straggles: arriving last in one
     group because it waited in another is not straggling. A straggler spends well under the time in its
     ops, all its groups together, of the member that spends most (``_waits_less``; live over the
     window, after the fact over the job: ``GroupFacts.waited_s``), its own compute holding them up; and
     one that waits now past the hang threshold is a link of a chain that another finding names."""
-    waited = {f.rank: in_collectives(f) for f in everyone if f.rank in groups}
+    waited = {f.rank: in_collectives(f, at_end) for f in everyone if f.rank in groups}
     return not waiting(f for f in everyone if f.rank == rank) and _waits_less(waited[rank], max(waited.values()))
 
 

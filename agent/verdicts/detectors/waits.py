@@ -39,10 +39,10 @@ def member(f: RankFacts, pg: str) -> bool:
     return pg in f.groups or pg == "0" or (f.vanished and not f.groups)
 
 
-def in_collectives(f: RankFacts) -> float:
+def in_collectives(f: RankFacts, at_end: bool = False) -> float:
     """The share of its time the rank spends in its ops, all its groups together (live: now; after the
-    fact: over the job)."""
-    return sum(g.waited_s or 0.0 for g in f.groups.values())
+    fact: over the job, or with ``at_end`` over its last seconds, ``GroupFacts.waited_at_end_s``)."""
+    return sum((g.waited_at_end_s if at_end else g.waited_s) or 0.0 for g in f.groups.values())
 
 
 def waited_within(facts: RankFacts, since: int, until: int) -> bool:

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Iterator
 from commlens.exporters import names
 from commlens.ring.dumps import ATTEMPT_FOLDER, DUMP_REASONS, DUMP_SIGNALLED, ENDED
 
-from ..facts import RankFacts, ranges
+from ..facts import END_WINDOW_S, RankFacts, ranges
 from .common import lost, say_skipped
 
 
@@ -152,13 +152,13 @@ def _collective_ends(spans: list[tuple[dict, dict]]) -> Iterator[tuple[int, str,
 
 class _TimeInCollectives:
     """After the fact, each rank's ``waited_s`` per group, as live: the seconds per second it spent in
-    the group's ops (collectives and point-to-point), over its time from its first op to its last. Spans
-    are sampled: each kind's mean duration over the spans kept, times the ops of that kind it issued
-    (its last sequence number)."""
+    the group's ops (collectives and point-to-point), over its time from its first op to its last; and
+    ``waited_at_end_s``, over its last ``END_WINDOW_S``. Spans are sampled: each kind's mean duration over
+    the spans kept, times the ops of that kind it issued (sequence numbers) over that time."""
 
     def __init__(self) -> None:
-        self.ops: dict[tuple[int, str, bool], list] = collections.defaultdict(lambda: [0.0, 0, 0])
-        """(rank, group, point-to-point) -> [seconds in the completed ops kept, their count, last seq]."""
+        self.ops: dict[tuple[int, str, bool], list[tuple[int, int, int]]] = collections.defaultdict(list)
+        """(rank, group, point-to-point) -> (start, end, seq) of each completed op kept."""
         self.times: dict[int, list[int]] = {}
         """rank -> [its first op's start, its last op's end] (ns)."""
 
@@ -166,19 +166,32 @@ class _TimeInCollectives:
         if names.RANK not in a or names.SEQ not in a or a.get(names.IN_FLIGHT):
             return
         rank, start, end = int(a[names.RANK]), int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"])
-        kept = self.ops[(rank, str(a[names.PG_NAME]), bool(a.get(names.P2P)))]
-        kept[0] += (end - start) / 1e9
-        kept[1] += 1
-        kept[2] = max(kept[2], int(a[names.SEQ]))
+        self.ops[(rank, str(a[names.PG_NAME]), bool(a.get(names.P2P)))].append((start, end, int(a[names.SEQ])))
         first, last = self.times.get(rank, (start, end))
         self.times[rank] = [min(first, start), max(last, end)]
 
     def settle(self, ranks: dict[int, RankFacts]) -> None:
-        for (rank, pg, _), (seconds, count, issued) in self.ops.items():
+        window = int(END_WINDOW_S * 1e9)
+        for (rank, pg, _), kept in self.ops.items():
             first, last = self.times[rank]
-            if last > first and rank in ranks:
-                group = ranks[rank].group(pg)
-                group.waited_s = (group.waited_s or 0.0) + seconds / count * issued / ((last - first) / 1e9)
+            if last <= first or rank not in ranks:
+                continue
+            group = ranks[rank].group(pg)
+            group.waited_s = (group.waited_s or 0.0) + _per_second(kept, 0, (last - first) / 1e9)
+            if last - first >= 2 * window:
+                since = last - window
+                before = max((seq for start, _, seq in kept if start < since), default=0)
+                at_end = _per_second([op for op in kept if op[0] >= since], before, END_WINDOW_S)
+                group.waited_at_end_s = (group.waited_at_end_s or 0.0) + at_end
+
+
+def _per_second(kept: list[tuple[int, int, int]], before: int, seconds: float) -> float:
+    """Seconds per second in ops over ``seconds``: the mean duration of the ``kept`` (start, end, seq),
+    times the ops issued after sequence number ``before`` (the last kept's)."""
+    if not kept:
+        return 0.0
+    mean = sum(end - start for start, end, _ in kept) / len(kept) / 1e9
+    return mean * (max(seq for _, _, seq in kept) - before) / seconds
 
 
 def _rank_of(attributes: dict) -> int | None:
