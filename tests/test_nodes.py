@@ -72,6 +72,7 @@ def _diagnose(*args) -> str:
     return done.stdout + done.stderr
 
 
+@pytest.mark.across_nodes
 @pytest.mark.parametrize("fault", ["kill", "cut"])
 def test_a_node_killed_or_cut_off_is_named_by_the_alert_and_diagnose_and_nothing_else_is(tmp_path, harness, fault):
     """Node 1 (ranks 2 and 3) vanishes mid-training: every process on it SIGKILLed (a host gone), or its
@@ -93,6 +94,7 @@ def test_a_node_killed_or_cut_off_is_named_by_the_alert_and_diagnose_and_nothing
     assert len(verdicts) == 1 and ": unreachable: node node-1 (ranks 2, 3) in " in verdicts[0], live
 
 
+@pytest.mark.across_nodes
 def test_a_node_throttled_to_a_tenth_of_a_cpu_is_named_slow_and_nothing_else_is(tmp_path, harness):
     """Node 1's processes (its two ranks, its pod sidecar) get a tenth of one CPU mid-training, once the
     rules judge every rank: its ranks arrive last where they meet the other nodes, and compute while
@@ -111,6 +113,7 @@ def test_a_node_throttled_to_a_tenth_of_a_cpu_is_named_slow_and_nothing_else_is(
     assert len(verdicts) == 1 and ": slow node: node node-1 (ranks 2, 3) in the job — " in verdicts[0], live
 
 
+@pytest.mark.across_nodes
 def test_a_slow_link_is_named_as_the_network_and_nothing_else_is(tmp_path, harness):
     """Node 1's link limited to 1 Mbit/s both ways mid-training, once the rules judge every rank: every
     collective that crosses it slows, on every rank, and the ranks that send across it arrive last
@@ -129,6 +132,7 @@ def test_a_slow_link_is_named_as_the_network_and_nothing_else_is(tmp_path, harne
     assert len(verdicts) == 1 and ": the network is slow, no rank is late: every rank waits in the job — " in verdicts[0], live
 
 
+@pytest.mark.across_nodes
 def test_a_healthy_job_across_nodes_fires_nothing_and_sends_every_nodes_spans_to_one_receiver(tmp_path, harness):
     """The same job, no fault, to its end: once it is under way, no alert that names a culprit is pending
     beyond one evaluation or firing, and every node's command ends 0. (At start-up, on a busy machine,
