@@ -223,7 +223,7 @@ MATRIX_SCRIPT = os.path.join(os.path.dirname(SCRIPT), "matrix_train.py")
 FAULT_STEP = 20
 """The step the fault strikes at; ``size`` and ``desync`` in the job's loss all_reduce of that step."""
 JUDGED_AFTER_S = 30
-"""A slowness fault strikes this many seconds of steps later: once the rules judge every rank (20 s
+"""A slowness fault strikes this many seconds of steps later: once the rules judge every rank (10 s
 from its first scrape, its windows full) and have its healthy share of time in collectives to compare."""
 EXPECTED = {"nan": ("CommlensNaNOrigin",), "inf": ("CommlensNaNOrigin",),
             "late": ("CommlensRankLate", "CommlensPeerLate"), "leave": ("CommlensRankLate", "CommlensPeerLate"),

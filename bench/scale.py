@@ -15,8 +15,8 @@ names no straggler. The last 64 (8 nodes) are a third, ``train-node``, as its ow
 unreachable node silences the rank alerts of its job: one node stops answering scrapes after its second,
 and the ranks of the other nodes then wait in a world-group collective its ranks have not issued.
 
-Debian's Prometheus scrapes the targets every 10 s (the straggler rule's longest interval) and
-evaluates ``deploy/prometheus-rules.yaml``.
+Debian's Prometheus scrapes the targets every 10 s and evaluates ``deploy/prometheus-rules.yaml`` as
+``commlens assets --scrape-interval 10s`` writes it (its windows 4 scrapes long).
 Printed per size: series held (in all, and of one node), each rule group's evaluation time and the
 node rules' own, the slowest dashboard panel query (a 5-minute range, every job, group and rank),
 Prometheus' resident memory, whether each alert names the faulty rank (or node), and only it, and
@@ -48,8 +48,11 @@ import torch.multiprocessing as mp
 from prometheus_client.parser import text_string_to_metric_families
 
 from commlens.agent.cli.ports import free_port, free_ports
+from commlens.agent.verdicts.rule_files import at_interval
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+INTERVAL_S = 10
+"""How often the targets are scraped and the rules evaluated."""
 RANKS_PER_TARGET, TP, EP = 8, 8, 64
 SMALL_JOB_RANKS = 64  # each of the two small jobs (8 nodes): the straggler's, the unreachable node's
 GROWING = ("_total", "_sum", "_count", "_bucket")
@@ -214,6 +217,14 @@ def serve(jobs: list[Job]) -> http.server.ThreadingHTTPServer:
     return server
 
 
+def rules_at(interval_s: int, out: pathlib.Path) -> pathlib.Path:
+    """``deploy/prometheus-rules.yaml`` as ``commlens assets --scrape-interval`` writes it for ``interval_s``,
+    in ``out``: what a user scraping that often deploys."""
+    path = out / "prometheus-rules.yaml"
+    path.write_text(at_interval((ROOT / "deploy" / "prometheus-rules.yaml").read_text(), interval_s))
+    return path
+
+
 def _api(port: int, path: str, **params) -> dict:
     url = f"http://127.0.0.1:{port}/api/v1/{path}" + ("?" + urllib.parse.urlencode(params) if params else "")
     return json.loads(urllib.request.urlopen(url, timeout=300).read())["data"]
@@ -238,8 +249,9 @@ def measure(text: str, ranks: int, out: pathlib.Path) -> dict:
         {"targets": [f"127.0.0.1:{server.server_port}"],
          "labels": {"__metrics_path__": f"/metrics/{job.name}/{t}", "instance": f"pod-{job.first_node + t}"}}
         for t in range(len(job.targets))]} for job in jobs]
-    config = {"global": {"scrape_interval": "10s", "evaluation_interval": "10s", "scrape_timeout": "10s"},
-              "rule_files": [str(ROOT / "deploy" / "prometheus-rules.yaml")], "scrape_configs": scrape_configs}
+    every = f"{INTERVAL_S}s"
+    config = {"global": {"scrape_interval": every, "evaluation_interval": every, "scrape_timeout": every},
+              "rule_files": [str(rules_at(INTERVAL_S, out))], "scrape_configs": scrape_configs}
     (out / "prometheus.yml").write_text(json.dumps(config))
     prometheus = subprocess.Popen(["prometheus", f"--config.file={out / 'prometheus.yml'}",
                                    f"--storage.tsdb.path={out / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],

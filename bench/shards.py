@@ -2,8 +2,8 @@
 servers, chosen by hashmod relabelling of the ``job`` label, on the simulated jobs of ``bench/scale.py``.
 
 Every rule reads and aggregates one job's series (by ``job``), so a job whole on one server has every
-rule evaluated whole there: each server runs ``deploy/prometheus-rules.yaml`` as shipped on the jobs it
-holds, and all notify one Alertmanager. ``commlens diagnose --prometheus`` reads the server that holds
+rule evaluated whole there: each server runs ``deploy/prometheus-rules.yaml`` as ``commlens assets --scrape-interval
+10s`` writes it on the jobs it holds, and all notify one Alertmanager. ``commlens diagnose --prometheus`` reads the server that holds
 the job. hashmod balances jobs, not ranks: of the three jobs here, 2 servers would hold all three on one,
 3 servers hold two on one, one on another and none on the third. Printed per size: which jobs each server holds, its series and rule groups' evaluation time,
 whether each alert names its culprit and only it (as on one Prometheus), the other alerts firing, and
@@ -25,7 +25,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from scale import EXPECTED, ROOT, faulty_jobs, firing, judged, print_verdicts, serve, template  # noqa: E402
+from scale import EXPECTED, faulty_jobs, firing, judged, print_verdicts, rules_at, serve, template  # noqa: E402
 from victoria import end, get_json, wait_ready  # noqa: E402
 
 from commlens.agent.cli.ports import free_ports  # noqa: E402
@@ -53,7 +53,7 @@ def measure(text: str, ranks: int, shards: int, out: pathlib.Path, interval_s: i
                     {"source_labels": ["__tmp_shard"], "regex": str(shard), "action": "keep"}]
             config = {"global": {"scrape_interval": f"{interval_s}s", "evaluation_interval": f"{interval_s}s",
                                  "scrape_timeout": f"{interval_s}s"},
-                      "rule_files": [str(ROOT / "deploy" / "prometheus-rules.yaml")],
+                      "rule_files": [str(rules_at(interval_s, out))],
                       "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{alertmanager}"]}]}]},
                       "scrape_configs": [{"job_name": job.name, "relabel_configs": keep, "static_configs": [
                           {"targets": [f"127.0.0.1:{server.server_port}"],

@@ -4,8 +4,8 @@ job of ``bench/scale.py``.
 ``bench/scale.py``'s simulated jobs (``faulty_jobs``: a late rank and a NaN origin, a straggler, a node
 that becomes unreachable), served as there, are scraped every 10 s by ``--agents``
 vmagents in cluster mode (``-promscrape.cluster.membersCount``: each scrapes its share of the targets),
-which write to one VictoriaMetrics; vmalert evaluates ``deploy/prometheus-rules.yaml`` as shipped against
-it, writes the recorded series and alert states back, and notifies a real Alertmanager. Everything from
+which write to one VictoriaMetrics; vmalert evaluates ``deploy/prometheus-rules.yaml`` as ``commlens assets
+--scrape-interval 10s`` writes it against it, writes the recorded series and alert states back, and notifies a real Alertmanager. Everything from
 Debian's ``victoria-metrics`` and ``prometheus-alertmanager``. Printed per size: whether each alert names
 its culprit and only it (as on Prometheus), the other alerts firing, each rule group's evaluation time,
 and what ``commlens diagnose --prometheus`` says when it reads VictoriaMetrics' Prometheus API.
@@ -27,7 +27,7 @@ import urllib.request
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from scale import EXPECTED, ROOT, faulty_jobs, firing, judged, print_verdicts, serve, template  # noqa: E402
+from scale import EXPECTED, faulty_jobs, firing, judged, print_verdicts, rules_at, serve, template  # noqa: E402
 
 from commlens.agent.cli.ports import free_ports  # noqa: E402
 
@@ -85,7 +85,7 @@ def measure(text: str, ranks: int, agents: int, out: pathlib.Path, interval_s: i
                   f"-promscrape.cluster.membersCount={agents}", f"-promscrape.cluster.memberNum={member}",
                   f"-remoteWrite.url=http://127.0.0.1:{vm}/api/v1/write",
                   f"-remoteWrite.tmpDataPath={out / f'vmagent-{member}'}")
-        start("vmalert", f"-rule={ROOT / 'deploy' / 'prometheus-rules.yaml'}", f"-httpListenAddr=127.0.0.1:{vmalert}",
+        start("vmalert", f"-rule={rules_at(interval_s, out)}", f"-httpListenAddr=127.0.0.1:{vmalert}",
               f"-datasource.url=http://127.0.0.1:{vm}", f"-remoteWrite.url=http://127.0.0.1:{vm}",
               f"-remoteRead.url=http://127.0.0.1:{vm}", f"-notifier.url=http://127.0.0.1:{alertmanager}",
               f"-evaluationInterval={interval_s}s")

@@ -109,7 +109,7 @@ def test_the_installed_package_writes_out_its_dashboards_rules_and_manifests(tmp
     deploy = tmp_path / "at-30s" / "deploy"
     assert "interval: 30s" in (deploy / "kubernetes" / "podmonitor.yaml").read_text()
     for rules in (deploy / "prometheus-rules.yaml", deploy / "kubernetes" / "prometheusrule.yaml"):
-        assert "[20s]" not in rules.read_text() and "[2m]" in rules.read_text()
+        assert "[10s]" not in rules.read_text() and "[2m]" in rules.read_text()
     checked = promtool("check", "rules", str(deploy / "prometheus-rules.yaml"))
     assert checked.returncode == 0, checked.stdout + checked.stderr
 

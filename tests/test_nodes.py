@@ -56,9 +56,9 @@ def _cluster(tmp_path, steps: int, spans: bool = False):
 
 
 def _judged(prometheus: Prometheus) -> None:
-    """Until the rules judge every rank: 20 s of its collectives scraped (its windows full), its healthy
+    """Until the rules judge every rank: 10 s of its collectives scraped (its windows full), its healthy
     share of time in collectives recorded to compare with."""
-    wait_for(lambda: len(prometheus.query("commlens:collective_wait_seconds:rate20s")) == 6,
+    wait_for(lambda: len(prometheus.query("commlens:collective_wait_seconds:rate10s")) == 6,
              "every rank's share of its time in collectives over a full window")
 
 

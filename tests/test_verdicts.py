@@ -588,7 +588,7 @@ def test_a_healthy_run_fires_nothing_and_leaves_nothing_pending(tmp_path):
     """The 4-rank script of pairs, pipeline stages, DDP and the job's loss (``tests/parallel_train.py``),
     in mixed precision with dynamic loss scaling (every few steps the scaled gradients overflow: Inf in
     every rank's gradient buckets, and the scaler skips the step), in 60 ms steps, watched for 40 s:
-    longer than every rule's 20 s windows and every ``for`` but the loss scaler's, the bandwidth drop's
+    longer than every rule's 10 s windows and every ``for`` but the loss scaler's, the bandwidth drop's
     and a target down's (a minute and more, none of them pending either), so that the rules run over
     the healthy pipeline's waits and overflows many times. The suite's
     longest test (started first); with the pod sidecar (the per-rank exporter serves the same series:
@@ -598,7 +598,7 @@ def test_a_healthy_run_fires_nothing_and_leaves_nothing_pending(tmp_path):
     world = 4
     with _stack(tmp_path, "none", world=world, steps=1100, script=PARALLEL_SCRIPT,
                 extra=["--step-ms", "60", "--amp"], pod=True) as (webhook, training, prometheus):
-        wait_for(lambda: prometheus.query("commlens:collective_wait_seconds:mean20s"), "the first recording")
+        wait_for(lambda: prometheus.query("commlens:collective_wait_seconds:mean10s"), "the first recording")
         asked = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "dump", "--store", training.store,
                                 "--job-id", "verdict-test"], capture_output=True, text=True, timeout=60)
         assert asked.returncode == 0 and "asked every rank of job 'verdict-test'" in asked.stdout, asked

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "manifests that ship with commlens into a new or empty folder")
     assets.add_argument("folder", help="where to write them (dashboards/, deploy/)")
     assets.add_argument("--scrape-interval", metavar="DURATION", help="the rules and the PodMonitor for "
-                        "Prometheus scraping this often (1s to 60s, e.g. 30s; default: the rules for 5 s or less, "
+                        "Prometheus scraping this often (1s to 60s, e.g. 30s; default: the rules for 2 s or less, "
                         "the manifests for their PodMonitor's 15s)")
     commands.add_parser("diagnose", add_help=False, help="name the rank, collective and cause of what went wrong "
                         "(live from metrics or Prometheus, or from trace files and dumps)")

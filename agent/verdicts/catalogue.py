@@ -60,7 +60,7 @@ _HEADER = """\
 # Built by deploy/build.py from agent/verdicts/rules (a file per kind of verdict: agent/verdicts/catalogue.py);
 # do not edit. Unit tests: promtool test rules deploy/prometheus-rules.test.yaml
 #
-# Written for scrapes of 5 s or less: `commlens assets --scrape-interval 30s DIR` writes them for another
+# Written for scrapes of 2 s or less: `commlens assets --scrape-interval 30s DIR` writes them for another
 # interval (deploy/kubernetes holds them at its PodMonitor's 15 s).
 #
 # Series are keyed by Prometheus' `job` label (one training job: the PodMonitor sets it from the pod's

@@ -1,8 +1,8 @@
 """The shipped alert rules at the scrape interval Prometheus runs at (``commlens assets --scrape-interval``).
 
 ``deploy/prometheus-rules.yaml`` is written for scrapes of ``WRITTEN_FOR_S`` or less: its shortest
-windows hold 4 scrapes there (20 s). At a longer interval a 20 s ``rate()`` holds one sample or none
-and its rules go quiet; ``at_interval`` widens every window below 4 scrape intervals to 4 (a range, and
+windows hold 4 scrapes there (10 s). At a longer interval a 10 s ``rate()`` holds two samples or fewer
+and its rules go quiet or slip; ``at_interval`` widens every window below 4 scrape intervals to 4 (a range, and
 the ``offset`` that asks whether a series was there as a window began), and every ``for`` below one
 interval to one, and the prose that quotes them.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-WRITTEN_FOR_S = 5
+WRITTEN_FOR_S = 2
 """The longest scrape interval the rules file as written works at."""
 INTERVALS_S = (1, 60)
 """The scrape intervals ``at_interval`` takes, in seconds (both ends included)."""

@@ -106,7 +106,7 @@ def _prometheus_facts(url: str, selector: str, interval: int, at: float | None =
             metric_fact(facts, name, labels, value)
     by = "sum by (job, pg, rank)"
     # a group's numbers only over a full window: its series there as the window began (as the rules'
-    # 20 s records); a window that began before them holds a part of it, scaled to the whole
+    # 10 s records); a window that began before them holds a part of it, scaled to the whole
     full = f"and on (job, pg, rank) {DURATION_COUNT}{{{selector}}} offset {window}"
     for facts, labels, value in each(f"{by} (rate({DURATION_SUM}{{{selector}}}[{window}])) / "
                                      f"{by} (rate({DURATION_COUNT}{{{selector}}}[{window}])) {full}"):
