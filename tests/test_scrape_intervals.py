@@ -160,8 +160,8 @@ def test_a_scrape_interval_out_of_range_is_refused_naming_what_is_accepted(text)
 
 
 def test_diagnose_reads_prometheus_scrape_interval_to_size_its_windows(tmp_path):
-    """``commlens diagnose --prometheus`` sizes its windows to 4 of Prometheus' scrapes (a 15 s rate at a
-    30 s scrape holds one sample): it reads the interval from Prometheus' targets."""
+    """``commlens diagnose --prometheus`` sizes its windows to 4 of Prometheus' scrapes (a 10 s rate at a
+    30 s scrape holds one sample at most): it reads the interval from Prometheus' targets."""
     class Target:  # nothing listens there: the target is down, its interval known all the same
         targets = [f"127.0.0.1:{free_port()}"]
 
