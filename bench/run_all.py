@@ -51,6 +51,8 @@ BENCHES = (
     Bench("scale", ("bench/scale.py",), "one Prometheus holding 1,000 and 10,000 ranks' series, the rules on them"),
     Bench("victoria", ("bench/victoria.py",), "the same jobs on two sharded vmagents, VictoriaMetrics and vmalert"),
     Bench("shards", ("bench/shards.py",), "the same jobs on three Prometheus servers, sharded by job (hashmod)"),
+    Bench("fire_times", ("bench/fire_times.py",),
+          "seconds from a fault's first scrape to its culprit's alert at each scrape interval, promtool's replays"),
     Bench("detection", ("bench/detection.py", "--matrix", "--seed", "9"),
           "the verdict matrix: every layout and fault, both modes, culprits drawn"),
 )
