@@ -14,12 +14,9 @@ import pathlib
 import sys
 import tempfile
 
-import yaml
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import test_scrape_intervals as replays  # noqa: E402
-from monitoring import promtool  # noqa: E402
 
 from commlens.agent.verdicts.rule_files import WRITTEN_FOR_S, at_interval  # noqa: E402
 
@@ -31,13 +28,9 @@ FAULTS = {"straggler": "straggler", "late": "late rank (3 s threshold)", "nan": 
 
 def fires(folder: pathlib.Path, interval_s: int, fault: str, at_s: int) -> bool:
     """Whether ``fault``'s alert names its culprit at ``at_s`` seconds (the rules in ``folder``)."""
-    make, alert, rank, _ = replays.FAULTS[fault]
+    _, alert, rank, _ = replays.FAULTS[fault]
     expr = f'count(ALERTS{{alertstate="firing", alertname="{alert}", rank="{rank}"}})'
-    document = {"rule_files": ["rules.yaml"], "evaluation_interval": f"{interval_s}s", "tests": [{
-        "name": fault, "interval": f"{interval_s}s", "input_series": make(interval_s),
-        "promql_expr_test": [{"expr": expr, "eval_time": f"{at_s}s", "exp_samples": [{"value": 1}]}]}]}
-    (folder / "test.yaml").write_text(yaml.safe_dump(document, sort_keys=False))
-    return promtool("test", "rules", "test.yaml", cwd=folder).returncode == 0
+    return replays.replay(folder, fault, interval_s, expr, at_s, [{"value": 1}]).returncode == 0
 
 
 def main() -> int:

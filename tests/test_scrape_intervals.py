@@ -115,17 +115,22 @@ def _replay(tmp_path, rules: str, interval_s: int, fault: str) -> str:
     """promtool's verdict on ``fault``'s series scraped every ``interval_s`` under ``rules``: "" when, by
     the fault + its allowance + 3 scrape intervals, the fault's alert fires naming its rank (a healthy
     job's: none) and no other alert that names a culprit fires; else what promtool found instead."""
-    make, alert, rank, allowance = FAULTS[fault]
+    _, alert, rank, allowance = FAULTS[fault]
     firing = f'count by (alertname, rank) (ALERTS{{alertstate="firing", alertname=~"{"|".join(CULPRIT_ALERTS)}"}})'
-    document = {"rule_files": ["rules.yaml"], "evaluation_interval": f"{interval_s}s", "tests": [{
-        "name": fault, "interval": f"{interval_s}s", "input_series": make(interval_s),
-        "promql_expr_test": [{"expr": firing, "eval_time": f"{FAULT_AT * interval_s + allowance + 3 * interval_s}s",
-                              "exp_samples": [{"labels": f'{{alertname="{alert}", rank="{rank}"}}', "value": 1}]
-                              if alert else []}]}]}
     (tmp_path / "rules.yaml").write_text(rules)
-    (tmp_path / "test.yaml").write_text(yaml.safe_dump(document, sort_keys=False))
-    found = promtool("test", "rules", "test.yaml", cwd=tmp_path)
+    found = replay(tmp_path, fault, interval_s, firing, FAULT_AT * interval_s + allowance + 3 * interval_s,
+                   [{"labels": f'{{alertname="{alert}", rank="{rank}"}}', "value": 1}] if alert else [])
     return "" if found.returncode == 0 else found.stdout + found.stderr
+
+
+def replay(folder, fault: str, interval_s: int, expr: str, at_s: int, expected: list[dict]):
+    """promtool's run of ``fault``'s series scraped every ``interval_s`` under ``folder``'s ``rules.yaml``,
+    asked whether ``expr`` at ``at_s`` seconds gives the ``expected`` samples."""
+    document = {"rule_files": ["rules.yaml"], "evaluation_interval": f"{interval_s}s", "tests": [{
+        "name": fault, "interval": f"{interval_s}s", "input_series": FAULTS[fault][0](interval_s),
+        "promql_expr_test": [{"expr": expr, "eval_time": f"{at_s}s", "exp_samples": expected}]}]}
+    (folder / "test.yaml").write_text(yaml.safe_dump(document, sort_keys=False))
+    return promtool("test", "rules", "test.yaml", cwd=folder)
 
 
 CULPRIT_ALERTS = VERDICT_ALERTS

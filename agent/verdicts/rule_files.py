@@ -45,6 +45,12 @@ def parse_interval(text: str) -> int:
     return seconds
 
 
+def window_s(written_s: int, interval_s: int) -> int:
+    """A window the rules write as ``written_s`` seconds, at scrapes every ``interval_s``: at least
+    ``WINDOW_SCRAPES`` intervals. ``window_s(10, 30) == 120``; ``window_s(300, 30) == 300``."""
+    return max(written_s, WINDOW_SCRAPES * interval_s)
+
+
 def at_interval(rules: str, interval_s: int) -> str:
     """``rules`` (the text of ``prometheus-rules.yaml``) for scrapes every ``interval_s`` seconds: each
     range under ``WINDOW_SCRAPES`` intervals and each ``for`` under ``FOR_SCRAPES`` widened to them;

@@ -21,6 +21,7 @@ import urllib.request
 from commlens.exporters import names
 
 from ..facts import RankFacts
+from ..rule_files import window_s
 from .metrics import DURATION_COUNT, DURATION_SUM, metric_fact, settle
 
 
@@ -71,7 +72,7 @@ def _prometheus_facts(url: str, selector: str, interval: int, at: float | None =
             return f"{int(seconds)}s"
         return f"{max(1, math.ceil((end - since) * 1000) + 1)}ms"
 
-    window, lookback = span(max(10, 4 * interval)), span(max(60, 4 * interval))  # the arrival rules' windows
+    window, lookback = span(window_s(10, interval)), span(window_s(60, interval))  # the arrival rules' windows
     last_15m, last_5m = span(900), span(300)
 
     def query(expr: str) -> list[dict]:
