@@ -24,7 +24,8 @@ typedef struct {
 
 _Static_assert(sizeof(record_t) == RECORD_SIZE, "record layout must match layout.RECORD");
 
-enum { KIND_START = 1, KIND_END = 2, KIND_NAN = 3, KIND_GPU_START = 4, KIND_SNAPSHOT = 5, KIND_LOSS_SCALE = 6 };
+enum { KIND_START = 1, KIND_END = 2, KIND_NAN = 3, KIND_GPU_START = 4, KIND_SNAPSHOT = 5, KIND_LOSS_SCALE = 6,
+       KIND_FINGERPRINT = 7 };
 enum { STATUS_OK = 0, STATUS_ERROR = 1, STATUS_TIMEOUT = 2, STATUS_NOT_ISSUED = 3 }; /* END's flags */
 enum { NAN_OUTPUT = 1, NAN_HAS_NAN = 2, NAN_HAS_INF = 4 };                         /* NAN's flags */
 enum { FLAG_ASYNC = 1, FLAG_LAST_BUCKET = 2 };                                    /* START's flags */
@@ -56,6 +57,14 @@ static inline void nan_fields(record_fields v, unsigned long long op, unsigned l
                               unsigned long long flags, unsigned long long count) {
     v[0] = KIND_NAN, v[1] = op, v[2] = flags, v[3] = pg, v[4] = op_id, v[5] = seq;
     v[6] = count, v[7] = sig, v[8] = (unsigned long long)peer, v[9] = index, v[10] = 0;
+}
+
+/* FINGERPRINT: the op's result, alike on every member of its group, as one number (in nbytes). */
+static inline void fingerprint_fields(record_fields v, unsigned long long op, unsigned long long pg,
+                                      unsigned long long op_id, unsigned long long seq, unsigned long long sig,
+                                      unsigned long long fingerprint) {
+    v[0] = KIND_FINGERPRINT, v[1] = op, v[2] = 0, v[3] = pg, v[4] = op_id, v[5] = seq;
+    v[6] = fingerprint, v[7] = sig, v[8] = (unsigned long long)-1LL, v[9] = 0, v[10] = 0;
 }
 
 #endif

@@ -14,10 +14,11 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
-START, END, NAN, GPU_START, SNAPSHOT, LOSS_SCALE = 1, 2, 3, 4, 5, 6
+START, END, NAN, GPU_START, SNAPSHOT, LOSS_SCALE, FINGERPRINT = 1, 2, 3, 4, 5, 6, 7
 """Record kinds: a collective was issued, finished, had a non-finite tensor, started on the GPU; the
 writer asks its reader for a flight-recorder snapshot (``flags``: the reason's index in ``REASONS``);
-a loss scaler began or ended a step (``flags``: the index in ``LOSS_SCALE_EVENTS``)."""
+a loss scaler began or ended a step (``flags``: the index in ``LOSS_SCALE_EVENTS``); a collective's
+result, which every member of its group holds alike, as one number (in ``nbytes``: ``_fingerprint.c``)."""
 REASONS = ("abort", "hang", "signal", "exception", "peer", "exit")
 """Why a snapshot was written (each one's meaning: ``commlens_abort_snapshots_total`` in docs/metrics.md)."""
 ERRORS = ("hook", "recorder", "string_dropped", "work_unjudged", "gpu_pool_exhausted", "gpu_captured")
