@@ -23,8 +23,8 @@ import itertools
 from typing import Any, Callable
 
 from commlens.ring.codec import encode_group
-from commlens.ring.layout import (END, ERROR, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, OK, REASONS, SNAPSHOT,
-                                   START, TIMEOUT)
+from commlens.ring.layout import (END, ERROR, FINGERPRINT, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, OK, REASONS,
+                                   SNAPSHOT, START, TIMEOUT)
 
 from . import process_ring
 from ._state import state
@@ -88,6 +88,12 @@ def nan_args(op: int, pg: int, op_id: int, seq: int, sig: int, peer: int, index:
              count: int) -> tuple[int, ...]:
     """NAN's arguments to ``Ring.write`` (``where`` included), for a writer in C++ (``_gpu.cpp``)."""
     return NAN, op, flags, pg, op_id, seq, count, sig, peer, index, 0
+
+
+def fingerprint(write: Write, op: int, pg: int, op_id: int, seq: int, sig: int, value: int) -> int:
+    """FINGERPRINT: the op's result, which every member of its group holds alike, as ``value``
+    (``fingerprints.of``)."""
+    return write(FINGERPRINT, op, 0, pg, op_id, seq, value, sig, -1, 0)
 
 
 def snapshot(write: Write, reason: str) -> int:

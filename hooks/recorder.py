@@ -15,7 +15,7 @@ from typing import Any, Callable, NoReturn
 from commlens.ring.layout import FLAG_ASYNC, FLAG_LAST_BUCKET, OK, STATUS
 from commlens.ring.ops import CODE, OPS, OpName
 
-from . import cuda, finite, process_ring, record, signatures
+from . import cuda, fingerprints, finite, process_ring, record, signatures
 from .futures import when_done
 from .ops import AbortHookArgs, PostHookArgs, PreHookArgs
 from .poller import poller
@@ -89,6 +89,8 @@ class InFlight(PreHookArgs):
         fields = (record.writer(), self.code, self.sid, self.op_id, self.seq, self.nbytes, self.sig, self.wire_peer,
                   status, self._wire_bytes())
         end = record.end(*fields) if gpu_ns is None else record.end_on_gpu(*fields, *gpu_ns)
+        if status == OK and fingerprints.due(self.code, self.seq):
+            fingerprints.write(fields[0], self.code, self.sid, self.op_id, self.seq, self.sig, self.output_tensors)
         if error is not None and abort_hooks.entries:
             abort_hooks.call(AbortHookArgs(self, error, STATUS[status]))
         if post_hooks.entries:
@@ -233,6 +235,8 @@ def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple,
         cuda.tracker().end(pair, None, (record.producer(), end), None)
     else:
         record.end(write, code, sid, op_id, seq, nbytes, sig, wire_peer)
+        if fingerprints.due(code, seq):
+            fingerprints.write(write, code, sid, op_id, seq, sig, output_tensors)
     return result
 
 
