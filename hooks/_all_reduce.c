@@ -24,9 +24,11 @@
 #include <stdint.h>
 #include <structmember.h>
 
+#include "_fingerprint.h"
 #include "_gpu.h"
 #include "_record.h"
 #include "_state.h"
+#include "_tensor_memory.h"
 
 static int (*issuing_now)(void);
 static int (*issuing_set)(int);
@@ -34,7 +36,7 @@ static uint64_t (*write_record)(PyObject *, const unsigned long long *);
 static commlens_state *state;
 
 static PyObject *s_producer, *s_is_cuda, *s_shape, *s_dtype, *s_sid, *s_next_collective_seq, *s_start, *s_get_device,
-    *s_layout, *s_pool_exhausted, *s_gpu_check, *s_end;
+    *s_layout, *s_pool_exhausted, *s_gpu_check, *s_end, *s_fingerprint;
 static PyObject *s_parameters[4]; /* tensor, op, group, async_op */
 
 typedef struct {
@@ -262,6 +264,32 @@ static int64_t gpu_started(AllReduce *self, PyObject *tensor, Common *c, const u
     return pair < 0 ? -1 : pair;
 }
 
+/* After END, where the group's every Nth result is due (state.fingerprint_every, as fingerprints.due):
+ * FINGERPRINT of the result, a CPU tensor reduced in place. 0, or -1 where an error must propagate (an
+ * error of commlens' own is counted). Over a MiB the hash lets other threads run (the caller holds it). */
+static int fingerprinted(AllReduce *self, PyObject *tensor, Common *c, unsigned long long sid,
+                         unsigned long long op_id, unsigned long long seq) {
+    int every = state->fingerprint_every;
+    if (every <= 0 || seq % (unsigned long long)every != 0)
+        return 0;
+    long long address = readable_address(tensor);
+    if (address <= 0)
+        return address == 0 ? 0 : counted(self, s_fingerprint);
+    const unsigned char *bytes = (const unsigned char *)(uintptr_t)address;
+    uint64_t value;
+    if (c->nbytes > (1 << 20)) {
+        Py_BEGIN_ALLOW_THREADS
+        value = fingerprint_of(bytes, (int64_t)c->nbytes);
+        Py_END_ALLOW_THREADS
+    } else {
+        value = fingerprint_of(bytes, (int64_t)c->nbytes);
+    }
+    record_fields f;
+    fingerprint_fields(f, self->code, sid, op_id, seq, c->sig, value);
+    write_record(c->producer, f);
+    return 0;
+}
+
 static int unsigned_of(PyObject *number, unsigned long long *out) {
     *out = number == NULL ? 0 : PyLong_AsUnsignedLongLong(number);
     Py_XDECREF(number);
@@ -317,6 +345,9 @@ static PyObject *issue(AllReduce *self, PyObject *const a[4], Common *c) {
             Py_DECREF(result);
             return NULL;
         }
+    } else if (fingerprinted(self, a[0], c, sid, op_id, seq) < 0) {
+        Py_DECREF(result);
+        return NULL;
     }
     return result;
 }
@@ -449,10 +480,10 @@ PyMODINIT_FUNC PyInit__all_reduce(void) {
         return NULL;
     const char *strings[] = {"producer", "is_cuda", "shape", "dtype", "sid", "next_collective_seq", "START", "tensor",
                              "op", "group", "async_op", "get_device", "layout", "gpu_pool_exhausted", "GPU check",
-                             "END"};
+                             "END", "FINGERPRINT"};
     PyObject **interned[] = {&s_producer, &s_is_cuda, &s_shape, &s_dtype, &s_sid, &s_next_collective_seq, &s_start,
                              &s_parameters[0], &s_parameters[1], &s_parameters[2], &s_parameters[3], &s_get_device,
-                             &s_layout, &s_pool_exhausted, &s_gpu_check, &s_end};
+                             &s_layout, &s_pool_exhausted, &s_gpu_check, &s_end, &s_fingerprint};
     for (size_t i = 0; i < sizeof(strings) / sizeof(strings[0]); i++)
         if ((*interned[i] = PyUnicode_InternFromString(strings[i])) == NULL)
             return NULL;
