@@ -18,8 +18,8 @@ import collections
 from typing import Callable, Sequence
 
 from commlens.exporters.telemetry import Collective
-from commlens.ring.layout import (END, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, NAN_OUTPUT, NOT_ISSUED, REASONS,
-                                  SNAPSHOT, START, STATUS, Record)
+from commlens.ring.layout import (END, FINGERPRINT, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, NAN_OUTPUT, NOT_ISSUED,
+                                  REASONS, SNAPSHOT, START, STATUS, Record)
 from commlens.ring.memory import Ring
 from commlens.ring.reader import Folded
 
@@ -86,6 +86,8 @@ class RecordJoin:
                 snapshots.append(REASONS[record.flags])
             elif record.kind == LOSS_SCALE and record.flags < len(LOSS_SCALE_EVENTS):
                 self.hold.event(LOSS_SCALE_EVENTS[record.flags])
+            elif record.kind == FINGERPRINT:
+                self.stats.fingerprint(self.shapes.group(record.pg)[0], record.seq, record.aux, record.nbytes)
         for group in folded:
             self._folded(group)
 

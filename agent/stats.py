@@ -27,6 +27,9 @@ COARSE_BUCKETS = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
 """The latency buckets exposed below ``full`` detail: a subset of ``DURATION_BUCKETS``, so that their
 cumulative counts are exact."""
 ALL = "all"
+FINGERPRINT_SLOTS = 4
+"""A group's last fingerprinted results kept (and exported) per rank: enough that ranks a few collectives
+apart still share one sequence number to compare at."""
 
 
 def size_class(nbytes: int) -> str:
@@ -96,6 +99,7 @@ class Stats:
         self.loss_scale_steps: collections.Counter[str] = collections.Counter()
         self._step_first_nonfinite: dict[tuple[str, str], tuple[int, str]] = {}
         """``first_nonfinite`` of the loss scaler's step in progress, until it says whether it skips it."""
+        self.fingerprints: dict[tuple[str, str], tuple[int, int]] = {}
         self.first_send: dict[tuple[str, int, str], int] = {}
         self.nonfinite_entry: NonfiniteEntry | None = None
         self._step_first_send: dict[tuple[str, int, str], int] = {}
@@ -110,7 +114,7 @@ class Stats:
                 dict(self.completed), dict(self.bytes), dict(self.bus_bytes), dict(self.last_seq), dict(self.hangs),
                 dict(self.nans), dict(self.snapshots), dict(self.first_nonfinite), dict(self.failed),
                 dict(self.gpu_queue), dict(self.gpu_exec), dict(self.loss_scale_steps), dict(self.first_send),
-                self.nonfinite_entry, dict(self.p2p_failed))
+                self.nonfinite_entry, dict(self.p2p_failed), dict(self.fingerprints))
 
     def enqueued(self, shape, seq: int) -> None:
         """A collective of ``shape`` (the sidecar's ``Shape``) was issued."""
@@ -159,6 +163,11 @@ class Stats:
         self._step_first_nonfinite.clear()
         self._step_first_send.clear()
         self._step_entry = None
+
+    def fingerprint(self, pg: str, seq: int, every: int, value: int) -> None:
+        """Collective ``seq`` of group ``pg`` ended holding ``value`` (``hooks/fingerprints.py``), one of every
+        ``every``: kept in slot (seq // every) % FINGERPRINT_SLOTS, the same slot on every rank."""
+        self.fingerprints[(pg, str(seq // max(every, 1) % FINGERPRINT_SLOTS))] = (seq, value)
 
     def on_gpu(self, shape, queue_s: float, exec_s: float) -> None:
         """A collective of ``shape`` waited ``queue_s`` from issue to its start on the GPU, then ran ``exec_s``."""

@@ -179,6 +179,12 @@ class MetricsCollector(_Scrapes):
         yield _counter(names.NAN_EVENTS, "Collectives whose input (or output) held NaN (kind nan) or Inf (kind inf)",
                        ("op", "pg", "kind"), {**{(*k, kind): 0 for k in seen for kind in NONFINITE_KINDS}, **s.nans},
                        rank)
+        yield _gauge(names.REPLICA_FINGERPRINT, "A fingerprint of the result of one of the group's last fingerprinted "
+                     "collectives (all_reduce, broadcast, all_gather: every member holds the same), by slot; a rank "
+                     "whose value differs from its group's at the same sequence number holds a corrupted result",
+                     ("pg", "slot"), {key: value for key, (_, value) in s.fingerprints.items()}, rank)
+        yield _gauge(names.REPLICA_FINGERPRINT_SEQ, "The sequence number of the collective whose fingerprint is in the "
+                     "slot", ("pg", "slot"), {key: seq for key, (seq, _) in s.fingerprints.items()}, rank)
         yield _gauge(names.NONFINITE_FIRST_SEQ, "Sequence number of the first collective whose input held NaN or Inf "
                      "on this rank (outside steps a loss scaler skipped); the lowest across ranks is where the values "
                      "entered", ("pg", "op", "kind"),

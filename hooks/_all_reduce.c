@@ -285,7 +285,7 @@ static int fingerprinted(AllReduce *self, PyObject *tensor, Common *c, unsigned 
         value = fingerprint_of(bytes, (int64_t)c->nbytes);
     }
     record_fields f;
-    fingerprint_fields(f, self->code, sid, op_id, seq, c->sig, value);
+    fingerprint_fields(f, self->code, sid, op_id, seq, c->sig, value, (unsigned long long)every);
     write_record(c->producer, f);
     return 0;
 }

@@ -48,6 +48,6 @@ def write(write_fn: Callable[..., int], code: int, sid: int, op_id: int, seq: in
     try:
         value = of(outputs)
         if value is not None:
-            record.fingerprint(write_fn, code, sid, op_id, seq, sig, value)
+            record.fingerprint(write_fn, code, sid, op_id, seq, sig, value, state.fingerprint_every)
     except Exception as error:  # noqa: BLE001 — telemetry never fails the collective
         process_ring.internal_error("FINGERPRINT", error)

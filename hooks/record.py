@@ -90,10 +90,10 @@ def nan_args(op: int, pg: int, op_id: int, seq: int, sig: int, peer: int, index:
     return NAN, op, flags, pg, op_id, seq, count, sig, peer, index, 0
 
 
-def fingerprint(write: Write, op: int, pg: int, op_id: int, seq: int, sig: int, value: int) -> int:
+def fingerprint(write: Write, op: int, pg: int, op_id: int, seq: int, sig: int, value: int, every: int) -> int:
     """FINGERPRINT: the op's result, which every member of its group holds alike, as ``value``
-    (``fingerprints.of``)."""
-    return write(FINGERPRINT, op, 0, pg, op_id, seq, value, sig, -1, 0)
+    (``fingerprints.of``); one of every ``every`` collectives of the group."""
+    return write(FINGERPRINT, op, 0, pg, op_id, seq, value, sig, -1, every)
 
 
 def snapshot(write: Write, reason: str) -> int:

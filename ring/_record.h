@@ -59,12 +59,13 @@ static inline void nan_fields(record_fields v, unsigned long long op, unsigned l
     v[6] = count, v[7] = sig, v[8] = (unsigned long long)peer, v[9] = index, v[10] = 0;
 }
 
-/* FINGERPRINT: the op's result, alike on every member of its group, as one number (in nbytes). */
+/* FINGERPRINT: the op's result, alike on every member of its group, as one number (in nbytes); one of
+ * every ``every`` collectives of the group (in aux). */
 static inline void fingerprint_fields(record_fields v, unsigned long long op, unsigned long long pg,
                                       unsigned long long op_id, unsigned long long seq, unsigned long long sig,
-                                      unsigned long long fingerprint) {
+                                      unsigned long long fingerprint, unsigned long long every) {
     v[0] = KIND_FINGERPRINT, v[1] = op, v[2] = 0, v[3] = pg, v[4] = op_id, v[5] = seq;
-    v[6] = fingerprint, v[7] = sig, v[8] = (unsigned long long)-1LL, v[9] = 0, v[10] = 0;
+    v[6] = fingerprint, v[7] = sig, v[8] = (unsigned long long)-1LL, v[9] = every, v[10] = 0;
 }
 
 #endif
