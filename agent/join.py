@@ -21,6 +21,7 @@ from commlens.exporters.telemetry import Collective
 from commlens.ring.layout import (END, FINGERPRINT, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, NAN_OUTPUT, NOT_ISSUED,
                                   REASONS, SNAPSHOT, START, STATUS, Record)
 from commlens.ring.memory import Ring
+from commlens.ring.ops import OPS
 from commlens.ring.reader import Folded
 
 from .inflight import InFlight
@@ -87,7 +88,8 @@ class RecordJoin:
             elif record.kind == LOSS_SCALE and record.flags < len(LOSS_SCALE_EVENTS):
                 self.hold.event(LOSS_SCALE_EVENTS[record.flags])
             elif record.kind == FINGERPRINT:
-                self.stats.fingerprint(self.shapes.group(record.pg)[0], record.seq, record.aux, record.nbytes)
+                self.stats.fingerprint(self.shapes.group(record.pg)[0], record.seq, OPS[record.op].value, record.aux,
+                                       record.nbytes)
         for group in folded:
             self._folded(group)
 

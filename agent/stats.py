@@ -99,7 +99,7 @@ class Stats:
         self.loss_scale_steps: collections.Counter[str] = collections.Counter()
         self._step_first_nonfinite: dict[tuple[str, str], tuple[int, str]] = {}
         """``first_nonfinite`` of the loss scaler's step in progress, until it says whether it skips it."""
-        self.fingerprints: dict[tuple[str, str], tuple[int, int]] = {}
+        self.fingerprints: dict[tuple[str, str], tuple[int, int, str]] = {}
         self.first_send: dict[tuple[str, int, str], int] = {}
         self.nonfinite_entry: NonfiniteEntry | None = None
         self._step_first_send: dict[tuple[str, int, str], int] = {}
@@ -164,10 +164,10 @@ class Stats:
         self._step_first_send.clear()
         self._step_entry = None
 
-    def fingerprint(self, pg: str, seq: int, every: int, value: int) -> None:
-        """Collective ``seq`` of group ``pg`` ended holding ``value`` (``hooks/fingerprints.py``), one of every
-        ``every``: kept in slot (seq // every) % FINGERPRINT_SLOTS, the same slot on every rank."""
-        self.fingerprints[(pg, str(seq // max(every, 1) % FINGERPRINT_SLOTS))] = (seq, value)
+    def fingerprint(self, pg: str, seq: int, op: str, every: int, value: int) -> None:
+        """Collective ``seq`` (an ``op``) of group ``pg`` ended holding ``value`` (``hooks/fingerprints.py``), one
+        of every ``every``: kept in slot (seq // every) % FINGERPRINT_SLOTS, the same slot on every rank."""
+        self.fingerprints[(pg, str(seq // max(every, 1) % FINGERPRINT_SLOTS))] = (seq, value, op)
 
     def on_gpu(self, shape, queue_s: float, exec_s: float) -> None:
         """A collective of ``shape`` waited ``queue_s`` from issue to its start on the GPU, then ran ``exec_s``."""

@@ -182,9 +182,10 @@ class MetricsCollector(_Scrapes):
         yield _gauge(names.REPLICA_FINGERPRINT, "A fingerprint of the result of one of the group's last fingerprinted "
                      "collectives (all_reduce, broadcast, all_gather: every member holds the same), by slot; a rank "
                      "whose value differs from its group's at the same sequence number holds a corrupted result",
-                     ("pg", "slot"), {key: value for key, (_, value) in s.fingerprints.items()}, rank)
+                     ("pg", "slot"), {key: value for key, (_, value, _) in s.fingerprints.items()}, rank)
         yield _gauge(names.REPLICA_FINGERPRINT_SEQ, "The sequence number of the collective whose fingerprint is in the "
-                     "slot", ("pg", "slot"), {key: seq for key, (seq, _) in s.fingerprints.items()}, rank)
+                     "slot, by its op", ("pg", "slot", "op"),
+                     {(pg, slot, op): seq for (pg, slot), (seq, _, op) in s.fingerprints.items()}, rank)
         yield _gauge(names.NONFINITE_FIRST_SEQ, "Sequence number of the first collective whose input held NaN or Inf "
                      "on this rank (outside steps a loss scaler skipped); the lowest across ranks is where the values "
                      "entered", ("pg", "op", "kind"),

@@ -131,8 +131,8 @@ class StatsSnapshot(NamedTuple):
     p2p_failed: dict[str, tuple[int, str, int]]
     """pg -> (seq, op, the peer's global rank): the first point-to-point op that failed (its peer's process
     ended: gloo fails at once)."""
-    fingerprints: dict[tuple[str, str], tuple[int, int]]
-    """(pg, slot) -> (seq, fingerprint): the group's last fingerprinted results, ``FINGERPRINT_SLOTS`` of
+    fingerprints: dict[tuple[str, str], tuple[int, int, str]]
+    """(pg, slot) -> (seq, fingerprint, op): the group's last fingerprinted results, ``FINGERPRINT_SLOTS`` of
     them, each in the slot of its number among them (the same slot on every rank for the same seq)."""
 
 
