@@ -23,6 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <structmember.h>
+#include <time.h>
 
 #include "_fingerprint.h"
 #include "_gpu.h"
@@ -33,6 +34,7 @@
 static int (*issuing_now)(void);
 static int (*issuing_set)(int);
 static uint64_t (*write_record)(PyObject *, const unsigned long long *);
+static void (*write_record_at)(PyObject *, const unsigned long long *, uint64_t);
 static commlens_state *state;
 
 static PyObject *s_producer, *s_is_cuda, *s_shape, *s_dtype, *s_sid, *s_next_collective_seq, *s_start, *s_get_device,
@@ -264,14 +266,12 @@ static int64_t gpu_started(AllReduce *self, PyObject *tensor, Common *c, const u
     return pair < 0 ? -1 : pair;
 }
 
-/* After END, where the group's every Nth result is due (state.fingerprint_every, as fingerprints.due):
- * FINGERPRINT of the result, a CPU tensor reduced in place. 0, or -1 where an error must propagate (an
- * error of commlens' own is counted). Over a MiB the hash lets other threads run (the caller holds it). */
+/* FINGERPRINT of the result, a CPU tensor reduced in place, for a collective whose fingerprint is due (the
+ * group's every ``every``th: state.fingerprint_every, as fingerprints.due), before its END (the sidecar
+ * keeps its span by it). 0, or -1 where an error must propagate (an error of commlens' own is counted).
+ * Over a MiB the hash lets other threads run (the caller holds the tensor). */
 static int fingerprinted(AllReduce *self, PyObject *tensor, Common *c, unsigned long long sid,
-                         unsigned long long op_id, unsigned long long seq) {
-    int every = state->fingerprint_every;
-    if (every <= 0 || seq % (unsigned long long)every != 0)
-        return 0;
+                         unsigned long long op_id, unsigned long long seq, int every) {
     long long address = readable_address(tensor);
     if (address <= 0)
         return address == 0 ? 0 : counted(self, s_fingerprint);
@@ -338,6 +338,16 @@ static PyObject *issue(AllReduce *self, PyObject *const a[4], Common *c) {
     end_fields(v, self->code, sid, op_id, seq, c->nbytes, c->sig, -1, STATUS_OK, 0);
     if (pair >= 0 && self->gpu->end(pair, c->producer, v) == 0)
         return result;  /* the GPU's poll writes GPU_START and END */
+    int every = state->fingerprint_every;
+    if (pair < 0 && every > 0 && seq % (unsigned long long)every == 0) { /* FINGERPRINT, then END at its own time */
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        int raised = fingerprinted(self, a[0], c, sid, op_id, seq, every) < 0;
+        write_record_at(c->producer, v, (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec);
+        if (raised)
+            Py_CLEAR(result);
+        return result;
+    }
     write_record(c->producer, v);
     if (pair >= 0) {
         self->gpu->release(pair);
@@ -345,9 +355,6 @@ static PyObject *issue(AllReduce *self, PyObject *const a[4], Common *c) {
             Py_DECREF(result);
             return NULL;
         }
-    } else if (fingerprinted(self, a[0], c, sid, op_id, seq) < 0) {
-        Py_DECREF(result);
-        return NULL;
     }
     return result;
 }
@@ -475,8 +482,10 @@ PyMODINIT_FUNC PyInit__all_reduce(void) {
     issuing_set = (int (*)(int))PyCapsule_Import("commlens.hooks._issuing.set", 0);
     write_record = (uint64_t(*)(PyObject *, const unsigned long long *))PyCapsule_Import(
         "commlens.ring._producer.write_record", 0);
+    write_record_at = (void (*)(PyObject *, const unsigned long long *, uint64_t))PyCapsule_Import(
+        "commlens.ring._producer.write_record_at", 0);
     state = (commlens_state *)PyCapsule_Import(COMMLENS_STATE_CAPSULE, 0);
-    if (issuing_now == NULL || issuing_set == NULL || write_record == NULL || state == NULL)
+    if (issuing_now == NULL || issuing_set == NULL || write_record == NULL || write_record_at == NULL || state == NULL)
         return NULL;
     const char *strings[] = {"producer", "is_cuda", "shape", "dtype", "sid", "next_collective_seq", "START", "tensor",
                              "op", "group", "async_op", "get_device", "layout", "gpu_pool_exhausted", "GPU check",

@@ -7,7 +7,7 @@ transfer, or corrupted it in place (docs/verdicts.md).
 Example::
 
     if due(code, seq):
-        write(write_fn, code, sid, op_id, seq, sig, output_tensors)   # FINGERPRINT, after END
+        write(write_fn, code, sid, op_id, seq, sig, output_tensors)   # FINGERPRINT, before END
 """
 
 from __future__ import annotations

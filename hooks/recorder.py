@@ -10,6 +10,7 @@ blocking the caller.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, NoReturn
 
 from commlens.ring.layout import FLAG_ASYNC, FLAG_LAST_BUCKET, OK, STATUS
@@ -88,9 +89,14 @@ class InFlight(PreHookArgs):
             self.gpu = None
         fields = (record.writer(), self.code, self.sid, self.op_id, self.seq, self.nbytes, self.sig, self.wire_peer,
                   status, self._wire_bytes())
-        end = record.end(*fields) if gpu_ns is None else record.end_on_gpu(*fields, *gpu_ns)
-        if status == OK and fingerprints.due(self.code, self.seq):
+        if gpu_ns is not None:
+            end = record.end_on_gpu(*fields, *gpu_ns)
+        elif status == OK and fingerprints.due(self.code, self.seq):  # FINGERPRINT, then END at its own time
+            end = time.monotonic_ns()
             fingerprints.write(fields[0], self.code, self.sid, self.op_id, self.seq, self.sig, self.output_tensors)
+            record.end(*fields, t_ns=end)
+        else:
+            end = record.end(*fields)
         if error is not None and abort_hooks.entries:
             abort_hooks.call(AbortHookArgs(self, error, STATUS[status]))
         if post_hooks.entries:
@@ -233,10 +239,12 @@ def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple,
     if pair is not None:  # completes when the GPU has finished it (hooks/cuda.py)
         end = record.end_args(code, sid, op_id, seq, nbytes, sig, wire_peer)
         cuda.tracker().end(pair, None, (record.producer(), end), None)
+    elif fingerprints.due(code, seq):  # FINGERPRINT, then END at its own time
+        end = time.monotonic_ns()
+        fingerprints.write(write, code, sid, op_id, seq, sig, output_tensors)
+        record.end(write, code, sid, op_id, seq, nbytes, sig, wire_peer, t_ns=end)
     else:
         record.end(write, code, sid, op_id, seq, nbytes, sig, wire_peer)
-        if fingerprints.due(code, seq):
-            fingerprints.write(write, code, sid, op_id, seq, sig, output_tensors)
     return result
 
 
