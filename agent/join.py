@@ -67,6 +67,9 @@ class RecordJoin:
         """op_id -> NAN_HAS_NAN | NAN_HAS_INF seen for it (its input's, while its collective is read)."""
         self._nan_spans: collections.Counter[str] = collections.Counter()
         """Group -> spans of non-finite collectives kept so far (``NAN_SPANS_KEPT``)."""
+        self.fingerprints: dict[int, int] = {}
+        """op_id -> its result's fingerprint, until its END (its span is kept: after the fact, the ranks'
+        fingerprints are compared from their spans)."""
 
     def handle(self, records: list[Record], folded: list[Folded], snapshots: list[str]) -> None:
         """One read's records, then its folds; the snapshots asked for go to ``snapshots``."""
@@ -90,6 +93,7 @@ class RecordJoin:
             elif record.kind == FINGERPRINT:
                 self.stats.fingerprint(self.shapes.group(record.pg)[0], record.seq, OPS[record.op].value, record.aux,
                                        record.nbytes)
+                self.fingerprints[record.op_id] = record.nbytes
         for group in folded:
             self._folded(group)
 
@@ -116,6 +120,7 @@ class RecordJoin:
         status = STATUS[end.flags] if end.flags < len(STATUS) else "error"
         seconds = (end.t_ns - start.t_ns) / 1e9 if start is not None else None
         nan = self.nan.pop(op_id, 0) if self.nan else 0  # the checks first: these are rare
+        fingerprint = self.fingerprints.pop(op_id, -1) if self.fingerprints else -1
         if gpu_start is not None and start is not None:
             gpu_start = _within(gpu_start, start, end)
             self.stats.on_gpu(shape, (gpu_start - start.t_ns) / 1e9, (end.t_ns - gpu_start) / 1e9)
@@ -126,11 +131,11 @@ class RecordJoin:
         if nan:
             self._nan_spans[shape.pg] += 1
         if not (nan and self._nan_spans[shape.pg] <= NAN_SPANS_KEPT or hung or slow or status != "ok"
-                or self.sample(shape.pg, (end.seq,), shape.is_p2p)):
+                or fingerprint >= 0 or self.sample(shape.pg, (end.seq,), shape.is_p2p)):
             return
         first = start or end
         self.hold.emit(self.shapes.collective(shape, first, end, status, nan, hung, slow, gpu_start=gpu_start,
-                                              marks=self.inputs.marks_of(first.op_id)), nan)
+                                              marks=self.inputs.marks_of(first.op_id), fingerprint=fingerprint), nan)
 
     def _folded(self, group: Folded) -> None:
         """Collectives of one shape that started and ended ok within this drain: counted at once; the

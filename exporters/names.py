@@ -84,6 +84,9 @@ values reached it."""
 NONFINITE_ENTRY = "commlens.nonfinite.entry"
 """On the rank's first input of all that held NaN or Inf: where it had come to in its groups then, JSON
 ``{"issued": {group: last collective seq}, "received": {group: {peer: recvs from it}}}``."""
+FINGERPRINT = "commlens.fingerprint"
+"""On a fingerprinted collective (every Nth all_reduce, broadcast, all_gather of its group): its result's
+fingerprint, the same on every member unless one's result was corrupted."""
 LOSS_SCALE_SKIPPED = "commlens.loss_scale.skipped_step"
 """On a collective with a non-finite tensor in a step the loss scaler skipped: that step's number among
 the skipped steps of its rank (1, 2, ...). Its values were the scaler's overflow, not a fault."""

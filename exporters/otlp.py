@@ -148,6 +148,8 @@ def _own(c: Collective) -> dict[str, Any]:
         own[names.LOSS_SCALE_SKIPPED] = c.loss_scale_skipped
     if c.send_number:
         own[names.SEND_NUMBER] = c.send_number
+    if c.fingerprint >= 0:
+        own[names.FINGERPRINT] = c.fingerprint
     return own
 
 

@@ -63,6 +63,9 @@ class Collective(NamedTuple):
     nonfinite_entry: str = ""
     """For the rank's first input of all that held NaN or Inf: where it had come to in its groups then,
     as JSON (``{"issued": {group: seq}, "received": {group: {peer: recvs}}}``, ``NonfiniteEntry``)."""
+    fingerprint: int = -1
+    """For a fingerprinted collective (every member of its group holds the same result): its result's
+    fingerprint (48 bits, ``hooks/fingerprints.py``); -1 otherwise."""
 
 
 class NonfiniteEntry(NamedTuple):
