@@ -57,6 +57,9 @@ class GroupFacts:
     """Collectives that completed in the window (live)."""
     arrivals: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
     """seq -> (op, start ns) of each collective seen (offline)."""
+    fingerprints: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    """seq -> (op, fingerprint) of each fingerprinted collective's result (live: the last few; offline: from
+    its spans): every member of the group holds the same, unless one's result was corrupted."""
     inputs: dict[int, tuple[str, str]] = dataclasses.field(default_factory=dict)
     """seq -> (op, its input tensors' dtypes and sizes) of each collective in its dumps (offline)."""
     hangs_seen: dict[int, tuple[int, int | None]] = dataclasses.field(default_factory=dict)

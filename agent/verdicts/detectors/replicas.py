@@ -1,0 +1,33 @@
+"""Replicas that disagree: after an all_reduce, a broadcast or an all_gather every member of the group
+holds the same bytes; a member whose fingerprint of the result differs from the rest's, at the same
+sequence number, holds a corrupted result (silent data corruption: a transfer, or the rank itself)."""
+
+from __future__ import annotations
+
+import collections
+
+from ..facts import RankFacts
+from ..finding import Finding
+from .waits import who
+
+
+def replica_mismatches(pg: str, members: list[RankFacts]) -> list[Finding]:
+    """Each fingerprinted collective of the group whose members' results differ: the ranks whose result
+    is shared by at most half of the members that fingerprinted it (two that differ: both), its first
+    such collective only."""
+    by_seq: dict[int, dict[int, tuple[str, int]]] = collections.defaultdict(dict)
+    for f in members:
+        for seq, (op, value) in f.groups[pg].fingerprints.items():
+            by_seq[seq][f.rank] = (op, value)
+    for seq in sorted(by_seq):
+        results = by_seq[seq]
+        shares = collections.Counter(value for _, value in results.values())
+        if len(shares) < 2:
+            continue
+        odd = sorted(rank for rank, (_, value) in results.items() if 2 * shares[value] <= len(results))
+        op = next(iter(results.values()))[0]
+        rest = sorted(set(results) - set(odd))
+        evidence = (f"its result differs from {who(rest)}'s, who hold the same" if rest else
+                    "their results differ from each other: which one is corrupted is not known")
+        return [Finding("replica_mismatch", tuple(odd), pg, op, seq, evidence)]
+    return []
