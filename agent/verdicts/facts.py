@@ -60,6 +60,9 @@ class GroupFacts:
     fingerprints: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
     """seq -> (op, fingerprint) of each fingerprinted collective's result (live: the last few; offline: from
     its spans): every member of the group holds the same, unless one's result was corrupted."""
+    fingerprint_slots: dict[str, list] = dataclasses.field(default_factory=dict)
+    """Live, while read: slot -> [seq, op, fingerprint] as its two metrics give them (``fingerprints``
+    once both are read)."""
     inputs: dict[int, tuple[str, str]] = dataclasses.field(default_factory=dict)
     """seq -> (op, its input tensors' dtypes and sizes) of each collective in its dumps (offline)."""
     hangs_seen: dict[int, tuple[int, int | None]] = dataclasses.field(default_factory=dict)

@@ -314,6 +314,8 @@ def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[
     start, end = int(span["startTimeUnixNano"]), None if a.get(names.IN_FLIGHT) else int(span["endTimeUnixNano"])
     group.arrivals[seq] = (op, start)
     group.issued = max(group.issued, seq)
+    if names.FINGERPRINT in a:
+        group.fingerprints[seq] = (op, int(a[names.FINGERPRINT]))
     if a.get(names.SLOW) or a.get(names.HANG):
         ranks[rank].waits.append((start, end))
         if not a.get(names.HANG) and end is not None:

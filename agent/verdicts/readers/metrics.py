@@ -43,6 +43,12 @@ def metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> None
         facts.received_before[(pg, int(labels["peer"]))] = int(value)
     elif name == names.NONFINITE_ISSUED_BEFORE:
         facts.issued_before[pg] = int(value)
+    elif name in (names.REPLICA_FINGERPRINT, names.REPLICA_FINGERPRINT_SEQ):
+        slot = facts.group(pg).fingerprint_slots.setdefault(labels["slot"], [None, None, None])
+        if name == names.REPLICA_FINGERPRINT:
+            slot[2] = int(value)
+        else:
+            slot[0], slot[1] = int(value), labels["op"]
     elif name == names.total(names.LOSS_SCALE_STEPS) and labels.get("outcome") == "skipped":
         facts.loss_scale_skipped = int(value)
 
@@ -55,3 +61,5 @@ def settle(facts: RankFacts, gone: bool, reasons: set[str]) -> None:
     for group in facts.groups.values():
         if group.finished is None and group.issued > 0:
             group.finished = 0
+        group.fingerprints.update({seq: (op, value) for seq, op, value in group.fingerprint_slots.values()
+                                   if value is not None and seq is not None})

@@ -99,7 +99,7 @@ def _prometheus_facts(url: str, selector: str, interval: int, at: float | None =
                        (names.P2P_HUNG, f"{names.P2P_HUNG}{{{selector}}}"),
                        *((name, f"{name}{{{selector}}}") for name in (
                            names.NONFINITE_FIRST_SEQ, names.NONFINITE_FIRST_SEND, names.NONFINITE_ENTRY_SEQ,
-                           names.NONFINITE_ISSUED_BEFORE)),
+                           names.NONFINITE_ISSUED_BEFORE, names.REPLICA_FINGERPRINT, names.REPLICA_FINGERPRINT_SEQ)),
                        (names.total(names.LOSS_SCALE_STEPS), f"{names.total(names.LOSS_SCALE_STEPS)}{{{selector}}}"),
                        (names.FAILED_SEQ, f"last_over_time({names.FAILED_SEQ}{{{selector}}}[{last_5m}])"),
                        (names.P2P_FAILED, f"last_over_time({names.P2P_FAILED}{{{selector}}}[{last_5m}])")):
