@@ -9,10 +9,11 @@
 // see the bucket divided, as the all_reduce gets it. Built against the installed torch on first use
 // (extension.py).
 //
-//     init(issuing_set_capsule, write_record_capsule)
+//     init(issuing_set_capsule, write_record_capsule, write_record_at_capsule)
 //     register_hook(reducer, process_group, begin)   // in place of the model's hook (none registered yet)
 //         begin(process_group, buffer, index, parameters, is_last, finite: True, False or None (not known))
-//             -> None (unrecorded) or (finish, flight, producer or None, END's 11 fields)
+//             -> None (unrecorded) or (finish, flight, producer or None, END's 11 fields,
+//                                          FINGERPRINT's 11 fields but the fingerprint, or None: not due)
 //         finish(flight, error message or None)   // with the GIL; when producer is None, or it failed
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
@@ -31,6 +32,9 @@
 #include <string>
 #include <vector>
 
+#include <time.h>
+
+#include "_fingerprint.h"
 #include "_finite.h"
 
 namespace py = pybind11;
@@ -39,6 +43,7 @@ namespace {
 
 int (*set_issuing)(int) = nullptr;
 uint64_t (*write_record)(PyObject*, const unsigned long long*) = nullptr;
+void (*write_record_at)(PyObject*, const unsigned long long*, uint64_t) = nullptr;
 
 void* pointer_in(const py::capsule& capsule, const char* name) {
   void* pointer = PyCapsule_GetPointer(capsule.ptr(), name);
@@ -48,10 +53,12 @@ void* pointer_in(const py::capsule& capsule, const char* name) {
   return pointer;
 }
 
-void init(py::capsule issuing_set, py::capsule write) {
+void init(py::capsule issuing_set, py::capsule write, py::capsule write_at) {
   set_issuing = reinterpret_cast<int (*)(int)>(pointer_in(issuing_set, "commlens.hooks._issuing.set"));
   write_record = reinterpret_cast<uint64_t (*)(PyObject*, const unsigned long long*)>(
       pointer_in(write, "commlens.ring._producer.write_record"));
+  write_record_at = reinterpret_cast<void (*)(PyObject*, const unsigned long long*, uint64_t)>(
+      pointer_in(write_at, "commlens.ring._producer.write_record_at"));
 }
 
 // What the hook lets go of only with the GIL, on the thread that runs backward: begin()'s results
@@ -148,7 +155,20 @@ struct Bucket {
   PyObject* begun;
   PyObject* producer;  // borrowed from begun; nullptr: END is written by finish()
   std::array<unsigned long long, 11> end;
+  std::optional<std::array<unsigned long long, 11>> fingerprint;  // FINGERPRINT's fields where due
+  at::Tensor buffer;                                              // the bucket, reduced in place
 };
+
+// Where the bucket's result is due a fingerprint: FINGERPRINT of it, then END at the time it ended.
+void end_fingerprinted(const Bucket& bucket) {
+  timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  std::array<unsigned long long, 11> fields = *bucket.fingerprint;
+  fields[6] = fingerprint_of(static_cast<const unsigned char*>(bucket.buffer.const_data_ptr()), bucket.buffer.nbytes());
+  write_record(bucket.producer, fields.data());
+  write_record_at(bucket.producer, bucket.end.data(),
+                  static_cast<uint64_t>(now.tv_sec) * 1000000000ull + static_cast<uint64_t>(now.tv_nsec));
+}
 
 // finish(flight, error) with the GIL; an error it raises fails the bucket's future.
 void finish(const Bucket& bucket, const std::optional<std::string>& error) {
@@ -192,11 +212,20 @@ class RecordedAllreduce : public c10d::CppCommHookInterface<c10::intrusive_ptr<c
                                         grad.isLast(), finite ? py::cast(*finite) : py::none());
       if (!begun.is_none()) {
         py::object producer = begun[py::int_(2)];
-        Bucket made{nullptr, producer.is_none() ? nullptr : producer.ptr(), {}};
+        Bucket made{nullptr, producer.is_none() ? nullptr : producer.ptr(), {}, std::nullopt, buffer};
         py::tuple fields = begun[py::int_(3)];
         for (size_t i = 0; i < made.end.size(); i++) {
           made.end[i] = i == 8 ? static_cast<unsigned long long>(fields[i].cast<long long>())  // peer: signed
                                : fields[i].cast<unsigned long long>();
+        }
+        py::object due = begun[py::int_(4)];
+        if (!due.is_none() && buffer.is_contiguous() && buffer.device().is_cpu()) {
+          py::tuple print = due;
+          std::array<unsigned long long, 11> found{};
+          for (size_t i = 0; i < found.size(); i++) {
+            found[i] = static_cast<unsigned long long>(print[i].cast<long long>());
+          }
+          made.fingerprint = found;
         }
         made.begun = begun.release().ptr();
         bucket = made;
@@ -227,7 +256,11 @@ class RecordedAllreduce : public c10d::CppCommHookInterface<c10::intrusive_ptr<c
           } else if (bucket.producer == nullptr) {
             finish(bucket, std::nullopt);
           } else {
-            write_record(bucket.producer, bucket.end.data());
+            if (bucket.fingerprint) {
+              end_fingerprinted(bucket);
+            } else {
+              write_record(bucket.producer, bucket.end.data());
+            }
             std::lock_guard<std::mutex> guard(kept->lock);
             kept->begun.push_back(bucket.begun);
           }

@@ -25,7 +25,7 @@ from commlens.ring import _producer
 from commlens.ring.layout import ERROR, NOT_ISSUED, OK
 from commlens.ring.ops import OpName
 
-from . import _issuing, extension, groups, issuing, process_ring, signatures
+from . import _issuing, extension, fingerprints, groups, issuing, process_ring, signatures
 from .futures import then, when_done
 from .patch import Patches
 from .recorder import InFlight
@@ -190,7 +190,8 @@ def _begin_in_cpp(pg: Any, buffer: torch.Tensor, index: int, parameters: int, is
         return None
     flight.bucket.wire_bytes = flight.bucket.nbytes
     producer = None if post_hooks.entries else process_ring.ring().producer  # post-hooks run in Python
-    return _end_in_python, flight, producer, flight.end_args()
+    due = fingerprints.due(flight.code, flight.seq) and producer is not None  # else complete() writes it
+    return _end_in_python, flight, producer, flight.end_args(), flight.fingerprint_args() if due else None
 
 
 def _end_in_python(flight: InFlight, error: str | None) -> None:
@@ -207,7 +208,7 @@ def cpp_hook() -> Any:
     return extension.load_or_warn(
         "_ddp_hook.cpp", "C++ hook",
         "records DDP gradient buckets with a Python communication hook, about 100 µs more per bucket",
-        lambda module: module.init(_issuing.set, _producer.write_record))
+        lambda module: module.init(_issuing.set, _producer.write_record, _producer.write_record_at))
 
 
 def _record_buckets(model: DistributedDataParallel, reducer: Any) -> None:

@@ -93,7 +93,13 @@ def nan_args(op: int, pg: int, op_id: int, seq: int, sig: int, peer: int, index:
 def fingerprint(write: Write, op: int, pg: int, op_id: int, seq: int, sig: int, value: int, every: int) -> int:
     """FINGERPRINT: the op's result, which every member of its group holds alike, as ``value``
     (``fingerprints.of``); one of every ``every`` collectives of the group."""
-    return write(FINGERPRINT, op, 0, pg, op_id, seq, value, sig, -1, every)
+    return write(*fingerprint_args(op, pg, op_id, seq, sig, every, value))
+
+
+def fingerprint_args(op: int, pg: int, op_id: int, seq: int, sig: int, every: int, value: int = 0) -> tuple[int, ...]:
+    """FINGERPRINT's arguments to ``Ring.write`` (``where`` included), for a writer in C++ (``_ddp_hook.cpp``),
+    which puts the value in ``nbytes`` (index 6)."""
+    return FINGERPRINT, op, 0, pg, op_id, seq, value, sig, -1, every, 0
 
 
 def snapshot(write: Write, reason: str) -> int:

@@ -17,6 +17,7 @@ from commlens.ring.layout import FLAG_ASYNC, FLAG_LAST_BUCKET, OK, STATUS
 from commlens.ring.ops import CODE, OPS, OpName
 
 from . import cuda, fingerprints, finite, process_ring, record, signatures
+from ._state import state
 from .futures import when_done
 from .ops import AbortHookArgs, PostHookArgs, PreHookArgs
 from .poller import poller
@@ -111,6 +112,10 @@ class InFlight(PreHookArgs):
         bucket's bytes on the wire."""
         return record.end_args(self.code, self.sid, self.op_id, self.seq, self.nbytes, self.sig, self.wire_peer, OK,
                                self._wire_bytes())
+
+    def fingerprint_args(self) -> tuple[int, ...]:
+        """FINGERPRINT's arguments to ``Ring.write`` but its value (0), for a writer in C++ (``_ddp_hook.cpp``)."""
+        return record.fingerprint_args(self.code, self.sid, self.op_id, self.seq, self.sig, state.fingerprint_every)
 
     def nan_args(self, index: int, flags: int) -> tuple[int, ...]:
         """NAN's arguments to ``Ring.write`` for tensor ``index`` of this op (count 0: not counted), for a
