@@ -1,0 +1,96 @@
+"""Replica fingerprints (hooks/fingerprints.py): a group's every Nth all_reduce, broadcast and all_gather has its
+result fingerprinted on every rank alike; a rank whose result was corrupted is named, and only it."""
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import commlens.agent
+import commlens.hooks as ch
+from commlens.agent.config import Config
+from commlens.agent.verdicts import findings, readers
+from commlens.hooks import fingerprints
+from commlens.hooks._state import state
+from commlens.ring import RingReader
+from commlens.ring.layout import END, FINGERPRINT
+from commlens.ring.ops import OPS
+
+EVERY = 2
+
+
+def replica_ops(rank, world_size, hooked):
+    """Every replica op, sync and async, on the paths a hook or none takes; what the ring holds of them."""
+    ch.instrument()
+    state.fingerprint_every = EVERY
+    if hooked:
+        ch.register_post_hook(lambda args: None)
+    reader = RingReader(ch.ring())
+    t = torch.arange(8, dtype=torch.float32)
+    results = []
+    for async_op in (False, True):
+        for issue in (lambda: dist.all_reduce(t, async_op=async_op), lambda: dist.broadcast(t, 0, async_op=async_op),
+                      lambda: dist.all_gather(outputs := [torch.empty(8) for _ in range(world_size)], t,
+                                              async_op=async_op) and outputs,
+                      lambda: dist.all_gather_into_tensor(out := torch.empty(8 * world_size), t, async_op=async_op)
+                      and out, lambda: dist.reduce(t, 0, async_op=async_op)):
+            work = issue()
+            if async_op and hasattr(work, "wait"):
+                work.wait()
+            results.append(t.clone())
+    records = []
+    while len([r for r in records if r.kind == END]) < 10:  # async ops end on the backend's threads
+        records += reader.read()
+    ch.uninstrument()
+    state.fingerprint_every = 0
+    prints = [(r.op_id, r.seq, OPS[r.op].value, r.nbytes, r.aux) for r in records if r.kind == FINGERPRINT]
+    ends = {r.op_id: k for k, r in enumerate(records) if r.kind == END}
+    before_end = all(k < ends[r.op_id] for k, r in enumerate(records) if r.kind == FINGERPRINT)
+    return prints, before_end, fingerprints.of((torch.arange(8, dtype=torch.float32) * world_size,))
+
+
+def test_every_nth_replica_op_is_fingerprinted_before_its_end_alike_on_every_rank(run_ranks):
+    for hooked in (False, True):
+        (prints0, before0, _), (prints1, before1, _) = run_ranks(replica_ops, 2, hooked=hooked)
+        assert before0 and before1
+        assert [p[1:] for p in prints0] == [p[1:] for p in prints1], (prints0, prints1)  # seq, op, value, every
+        assert {seq for _, seq, *_ in prints0} == {seq for seq in range(1, 11) if seq % EVERY == 0} - {10}, prints0
+        assert {op for _, _, op, _, _ in prints0} <= {"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor"}
+        assert all(every == EVERY and 0 <= value < 1 << 48 for *_, value, every in prints0)
+
+
+def corrupting_training(rank, world_size, out, culprit):
+    """A DDP job whose ``culprit`` rank's communication hook flips one exponent bit of one element of its
+    reduced gradients at step 3; its agent writes spans to ``out``."""
+    os.environ.update(COMMLENS_FINGERPRINT_EVERY="1", COMMLENS_TRACE_FILE=os.path.join(out, f"traces-{rank}.jsonl"))
+    agent = commlens.agent.start(Config.from_env({**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                                  "WORLD_SIZE": str(world_size)}))
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 1)))
+    step = [0]
+
+    def hook(process_group, bucket):
+        def corrupt(future):
+            result = future.value()[0]
+            if rank == culprit and step[0] == 3:
+                result.view(torch.int32)[5] ^= 1 << 29  # an exponent bit: a silent corruption of the transfer
+            return result
+        return default_hooks.allreduce_hook(process_group, bucket).then(corrupt)
+
+    model.register_comm_hook(None, hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step[0] in range(6):
+        optimizer.zero_grad()
+        model(torch.randn(16, 32)).sum().backward()
+        optimizer.step()
+    commlens.agent.stop()
+
+
+def test_a_rank_whose_reduced_gradients_were_corrupted_is_named_and_no_other_is(run_ranks, tmp_path):
+    for culprit in (0, 2):
+        out = tmp_path / f"culprit-{culprit}"
+        out.mkdir()
+        run_ranks(corrupting_training, 3, out=str(out), culprit=culprit)
+        found = [f for f in findings(readers.from_files(str(out))) if f.kind == "replica_mismatch"]
+        assert [f.ranks for f in found] == [(culprit,)], [f.line() for f in found]
