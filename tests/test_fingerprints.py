@@ -72,7 +72,8 @@ def corrupting_training(rank, world_size, out, culprit):
 
     def hook(process_group, bucket):
         def corrupt(future):
-            result = future.value()[0]
+            result = future.value()
+            result = result[0] if isinstance(result, list) else result
             if rank == culprit and step[0] == 3:
                 result.view(torch.int32)[5] ^= 1 << 29  # an exponent bit: a silent corruption of the transfer
             return result
