@@ -69,7 +69,7 @@ class RecordJoin:
         """Group -> spans of non-finite collectives kept so far (``NAN_SPANS_KEPT``)."""
         self.fingerprints: dict[int, int] = {}
         """op_id -> its result's fingerprint, until its END (its span is kept: after the fact, the ranks'
-        fingerprints are compared from their spans)."""
+        fingerprints are compared from their spans); at most as many as can be in flight."""
 
     def handle(self, records: list[Record], folded: list[Folded], snapshots: list[str]) -> None:
         """One read's records, then its folds; the snapshots asked for go to ``snapshots``."""
@@ -93,7 +93,10 @@ class RecordJoin:
             elif record.kind == FINGERPRINT:
                 self.stats.fingerprint(self.shapes.group(record.pg)[0], record.seq, OPS[record.op].value, record.aux,
                                        record.nbytes)
-                self.fingerprints[record.op_id] = record.nbytes
+                fingerprints = self.fingerprints
+                fingerprints[record.op_id] = record.nbytes
+                if len(fingerprints) > self.inflight.slots:  # ENDs lost (counted as records dropped): the oldest
+                    del fingerprints[next(iter(fingerprints))]
         for group in folded:
             self._folded(group)
 

@@ -95,3 +95,32 @@ def test_a_rank_whose_reduced_gradients_were_corrupted_is_named_and_no_other_is(
         run_ranks(corrupting_training, 3, out=str(out), culprit=culprit)
         found = [f for f in findings(readers.from_files(str(out))) if f.kind == "replica_mismatch"]
         assert [f.ranks for f in found] == [(culprit,)], [f.line() for f in found]
+
+
+def test_a_fingerprint_whose_end_is_lost_is_forgotten_and_the_next_ones_reach_their_spans():
+    """A ring of 16 slots: 40 fingerprinted all_reduces whose ENDs were lost (dropped on a full ring), then
+    one that ends. The sidecar keeps no more fingerprints than collectives can be in flight, and the one
+    that ended carries its fingerprint on its span and in the group's exported slots."""
+    import json
+    import time
+
+    from commlens.agent.sidecar import Sidecar
+    from commlens.ring import Ring
+    from commlens.ring.layout import START
+    from commlens.ring.ops import CODE, OpName
+
+    ring, seen = Ring(slots=16), []
+    sidecar = Sidecar(ring, rank=0, hang_threshold_s=60, on_collective=seen.append)
+    pg = ring.intern(json.dumps({"name": "0", "desc": "default", "ranks": [0, 1], "rank": 0, "backend": "gloo"}))
+    sig = ring.intern(json.dumps([[[16]], ["Float"], [[16]], ["Float"]]))
+    now, op = time.monotonic_ns(), CODE[OpName.all_reduce]
+    for op_id in range(1, 42):
+        t = now + op_id * 1_000_000
+        ring.write(START, op, 0, pg, op_id, op_id, 64, sig, -1, 0, 0, t)
+        ring.write(FINGERPRINT, op, 0, pg, op_id, op_id, 1000 + op_id, sig, -1, 1, 0, t + 40_000)
+        if op_id == 41:
+            ring.write(END, op, 0, pg, op_id, op_id, 64, sig, -1, 0, 0, t + 50_000)
+        sidecar.drain()
+    assert len(sidecar.join.fingerprints) <= ring.slots
+    assert [(c.seq, c.fingerprint) for c in seen] == [(41, 1041)]
+    assert sidecar.stats.fingerprints[("0", str(41 % 4))] == (41, 1041, "all_reduce")
