@@ -46,6 +46,10 @@ Faults, on rank ``--rank`` at step ``--step`` (``--fault none`` for a healthy ru
     desync        the rank issues all_gather where the others all_reduce the job's loss
     slow-data     the rank's data loading takes ``--slow-ms`` longer every step from ``--step`` on
     slow-compute  the rank's forward does extra matmuls, ~``--slow-ms`` more every step from ``--step`` on
+    corrupt       from ``--step`` on, one exponent bit of one element of the rank's gradients flips in the
+                  result of their data-parallel all_reduce (a transfer corrupted silently: in DDP's
+                  layouts a communication hook every rank registers; in the pipelines' after the explicit
+                  all_reduce). Not in fsdp, whose gradients are reduce_scattered (no two ranks hold the same)
 
 The wall time at which the fault strikes goes to ``FAULT_TIME_FILE`` (``faulty_train.mark_fault_time``).
 """
@@ -61,12 +65,14 @@ import time
 import torch
 import torch.distributed as dist
 from faulty_train import mark_fault_time
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.fsdp import fully_shard
 
 HIDDEN, BATCH = 32, 16
 SHAPES = {"ddp": (1, 1, 0), "fsdp": (1, 1, 0), "tp-dp": (2, 1, 2), "tp-pp-dp": (2, 2, 4), "pp4": (1, 4, 4)}
 """Layout -> (TP size, pipeline stages, ranks per data-parallel replica; 0: any world)."""
-FAULTS = ("none", "nan", "inf", "late", "stall", "leave", "kill", "size", "desync", "slow-data", "slow-compute")
+FAULTS = ("none", "nan", "inf", "late", "stall", "leave", "kill", "size", "desync", "slow-data", "slow-compute",
+          "corrupt")
 
 
 class Fault:
@@ -131,6 +137,12 @@ def poisoned(tensor, value: float):
     return tensor
 
 
+def flip_exponent_bit(tensor) -> None:
+    """Flips an exponent bit of ``tensor``'s middle element in place (float32): a small gradient becomes
+    about 1e-20 of itself, a silent change."""
+    tensor.view(-1)[tensor.numel() // 2:].view(torch.int32)[0] ^= 1 << 29
+
+
 def burn(ms: float) -> None:
     """Matmuls for ``ms`` milliseconds: extra compute."""
     end, a = time.perf_counter() + ms / 1000, torch.randn(64, 64)
@@ -152,6 +164,9 @@ def main() -> None:
     parser.add_argument("--slow-ms", type=float, default=60)
     parser.add_argument("--timeout-s", type=float, default=60, help="the backend's timeout")
     args = parser.parse_args()
+    if args.fault == "corrupt" and args.layout == "fsdp":
+        parser.error("--fault corrupt corrupts the data-parallel all_reduce of gradients: fsdp has none "
+                     "(its gradients are reduce_scattered); take ddp, tp-dp, tp-pp-dp or pp4")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     tp, stages, per_replica = SHAPES[args.layout]
@@ -186,6 +201,15 @@ def main() -> None:
         model = fully_shard(shard)
     else:
         model = shard if pipelined else torch.nn.parallel.DistributedDataParallel(shard, process_group=dp_group)
+    if args.fault == "corrupt" and not pipelined:
+        def corrupting(group, bucket):  # every rank's hook; the culprit's result corrupted from --step on
+            def result(future):
+                reduced = future.value()[0]
+                if fault.now("corrupt", step, every_step=True):
+                    flip_exponent_bit(reduced)
+                return reduced
+            return allreduce_hook(group, bucket).then(result)
+        model.register_comm_hook(dp_group, corrupting)
     optimizer = torch.optim.SGD(shard.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", growth_factor=2.0 ** 4, backoff_factor=2.0 ** -4, growth_interval=3,
                                   enabled=args.precision == "fp16")
@@ -312,6 +336,8 @@ def main() -> None:
                 comm.all_reduce(flat, dp_group, async_op=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             comm.all_reduce(flat, dp_group)
+            if fault.now("corrupt", step, every_step=True):
+                flip_exponent_bit(flat)
             flat /= replicas
             offset = 0
             for g in grads:
