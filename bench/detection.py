@@ -229,9 +229,10 @@ EXPECTED = {"nan": ("CommlensNaNOrigin",), "inf": ("CommlensNaNOrigin",),
             "late": ("CommlensRankLate", "CommlensPeerLate"), "leave": ("CommlensRankLate", "CommlensPeerLate"),
             "kill": ("CommlensRankKilled",), "size": ("CommlensCollectiveMismatch",),
             "desync": ("CommlensCollectiveDesync",), "slow-data": ("CommlensStraggler",),
-            "slow-compute": ("CommlensStraggler",), "stall": (), "none": ()}
+            "slow-compute": ("CommlensStraggler",), "corrupt": ("CommlensReplicaMismatch",), "stall": (), "none": ()}
 """The alert(s) that name the culprit of each fault; none live for a one-off stall (named after the fact)."""
-TRAINS_ON_S = {"none": 30, "stall": 25, "nan": 30, "inf": 30, "late": 30, "slow-data": 50, "slow-compute": 50}
+TRAINS_ON_S = {"none": 30, "stall": 25, "nan": 30, "inf": 30, "late": 30, "slow-data": 50, "slow-compute": 50,
+               "corrupt": 30}
 """Seconds the job trains after the fault (after its start, healthy); the other faults end the job."""
 LATE_S = 20
 """A late rank's sleep: its alert fires (hang threshold 3 s, ``for`` 2 s) and the live diagnose reads it before
@@ -508,7 +509,8 @@ def matrix_main(argv: list[str]) -> None:
         parser.error(str(error))
     cells = cells or [
         Cell.make(layout, fault, mode, args.precision, seed=args.seed) for layout in args.layouts.split(",")
-        for fault in args.faults.split(",") for mode in args.modes.split(",")]
+        for fault in args.faults.split(",") for mode in args.modes.split(",")
+        if (layout, fault) != ("fsdp", "corrupt")]  # no data-parallel all_reduce to corrupt (matrix_train.py)
     header = (f"{'cell':<34}{'P/R alerts':>11}{'P/R live':>10}{'P/R offline':>12}{'fire s':>8}{'wall s':>8}  ok    "
               f"named by alerts; by live diagnose; by offline diagnose   (culprit's position)")
     print(header, flush=True)
