@@ -12,9 +12,10 @@ from .waits import who
 
 
 def replica_mismatches(pg: str, members: list[RankFacts]) -> list[Finding]:
-    """Each fingerprinted collective of the group whose members' results differ: the ranks whose result
-    is shared by at most half of the members that fingerprinted it (two that differ: both), its first
-    such collective only."""
+    """The group's first fingerprinted collective whose members' results differ: the ranks that hold the
+    highest fingerprint of it, or the lowest, where at most half the members that fingerprinted it hold
+    that one (two that differ: both; as ``commlens:replica_minority``: a corrupted rank holds a value of
+    its own, the highest or the lowest)."""
     by_seq: dict[int, dict[int, tuple[str, int]]] = collections.defaultdict(dict)
     for f in members:
         for seq, (op, value) in f.groups[pg].fingerprints.items():
@@ -24,7 +25,8 @@ def replica_mismatches(pg: str, members: list[RankFacts]) -> list[Finding]:
         shares = collections.Counter(value for _, value in results.values())
         if len(shares) < 2:
             continue
-        odd = sorted(rank for rank, (_, value) in results.items() if 2 * shares[value] <= len(results))
+        ends = (max(shares), min(shares))
+        odd = sorted(rank for rank, (_, value) in results.items() if value in ends and 2 * shares[value] <= len(results))
         op = next(iter(results.values()))[0]
         rest = sorted(set(results) - set(odd))
         evidence = (f"its result differs from {who(rest)}'s, who hold the same" if rest else
