@@ -124,3 +124,18 @@ def test_a_fingerprint_whose_end_is_lost_is_forgotten_and_the_next_ones_reach_th
     assert len(sidecar.join.fingerprints) <= ring.slots
     assert [(c.seq, c.fingerprint) for c in seen] == [(41, 1041)]
     assert sidecar.stats.fingerprints[("0", str(41 % 4))] == (41, 1041, "all_reduce")
+
+
+def test_a_collective_is_compared_once_every_member_holds_its_fingerprint():
+    """Live, rank 1 has not yet reached seq 64 that ranks 0 and 2 fingerprinted, differently: comparing
+    the two would name both; nobody is named until rank 1's arrives, then rank 2 alone."""
+    from commlens.agent.verdicts.facts import RankFacts
+
+    facts = [RankFacts(rank) for rank in range(3)]
+    for f, value in zip(facts, (111, None, 999)):
+        f.group("0").fingerprints = {} if value is None else {64: ("all_reduce", value)}
+    assert not [f for f in findings(facts) if f.kind == "replica_mismatch"]
+    facts[1].group("0").fingerprints = {64: ("all_reduce", 111)}
+    found = [f for f in findings(facts) if f.kind == "replica_mismatch"]
+    assert [(f.ranks, f.pg, f.op, f.seq) for f in found] == [((2,), "0", "all_reduce", 64)]
+    assert found[0].line().startswith("corrupted result: rank 2 in all_reduce (group 0, seq 64) — its result differs")

@@ -15,13 +15,17 @@ def replica_mismatches(pg: str, members: list[RankFacts]) -> list[Finding]:
     """The group's first fingerprinted collective whose members' results differ: the ranks that hold the
     highest fingerprint of it, or the lowest, where at most half the members that fingerprinted it hold
     that one (two that differ: both; as ``commlens:replica_minority``: a corrupted rank holds a value of
-    its own, the highest or the lowest)."""
+    its own, the highest or the lowest). A collective is compared once every member of the group holds
+    its fingerprint: two of three compared while the third is behind would both be named."""
     by_seq: dict[int, dict[int, tuple[str, int]]] = collections.defaultdict(dict)
     for f in members:
         for seq, (op, value) in f.groups[pg].fingerprints.items():
             by_seq[seq][f.rank] = (op, value)
+    size = sum(pg in f.groups for f in members)
     for seq in sorted(by_seq):
         results = by_seq[seq]
+        if len(results) < size:
+            continue
         shares = collections.Counter(value for _, value in results.values())
         if len(shares) < 2:
             continue
