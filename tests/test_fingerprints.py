@@ -139,3 +139,17 @@ def test_a_collective_is_compared_once_every_member_holds_its_fingerprint():
     found = [f for f in findings(facts) if f.kind == "replica_mismatch"]
     assert [(f.ranks, f.pg, f.op, f.seq) for f in found] == [((2,), "0", "all_reduce", 64)]
     assert found[0].line().startswith("corrupted result: rank 2 in all_reduce (group 0, seq 64) — its result differs")
+    facts[1].group("0").fingerprints = {64: ("all_gather", 111)}  # another op at that seq: a desync's, not compared
+    assert not [f for f in findings(facts) if f.kind == "replica_mismatch"]
+
+
+def test_a_rank_without_the_group_leaves_the_comparison_alone():
+    """Rank 3, a pipeline stage that never joined group 0's collectives (its facts hold only group 1), is
+    no member to wait for: ranks 0-2 are compared, and rank 2 named."""
+    from commlens.agent.verdicts.facts import RankFacts
+
+    facts = [RankFacts(rank) for rank in range(4)]
+    for f, value in zip(facts, (111, 111, 999)):
+        f.group("0").fingerprints = {64: ("all_reduce", value)}
+    facts[3].group("1").fingerprints = {}
+    assert [f.ranks for f in findings(facts) if f.kind == "replica_mismatch"] == [(2,)]

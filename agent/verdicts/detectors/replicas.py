@@ -16,24 +16,25 @@ def replica_mismatches(pg: str, members: list[RankFacts]) -> list[Finding]:
     highest fingerprint of it, or the lowest, where at most half the members that fingerprinted it hold
     that one (two that differ: both; as ``commlens:replica_minority``: a corrupted rank holds a value of
     its own, the highest or the lowest). A collective is compared once every member of the group holds
-    its fingerprint: two of three compared while the third is behind would both be named."""
+    its fingerprint (two of three compared while the third is behind would both be named), and where they
+    all name one op (ops that differ at one seq are a desync's, named elsewhere)."""
+    holding = [f for f in members if pg in f.groups]
     by_seq: dict[int, dict[int, tuple[str, int]]] = collections.defaultdict(dict)
-    for f in members:
+    for f in holding:
         for seq, (op, value) in f.groups[pg].fingerprints.items():
             by_seq[seq][f.rank] = (op, value)
-    size = sum(pg in f.groups for f in members)
     for seq in sorted(by_seq):
         results = by_seq[seq]
-        if len(results) < size:
+        ops = {op for op, _ in results.values()}
+        if len(results) < len(holding) or len(ops) > 1:
             continue
         shares = collections.Counter(value for _, value in results.values())
         if len(shares) < 2:
             continue
         ends = (max(shares), min(shares))
         odd = sorted(rank for rank, (_, value) in results.items() if value in ends and 2 * shares[value] <= len(results))
-        op = next(iter(results.values()))[0]
         rest = sorted(set(results) - set(odd))
         evidence = (f"its result differs from {who(rest)}'s, who hold the same" if rest else
                     "their results differ from each other: which one is corrupted is not known")
-        return [Finding("replica_mismatch", tuple(odd), pg, op, seq, evidence)]
+        return [Finding("replica_mismatch", tuple(odd), pg, ops.pop(), seq, evidence)]
     return []
