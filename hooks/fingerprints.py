@@ -1,5 +1,5 @@
-"""Which collectives' results are fingerprinted, and the fingerprint: a group's every Nth collective
-(``state.fingerprint_every``, by its sequence number: the same collectives on every rank) of an op whose
+"""Which collectives' results are fingerprinted, and the fingerprint: a group's collectives whose sequence
+number is a multiple of N (``state.fingerprint_every``: the same collectives on every rank) of an op whose
 members all end holding the same bytes (all_reduce, broadcast, all_gather), on the CPU. The sidecar
 compares a group's fingerprints at one sequence number: a rank whose result differs got a corrupted
 transfer, or corrupted it in place (docs/verdicts.md).
