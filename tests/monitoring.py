@@ -57,7 +57,7 @@ def wait_for(condition, what: str, timeout_s: float = 90, explain=None):
 def culprits(report: str) -> set[int]:
     """The ranks that the findings of ``commlens diagnose`` blame."""
     found = re.findall(r"(?:entered on|late or missing:|killed or crashed:|desync:|size mismatch:|straggler:|stall:|"
-                       r"all waiting,|waiting on each other,) ranks? ([\d, ]+) in", report)
+                       r"corrupted result:|all waiting,|waiting on each other,) ranks? ([\d, ]+) in", report)
     return {int(rank) for ranks in found for rank in ranks.split(",")}
 
 
