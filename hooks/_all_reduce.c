@@ -38,7 +38,7 @@ static void (*write_record_at)(PyObject *, const unsigned long long *, uint64_t)
 static commlens_state *state;
 
 static PyObject *s_producer, *s_is_cuda, *s_shape, *s_dtype, *s_sid, *s_next_collective_seq, *s_start, *s_get_device,
-    *s_layout, *s_pool_exhausted, *s_gpu_check, *s_end, *s_fingerprint;
+    *s_layout, *s_pool_exhausted, *s_gpu_check, *s_end, *s_fingerprint, *s_fingerprint_unread;
 static PyObject *s_parameters[4]; /* tensor, op, group, async_op */
 
 typedef struct {
@@ -241,9 +241,10 @@ static int counted(AllReduce *self, PyObject *label) {
     return result == NULL ? -1 : 0;
 }
 
-/* process_ring.count_error("gpu_pool_exhausted"): the op goes untimed on the GPU, or unchecked. */
-static int pool_exhausted(AllReduce *self) {
-    PyObject *result = PyObject_CallOneArg(self->count_error, s_pool_exhausted);
+/* process_ring.count_error(kind): "gpu_pool_exhausted" (the op goes untimed on the GPU, or unchecked), or
+ * "fingerprint_unread" (a result due a fingerprint not readable here). */
+static int count_lost(AllReduce *self, PyObject *kind) {
+    PyObject *result = PyObject_CallOneArg(self->count_error, kind);
     Py_XDECREF(result);
     return result == NULL ? -1 : 0;
 }
@@ -256,12 +257,12 @@ static int64_t gpu_started(AllReduce *self, PyObject *tensor, Common *c, const u
         record_fields n; /* its NAN_HAS_* bit and count the GPU's poll adds */
         nan_fields(n, self->code, start[3], start[4], start[5], c->sig, -1, 0, 0, 0);
         int issued = self->gpu->check(tensor, c->producer, n, c->found);
-        if ((issued < 0 || (issued == 0 && pool_exhausted(self) < 0)) && counted(self, s_gpu_check) < 0)
+        if ((issued < 0 || (issued == 0 && count_lost(self, s_pool_exhausted) < 0)) && counted(self, s_gpu_check) < 0)
             return -2;
     }
     write_record(c->producer, start);
     int64_t pair = self->gpu->start(c->device);
-    if ((pair == -2 || (pair == -1 && pool_exhausted(self) < 0)) && counted(self, s_start) < 0)
+    if ((pair == -2 || (pair == -1 && count_lost(self, s_pool_exhausted) < 0)) && counted(self, s_start) < 0)
         return -3;
     return pair < 0 ? -1 : pair;
 }
@@ -272,12 +273,12 @@ static int64_t gpu_started(AllReduce *self, PyObject *tensor, Common *c, const u
  * Over a MiB the hash lets other threads run (the caller holds the tensor). */
 static int fingerprinted(AllReduce *self, PyObject *tensor, Common *c, unsigned long long sid,
                          unsigned long long op_id, unsigned long long seq, int every) {
-    long long address = readable_address(tensor);
+    long long address = c->nbytes == 0 ? 1 : readable_address(tensor);  /* empty: 0, as _fingerprint.c's */
     if (address <= 0)
-        return address == 0 ? 0 : counted(self, s_fingerprint);
+        return address == 0 ? count_lost(self, s_fingerprint_unread) : counted(self, s_fingerprint);
     const unsigned char *bytes = (const unsigned char *)(uintptr_t)address;
     uint64_t value;
-    if (c->nbytes > (1 << 20)) {
+    if (c->nbytes > FINGERPRINT_HOLDING_THE_GIL) {
         Py_BEGIN_ALLOW_THREADS
         value = fingerprint_of(bytes, (int64_t)c->nbytes);
         Py_END_ALLOW_THREADS
@@ -489,10 +490,11 @@ PyMODINIT_FUNC PyInit__all_reduce(void) {
         return NULL;
     const char *strings[] = {"producer", "is_cuda", "shape", "dtype", "sid", "next_collective_seq", "START", "tensor",
                              "op", "group", "async_op", "get_device", "layout", "gpu_pool_exhausted", "GPU check",
-                             "END", "FINGERPRINT"};
+                             "END", "FINGERPRINT", "fingerprint_unread"};
     PyObject **interned[] = {&s_producer, &s_is_cuda, &s_shape, &s_dtype, &s_sid, &s_next_collective_seq, &s_start,
                              &s_parameters[0], &s_parameters[1], &s_parameters[2], &s_parameters[3], &s_get_device,
-                             &s_layout, &s_pool_exhausted, &s_gpu_check, &s_end, &s_fingerprint};
+                             &s_layout, &s_pool_exhausted, &s_gpu_check, &s_end, &s_fingerprint,
+                             &s_fingerprint_unread};
     for (size_t i = 0; i < sizeof(strings) / sizeof(strings[0]); i++)
         if ((*interned[i] = PyUnicode_InternFromString(strings[i])) == NULL)
             return NULL;

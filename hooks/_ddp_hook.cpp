@@ -156,7 +156,8 @@ struct Bucket {
   PyObject* producer;  // borrowed from begun; nullptr: END is written by finish()
   std::array<unsigned long long, 11> end;
   std::optional<std::array<unsigned long long, 11>> fingerprint;  // FINGERPRINT's fields where due
-  at::Tensor buffer;                                              // the bucket, reduced in place
+  const unsigned char* data;  // where due, the bucket's memory, reduced in place (DDP holds it until then)
+  size_t nbytes;
 };
 
 // Where the bucket's result is due a fingerprint: FINGERPRINT of it, then END at the time it ended.
@@ -164,7 +165,7 @@ void end_fingerprinted(const Bucket& bucket) {
   timespec now;
   clock_gettime(CLOCK_MONOTONIC, &now);
   std::array<unsigned long long, 11> fields = *bucket.fingerprint;
-  fields[6] = fingerprint_of(static_cast<const unsigned char*>(bucket.buffer.const_data_ptr()), bucket.buffer.nbytes());
+  fields[6] = fingerprint_of(bucket.data, static_cast<int64_t>(bucket.nbytes));
   write_record(bucket.producer, fields.data());
   write_record_at(bucket.producer, bucket.end.data(),
                   static_cast<uint64_t>(now.tv_sec) * 1000000000ull + static_cast<uint64_t>(now.tv_nsec));
@@ -212,7 +213,7 @@ class RecordedAllreduce : public c10d::CppCommHookInterface<c10::intrusive_ptr<c
                                         grad.isLast(), finite ? py::cast(*finite) : py::none());
       if (!begun.is_none()) {
         py::object producer = begun[py::int_(2)];
-        Bucket made{nullptr, producer.is_none() ? nullptr : producer.ptr(), {}, std::nullopt, buffer};
+        Bucket made{nullptr, producer.is_none() ? nullptr : producer.ptr(), {}, std::nullopt, nullptr, 0};
         py::tuple fields = begun[py::int_(3)];
         for (size_t i = 0; i < made.end.size(); i++) {
           made.end[i] = i == 8 ? static_cast<unsigned long long>(fields[i].cast<long long>())  // peer: signed
@@ -226,6 +227,8 @@ class RecordedAllreduce : public c10d::CppCommHookInterface<c10::intrusive_ptr<c
             found[i] = static_cast<unsigned long long>(print[i].cast<long long>());
           }
           made.fingerprint = found;
+          made.data = static_cast<const unsigned char*>(buffer.const_data_ptr());
+          made.nbytes = buffer.nbytes();
         }
         made.begun = begun.release().ptr();
         bucket = made;

@@ -4,7 +4,7 @@
  *
  * Over FINGERPRINT_HOLDING_THE_GIL bytes other threads run meanwhile (the caller holds the tensor).
  *
- *     fingerprint(t, nbytes)  -> int (< 2^48), or None: t's memory cannot be read here
+ *     fingerprint(t)  -> int (< 2^48), or None: t's memory cannot be read here
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -13,16 +13,16 @@
 #include "_fingerprint.h"
 #include "_tensor_memory.h"
 
-#define FINGERPRINT_HOLDING_THE_GIL (1 << 20)
-
-static PyObject *fingerprint(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t nbytes;
-    if (nargs != 2 || (nbytes = PyLong_AsSsize_t(args[1])) < 0) {
+static PyObject *fingerprint(PyObject *module, PyObject *t) {
+    PyObject *size = PyObject_GetAttrString(t, "nbytes");
+    Py_ssize_t nbytes = size == NULL ? -1 : PyLong_AsSsize_t(size);
+    Py_XDECREF(size);
+    if (nbytes < 0) {
         if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "fingerprint(t, nbytes) takes a tensor and its size in bytes, >= 0");
+            PyErr_SetString(PyExc_ValueError, "fingerprint(t) takes a tensor");
         return NULL;
     }
-    long long address = nbytes == 0 ? 1 : readable_address(args[0]);
+    long long address = nbytes == 0 ? 1 : readable_address(t);
     if (address < 0)
         return NULL;
     if (address == 0)
@@ -39,8 +39,7 @@ static PyObject *fingerprint(PyObject *module, PyObject *const *args, Py_ssize_t
 }
 
 static PyMethodDef methods[] = {
-    {"fingerprint", (PyCFunction)(void (*)(void))fingerprint, METH_FASTCALL,
-     "fingerprint(t, nbytes) -> t's first nbytes as a 48-bit number; None: t is not readable here"},
+    {"fingerprint", fingerprint, METH_O, "fingerprint(t) -> t's bytes as a 48-bit number; None: t is not readable here"},
     {NULL, NULL, 0, NULL},
 };
 

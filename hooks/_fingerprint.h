@@ -14,8 +14,14 @@
 
 #include "_finite.h"
 
+/* Over this many bytes a caller holding the GIL lets other threads run while it hashes (it holds the tensor). */
+#define FINGERPRINT_HOLDING_THE_GIL (1 << 20)
+
+/* A word read from any address: a tensor of 1- or 2-byte elements may begin at an odd one. */
+typedef uint32_t __attribute__((aligned(1), may_alias)) fingerprint_word;
+
 WITH_SIMD_CLONES
-static uint64_t fingerprint_sums(const uint32_t *w, int64_t n, uint32_t *plain) {
+static uint64_t fingerprint_sums(const fingerprint_word *w, int64_t n, uint32_t *plain) {
     uint32_t weighted = 0, sum = 0;
     for (int64_t i = 0; i < n; i++) {
         weighted += w[i] * (uint32_t)(2 * i + 1);
@@ -28,7 +34,7 @@ static uint64_t fingerprint_sums(const uint32_t *w, int64_t n, uint32_t *plain) 
 static inline uint64_t fingerprint_of(const unsigned char *bytes, int64_t nbytes) {
     int64_t words = nbytes / 4;
     uint32_t plain, tail = 0;
-    uint64_t weighted = fingerprint_sums((const uint32_t *)bytes, words, &plain);
+    uint64_t weighted = fingerprint_sums((const fingerprint_word *)bytes, words, &plain);
     if (nbytes % 4) {
         memcpy(&tail, bytes + 4 * words, (size_t)(nbytes % 4));
         weighted = (uint32_t)(weighted + tail * (uint32_t)(2 * words + 1));

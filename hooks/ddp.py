@@ -28,6 +28,7 @@ from commlens.ring.ops import OpName
 from . import _issuing, extension, fingerprints, groups, issuing, process_ring, signatures
 from .futures import then, when_done
 from .patch import Patches
+from .record import status_of
 from .recorder import InFlight
 from .registry import post_hooks
 from ._state import state as hot_state
@@ -111,12 +112,27 @@ def wrap(hook: Callable | None = None) -> Callable:
             return future
         if flight.gpu is not None:  # a bucket on a CUDA device completes when the GPU has reduced it
             flight.gpu_end(future)
+        elif fingerprints.due(flight.code, flight.seq):  # DDP gets the hook's result once it is fingerprinted
+            return then(future, functools.partial(_completed_with_result, flight))
         else:
             when_done(future, flight._future_done)
         return future
 
     recorded._commlens_wrapped = True
     return recorded
+
+
+def _completed_with_result(flight: InFlight, done: Any) -> Any:
+    """The hook's result, ``flight`` completed first with it as its output (what the hook's future holds,
+    whatever the bucket's buffer holds); the hook's error raised on, to DDP."""
+    try:
+        value = done.value()
+    except Exception as error:
+        flight.complete(status_of(error), error)
+        raise
+    flight.output_tensors = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    flight.complete(OK, None)
+    return value
 
 
 def recorded_allreduce() -> Callable:

@@ -36,7 +36,7 @@ def of(tensors: tuple) -> int | None:
     None when one of them cannot be read here (not a contiguous CPU tensor)."""
     found = 0
     for t in tensors:
-        one = _fingerprint.fingerprint(t, t.numel() * t.element_size())
+        one = _fingerprint.fingerprint(t)
         if one is None:
             return None
         found = (found * 0x9E3779B1 + one) & _MASK
@@ -44,10 +44,13 @@ def of(tensors: tuple) -> int | None:
 
 
 def write(write_fn: Callable[..., int], code: int, sid: int, op_id: int, seq: int, sig: int, outputs: tuple) -> None:
-    """FINGERPRINT of ``outputs``, where they can be read here; a failure is counted, never raised."""
+    """FINGERPRINT of ``outputs``, where they can be read here (else counted: ``fingerprint_unread``); a
+    failure is counted, never raised."""
     try:
         value = of(outputs)
-        if value is not None:
+        if value is None:
+            process_ring.count_error("fingerprint_unread")
+        else:
             record.fingerprint(write_fn, code, sid, op_id, seq, sig, value, state.fingerprint_every)
     except Exception as error:  # noqa: BLE001 — telemetry never fails the collective
         process_ring.internal_error("FINGERPRINT", error)

@@ -92,7 +92,10 @@ class InFlight(PreHookArgs):
                   status, self._wire_bytes())
         if gpu_ns is not None:
             end = record.end_on_gpu(*fields, *gpu_ns)
-        elif status == OK and fingerprints.due(self.code, self.seq):  # FINGERPRINT, then END at its own time
+        elif status == OK and (in_caller or self.bucket is not None) and fingerprints.due(self.code, self.seq):
+            # FINGERPRINT, then END at its own time. An async op's future wakes its waiters before its callbacks
+            # run: the caller may write the result while it is read here, so only a result the caller has not
+            # yet got is read (a sync op's, a waited one's, a DDP bucket's, whose future DDP gets follows this)
             end = time.monotonic_ns()
             fingerprints.write(fields[0], self.code, self.sid, self.op_id, self.seq, self.sig, self.output_tensors)
             record.end(*fields, t_ns=end)

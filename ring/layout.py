@@ -21,7 +21,8 @@ a loss scaler began or ended a step (``flags``: the index in ``LOSS_SCALE_EVENTS
 result, which every member of its group holds alike, as one number (in ``nbytes``: ``_fingerprint.c``)."""
 REASONS = ("abort", "hang", "signal", "exception", "peer", "exit")
 """Why a snapshot was written (each one's meaning: ``commlens_abort_snapshots_total`` in docs/metrics.md)."""
-ERRORS = ("hook", "recorder", "string_dropped", "work_unjudged", "gpu_pool_exhausted", "gpu_captured")
+ERRORS = ("hook", "recorder", "string_dropped", "work_unjudged", "gpu_pool_exhausted", "gpu_captured",
+          "fingerprint_unread")
 """What the writer lost, counted in the header (``commlens_telemetry_errors_total`` in docs/metrics.md)."""
 LOSS_SCALE_EVENTS = ("scaled", "applied", "skipped", "made")
 """A loss scaler (``torch.amp.GradScaler``) scaled a loss: the step's gradients follow; it ended the
@@ -49,7 +50,7 @@ CLOSED_OFFSET = 44  # 1 once the writer closed the ring (uint32)
 STRING_CLAIM_OFFSET = 48  # bytes of the string arena claimed so far (uint64)
 CLAIM_OFFSET = 56  # the producers' next index (uint64)
 CURSOR_OFFSET = 64  # the reader's next index (uint64)
-ERRORS_OFFSET = 72  # one uint64 per ERRORS kind
+ERRORS_OFFSET = 72  # one uint64 per ERRORS kind, to HEADER_SIZE
 MAGIC = b"CMLNSRNG"
 VERSION = 5
 RECORD = struct.Struct("<QBBBBIQQQQIiIIQ")
