@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from commlens.exporters.telemetry import Collective
 from commlens.ring.codec import decode_group, decode_signature
-from commlens.ring.layout import FLAG_ASYNC, FLAG_LAST_BUCKET, NAN_HAS_INF, NAN_HAS_NAN, PHASES, START, Record
+from commlens.ring.layout import FLAG_ASYNC, FLAG_LAST_BUCKET, NAN_HAS_INF, NAN_HAS_NAN, PHASES, START, Record, bucket_of
 from commlens.ring.memory import Ring
 from commlens.ring.ops import OPS
 
@@ -110,7 +110,7 @@ class Shapes:
         return _make(Collective, (  # every field, in order: without NamedTuple's slower __new__
             shape.op, shape.pg, shape.pg_size, start.seq, shape.is_p2p, start.op_id, self.rank, shape.nbytes,
             shape.dtype, bool(flags & FLAG_ASYNC), status, start.t_ns + offset, end_ns + offset, busbw, bool(nan & NAN_HAS_NAN), hang,
-            slow, end is None, aux - 1, bool(flags & FLAG_LAST_BUCKET), end.aux if end is not None and aux else 0,
+            slow, end is None, bucket_of(aux), bool(flags & FLAG_LAST_BUCKET), end.aux if end is not None and aux else 0,
             self.ring.string(start.module) if start.module else "",
             PHASES[start.phase] if start.phase < len(PHASES) else "", bool(nan & NAN_HAS_INF),
             -1 if gpu_start is None else gpu_start + offset, self.global_rank(start.pg, start.peer) if shape.is_p2p else -1,

@@ -5,13 +5,15 @@
 // thread without the GIL, through the ring's producer (_producer.c). Taking the GIL on that thread, as
 // a Python hook's callback does, cost about 50 µs a bucket. A bucket that failed, or whose post-hooks
 // must run, completes in Python. The division is the pass that also tells whether every element is
-// finite (float32 and float64), so that the NaN check need not make a pass of its own: the pre-hooks
-// see the bucket divided, as the all_reduce gets it. Built against the installed torch on first use
+// finite (float32 and float64), so that the NaN check need not make a pass of its own, and the largest
+// exponent among them (the bucket's scale, which the sidecar follows: a rank whose gradients grew): the
+// pre-hooks see the bucket divided, as the all_reduce gets it. Built against the installed torch on first use
 // (extension.py).
 //
 //     init(issuing_set_capsule, write_record_capsule, write_record_at_capsule)
 //     register_hook(reducer, process_group, begin)   // in place of the model's hook (none registered yet)
-//         begin(process_group, buffer, index, parameters, is_last, finite: True, False or None (not known))
+//         begin(process_group, buffer, index, parameters, is_last, finite: True, False or None (not known),
+//               exponent: the largest binary exponent among the finite results, or None)
 //             -> None (unrecorded) or (finish, flight, producer or None, END's 11 fields,
 //                                          FINGERPRINT's 11 fields but the fingerprint, or None: not due)
 //         finish(flight, error message or None)   // with the GIL; when producer is None, or it failed
@@ -90,61 +92,69 @@ struct Kept {
   }
 };
 
-// ``count`` values divided by ``by`` in place; whether every result is finite (_finite.h's test). IEEE
-// division is correctly rounded, so every copy gives DDP's own results.
+// ``count`` values divided by ``by`` in place; the largest exponent field among the results (_finite.h:
+// all ones exactly where one is NaN or Inf). IEEE division is correctly rounded, so every copy gives
+// DDP's own results.
 template <typename Float, typename Bits>
-[[gnu::always_inline]] inline bool divide_in_place(Float* values, int64_t count, Float by) {
-  Bits carried = 0;
+[[gnu::always_inline]] inline Bits divide_in_place(Float* values, int64_t count, Float by) {
+  Bits top = 0;
   for (int64_t i = 0; i < count; i++) {
     Float value = values[i] / by;
     values[i] = value;
     Bits bits;
     std::memcpy(&bits, &value, sizeof bits);
+    Bits field;
     if constexpr (sizeof(Float) == 4) {
-      carried |= CARRY32(bits);
+      field = EXPONENT32(bits);
     } else {
-      carried |= CARRY64(bits);
+      field = EXPONENT64(bits);
     }
+    top = field > top ? field : top;
   }
-  if constexpr (sizeof(Float) == 4) {
-    return !(carried & NONFINITE32);
-  } else {
-    return !(carried & NONFINITE64);
-  }
+  return top;
 }
 
 // Copies for CPUs with AVX-512 and AVX2 (_finite.h), chosen when the library loads: the extension is
 // built for any x86-64 (SSE2), where the pass took 2.4x as long as torch's own div_ of the bucket, and
 // 0.6x with these copies (a 12 MiB bucket: 613, 260 and 167 µs here).
-WITH_SIMD_CLONES bool divide_run(float* values, int64_t count, float by) {
+WITH_SIMD_CLONES uint32_t divide_run(float* values, int64_t count, float by) {
   return divide_in_place<float, uint32_t>(values, count, by);
 }
 
-WITH_SIMD_CLONES bool divide_run(double* values, int64_t count, double by) {
+WITH_SIMD_CLONES uint64_t divide_run(double* values, int64_t count, double by) {
   return divide_in_place<double, uint64_t>(values, count, by);
 }
 
-// ``values`` divided by ``by`` in place, in one pass on ATen's threads that also says whether every
-// result is finite.
-template <typename Float>
-bool divided_finite(Float* values, int64_t count, Float by) {
-  std::atomic<bool> finite{true};
+// What the division's pass tells of the bucket: whether every result is finite, and the largest binary
+// exponent among them (its scale: a value flipped high, or a rank's gradients grown, shows there).
+struct Divided {
+  bool finite;
+  int exponent;
+};
+
+// ``values`` divided by ``by`` in place, in one pass on ATen's threads.
+template <typename Float, typename Bits>
+Divided divided(Float* values, int64_t count, Float by, int shift, Bits all_ones, int bias) {
+  std::atomic<Bits> top{0};
   at::parallel_for(0, count, 1 << 16, [&](int64_t begin, int64_t end) {
-    if (!divide_run(values + begin, end - begin, by)) {
-      finite.store(false, std::memory_order_relaxed);
+    Bits found = divide_run(values + begin, end - begin, by), seen = top.load(std::memory_order_relaxed);
+    while (found > seen && !top.compare_exchange_weak(seen, found, std::memory_order_relaxed)) {
     }
   });
-  return finite.load();
+  Bits field = top.load();
+  return {field != all_ones, static_cast<int>(field >> shift) - bias};
 }
 
-// The bucket divided by the group's size; whether it is all finite where that pass tells (a
-// contiguous float32 or float64 bucket), else nullopt.
-std::optional<bool> divide(at::Tensor& buffer, int64_t size) {
+// The bucket divided by the group's size; what that pass tells (a contiguous float32 or float64
+// bucket), else nullopt.
+std::optional<Divided> divide(at::Tensor& buffer, int64_t size) {
   if (buffer.is_contiguous() && buffer.scalar_type() == at::kFloat) {
-    return divided_finite(buffer.data_ptr<float>(), buffer.numel(), static_cast<float>(size));
+    return divided<float, uint32_t>(buffer.data_ptr<float>(), buffer.numel(), static_cast<float>(size), 23,
+                                    EXPONENT32(~0u), 127);
   }
   if (buffer.is_contiguous() && buffer.scalar_type() == at::kDouble) {
-    return divided_finite(buffer.data_ptr<double>(), buffer.numel(), static_cast<double>(size));
+    return divided<double, uint64_t>(buffer.data_ptr<double>(), buffer.numel(), static_cast<double>(size), 52,
+                                     EXPONENT64(~0ull), 1023);
   }
   buffer.div_(size);
   return std::nullopt;
@@ -203,14 +213,15 @@ class RecordedAllreduce : public c10d::CppCommHookInterface<c10::intrusive_ptr<c
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& grad) override {
     at::Tensor& buffer = grad.getBufferRef();
-    std::optional<bool> finite = divide(buffer, state_->getSize());
+    std::optional<Divided> pass = divide(buffer, state_->getSize());
     std::optional<Bucket> bucket;
     {
       py::gil_scoped_acquire gil;
       kept_->release(false);
       // A pre-hook registered to propagate raises here, through backward, as from a Python hook.
       py::object begun = python_->begin(python_->group, buffer, grad.getIndex(), grad.getParameters().size(),
-                                        grad.isLast(), finite ? py::cast(*finite) : py::none());
+                                        grad.isLast(), pass ? py::cast(pass->finite) : py::none(),
+                                        pass && pass->finite ? py::cast(pass->exponent) : py::none());
       if (!begun.is_none()) {
         py::object producer = begun[py::int_(2)];
         Bucket made{nullptr, producer.is_none() ? nullptr : producer.ptr(), {}, std::nullopt, nullptr, 0};

@@ -46,6 +46,8 @@ class DdpBucket:
     """The backward passes of its model that ended (with their last bucket) before this bucket's."""
     wire_bytes: int = 0
     """Bytes the wrapped hook's own collectives carried (after compression); known once it returned."""
+    exponent: int | None = None
+    """The largest binary exponent among its values, where the C++ hook's pass over them found it (in START)."""
 
 
 class Steps:
@@ -183,25 +185,25 @@ def _start(state: Any, bucket: Any, steps: Steps) -> InFlight | None:
 
 
 def _begin(pg: Any, buffer: torch.Tensor, index: int, parameters: int, is_last: bool,
-           finite: bool | None = None, *, steps: Steps) -> InFlight | None:
+           finite: bool | None = None, exponent: int | None = None, *, steps: Steps) -> InFlight | None:
     step = steps.of(is_last)
     try:
         group = groups.group_of(pg)
     except Exception as error:  # commlens could not record it: the bucket goes on unrecorded
         process_ring.internal_error("ddp bucket", error)
         return None
-    info = DdpBucket(index, parameters, is_last, buffer.numel() * buffer.element_size(), step)
+    info = DdpBucket(index, parameters, is_last, buffer.numel() * buffer.element_size(), step, exponent=exponent)
     tensors = (buffer,)
     return issuing.start(OpName.all_reduce, group, tensors, tensors, True, None, None, bucket=info,
                           inputs_finite=finite is True)
 
 
 def _begin_in_cpp(pg: Any, buffer: torch.Tensor, index: int, parameters: int, is_last: bool,
-                  finite: bool | None, *, steps: Steps) -> tuple | None:
+                  finite: bool | None, exponent: int | None, *, steps: Steps) -> tuple | None:
     """``begin`` of the C++ hook (one model's, ``steps`` bound): START of a bucket it has divided,
-    ``finite`` when its pass proved every element finite (the NaN check is then left out); what it
-    needs to end it (``_ddp_hook.cpp``)."""
-    flight = _begin(pg, buffer, index, parameters, is_last, finite, steps=steps)
+    ``finite`` when its pass proved every element finite (the NaN check is then left out), ``exponent``
+    the largest among them; what it needs to end it (``_ddp_hook.cpp``)."""
+    flight = _begin(pg, buffer, index, parameters, is_last, finite, exponent, steps=steps)
     if flight is None:
         return None
     flight.bucket.wire_bytes = flight.bucket.nbytes

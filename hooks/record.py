@@ -47,14 +47,14 @@ def producer() -> Any:
 
 
 def start(write: Write, op: int, pg: int, op_id: int, seq: int, nbytes: int, sig: int, peer: int,
-          flags: int = 0, bucket: int = 0, t_ns: int | None = None) -> int:
-    """START: the op is about to be issued (``flags``: ``FLAG_*``; ``bucket``: a DDP bucket's index + 1);
-    returns its time."""
+          flags: int = 0, aux: int = 0, t_ns: int | None = None) -> int:
+    """START: the op is about to be issued (``flags``: ``FLAG_*``; ``aux``: a DDP bucket's
+    ``layout.start_aux``); returns its time."""
     where = state.where  # set by ``attribution.enable()``: the (module string id << 8) | phase of an op issued now
     at = 0 if where is None else where()
     if t_ns is None:
-        return write(START, op, flags, pg, op_id, seq, nbytes, sig, peer, bucket, at)
-    return write(START, op, flags, pg, op_id, seq, nbytes, sig, peer, bucket, at, t_ns)
+        return write(START, op, flags, pg, op_id, seq, nbytes, sig, peer, aux, at)
+    return write(START, op, flags, pg, op_id, seq, nbytes, sig, peer, aux, at, t_ns)
 
 
 def end(write: Write, op: int, pg: int, op_id: int, seq: int, nbytes: int, sig: int, peer: int,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, NoReturn
 
-from commlens.ring.layout import FLAG_ASYNC, FLAG_LAST_BUCKET, OK, STATUS
+from commlens.ring.layout import FLAG_ASYNC, FLAG_LAST_BUCKET, OK, STATUS, start_aux
 from commlens.ring.ops import CODE, OPS, OpName
 
 from . import cuda, fingerprints, finite, process_ring, record, signatures
@@ -161,7 +161,7 @@ class InFlight(PreHookArgs):
 def begin(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async_op: bool,
           root: int | None, peer: int | None, bucket: Any = None, inputs_finite: bool = False) -> InFlight:
     """Run the pre-hooks and write START for one op about to be issued; returns its record.
-    ``bucket`` describes a DDP gradient bucket (``ddp.DdpBucket``); START's aux is its index + 1.
+    ``bucket`` describes a DDP gradient bucket (``ddp.DdpBucket``); START's aux holds its index and scale.
     ``inputs_finite``: the caller proved every input finite, and the input checks are left out.
     A propagating pre-hook's error is raised as ``HookRaised``, after the op's START and END."""
     call = InFlight.__new__(InFlight)
@@ -194,8 +194,9 @@ def begin(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async
 
 
 def _write_start(call: InFlight) -> None:
+    bucket = call.bucket
     call.t0 = record.start(record.writer(), call.code, call.sid, call.op_id, call.seq, call.nbytes, call.sig,
-                           call.wire_peer, call.flags, 0 if call.bucket is None else call.bucket.index + 1)
+                           call.wire_peer, call.flags, 0 if bucket is None else start_aux(bucket.index, bucket.exponent))
 
 
 def aborted(group_name: str) -> None:

@@ -29,13 +29,14 @@ enum { KIND_START = 1, KIND_END = 2, KIND_NAN = 3, KIND_GPU_START = 4, KIND_SNAP
 enum { STATUS_OK = 0, STATUS_ERROR = 1, STATUS_TIMEOUT = 2, STATUS_NOT_ISSUED = 3 }; /* END's flags */
 enum { NAN_OUTPUT = 1, NAN_HAS_NAN = 2, NAN_HAS_INF = 4 };                         /* NAN's flags */
 enum { FLAG_ASYNC = 1, FLAG_LAST_BUCKET = 2 };                                    /* START's flags */
+enum { BUCKET_BITS = 16 }; /* START's aux: a bucket's index + 1 below, its values' exponent above (layout.start_aux) */
 
 /* What a writer hands to write_record: kind, op, flags, pg, op_id, seq, nbytes, sig, peer, aux, where
  * (Ring.write's arguments, the time aside; a peer of -1 as its two's complement). */
 typedef unsigned long long record_fields[11];
 
-/* START: the op is about to be issued (``bucket``: a DDP bucket's index + 1, in aux; ``where``: module
- * attribution's (module string id << 8) | phase). */
+/* START: the op is about to be issued (``bucket``: a DDP bucket's index + 1, in aux: layout.start_aux; ``where``:
+ * module attribution's (module string id << 8) | phase). */
 static inline void start_fields(record_fields v, unsigned long long op, unsigned long long pg, unsigned long long op_id,
                                 unsigned long long seq, unsigned long long nbytes, unsigned long long sig, long long peer,
                                 unsigned long long flags, unsigned long long bucket, unsigned long long where) {

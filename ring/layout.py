@@ -32,6 +32,10 @@ NAN_OUTPUT, NAN_HAS_NAN, NAN_HAS_INF = 1, 2, 4
 """Bits of a NAN record's ``flags``: the tensor was an output; it held NaN; it held Inf."""
 FLAG_ASYNC, FLAG_LAST_BUCKET = 1, 2
 """Bits of a START record's ``flags``: the op is async; it is a DDP model's last gradient bucket."""
+BUCKET_BITS, EXPONENT_OFFSET = 16, 2048
+"""A START record's ``aux``: a DDP bucket's index + 1 in its low ``BUCKET_BITS`` bits (0: no bucket); above
+them, the largest binary exponent among the bucket's values as its pass over them found it, + ``EXPONENT_OFFSET``
+(0: not known; ``start_aux``)."""
 OK, ERROR, TIMEOUT, NOT_ISSUED = 0, 1, 2, 3
 STATUS = ("ok", "error", "timeout", "not_issued")
 """An END record's ``flags``: the op's status, by index. ``not_issued``: a DDP bucket whose communication
@@ -76,3 +80,26 @@ class Record(NamedTuple):
     aux: int
     module: int
     tail: int
+
+
+def start_aux(bucket_index: int | None, exponent: int | None = None) -> int:
+    """START's ``aux`` of a DDP bucket (``bucket_index``; None: no bucket) whose largest value's binary
+    exponent is ``exponent`` (None: not known).
+
+    >>> bucket_of(start_aux(3, -7)), exponent_of(start_aux(3, -7))
+    (3, -7)
+    """
+    if bucket_index is None:
+        return 0
+    return bucket_index + 1 | (0 if exponent is None else exponent + EXPONENT_OFFSET) << BUCKET_BITS
+
+
+def bucket_of(aux: int) -> int:
+    """The DDP bucket's index in a START's ``aux``; -1: no bucket."""
+    return (aux & (1 << BUCKET_BITS) - 1) - 1
+
+
+def exponent_of(aux: int) -> int | None:
+    """The bucket's largest binary exponent in a START's ``aux``; None: not known."""
+    held = aux >> BUCKET_BITS
+    return held - EXPONENT_OFFSET if held else None

@@ -105,7 +105,7 @@ def test_the_c_record_is_the_python_record_field_for_field_and_code_for_code():
                                                                "FINGERPRINT")}
     python |= {f"STATUS_{status.upper()}": i for i, status in enumerate(layout.STATUS)}
     python |= {name: getattr(layout, name) for name in ("NAN_OUTPUT", "NAN_HAS_NAN", "NAN_HAS_INF", "FLAG_ASYNC",
-                                                         "FLAG_LAST_BUCKET")}
+                                                         "FLAG_LAST_BUCKET", "BUCKET_BITS")}
     assert codes == python
 
 
