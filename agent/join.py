@@ -18,8 +18,8 @@ import collections
 from typing import Callable, Sequence
 
 from commlens.exporters.telemetry import Collective
-from commlens.ring.layout import (END, FINGERPRINT, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, NAN_OUTPUT, NOT_ISSUED,
-                                  REASONS, SNAPSHOT, START, STATUS, Record)
+from commlens.ring.layout import (BUCKET_BITS, END, FINGERPRINT, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, NAN_OUTPUT,
+                                  NOT_ISSUED, REASONS, SNAPSHOT, START, STATUS, Record, bucket_of, exponent_of)
 from commlens.ring.memory import Ring
 from commlens.ring.ops import OPS
 from commlens.ring.reader import Folded
@@ -27,6 +27,7 @@ from commlens.ring.reader import Folded
 from .inflight import InFlight
 from .nonfinite import LossScaleHold, NonfiniteInputs, kinds
 from .outliers import SlowOutliers
+from .scales import BucketScales
 from .shapes import Shapes
 from .stats import Stats
 
@@ -70,6 +71,10 @@ class RecordJoin:
         self.fingerprints: dict[int, int] = {}
         """op_id -> its result's fingerprint, until its END (its span is kept: after the fact, the ranks'
         fingerprints are compared from their spans); at most as many as can be in flight."""
+        self.scales = BucketScales()
+        self.scale_jumps: dict[int, int] = {}
+        """op_id -> by how many binary orders its DDP bucket jumped (``agent/scales.py``), until its END (its
+        span is kept); at most as many as can be in flight."""
 
     def handle(self, records: list[Record], folded: list[Folded], snapshots: list[str]) -> None:
         """One read's records, then its folds; the snapshots asked for go to ``snapshots``."""
@@ -112,6 +117,17 @@ class RecordJoin:
         pending = self.inputs.pending
         if pending and record.op_id in pending:
             self.inputs.issued(record.op_id)
+        if record.aux >> BUCKET_BITS:  # a DDP bucket's, with its scale
+            self._scaled(shape.pg, record)
+
+    def _scaled(self, pg: str, start: Record) -> None:
+        grown = self.scales.seen(pg, bucket_of(start.aux), exponent_of(start.aux))
+        self.stats.scale(pg, start.seq, grown)
+        if grown is not None:
+            jumps = self.scale_jumps
+            jumps[start.op_id] = grown
+            if len(jumps) > self.inflight.slots:  # ENDs lost (counted as records dropped): the oldest
+                del jumps[next(iter(jumps))]
 
     def _ended(self, end: Record) -> None:
         op_id = end.op_id
@@ -124,6 +140,7 @@ class RecordJoin:
         seconds = (end.t_ns - start.t_ns) / 1e9 if start is not None else None
         nan = self.nan.pop(op_id, 0) if self.nan else 0  # the checks first: these are rare
         fingerprint = self.fingerprints.pop(op_id, -1) if self.fingerprints else -1
+        scale_jump = self.scale_jumps.pop(op_id, 0) if self.scale_jumps else 0
         if gpu_start is not None and start is not None:
             gpu_start = _within(gpu_start, start, end)
             self.stats.on_gpu(shape, (gpu_start - start.t_ns) / 1e9, (end.t_ns - gpu_start) / 1e9)
@@ -134,11 +151,12 @@ class RecordJoin:
         if nan:
             self._nan_spans[shape.pg] += 1
         if not (nan and self._nan_spans[shape.pg] <= NAN_SPANS_KEPT or hung or slow or status != "ok"
-                or fingerprint >= 0 or self.sample(shape.pg, (end.seq,), shape.is_p2p)):
+                or fingerprint >= 0 or scale_jump or self.sample(shape.pg, (end.seq,), shape.is_p2p)):
             return
         first = start or end
         self.hold.emit(self.shapes.collective(shape, first, end, status, nan, hung, slow, gpu_start=gpu_start,
-                                              marks=self.inputs.marks_of(first.op_id), fingerprint=fingerprint), nan)
+                                              marks=self.inputs.marks_of(first.op_id), fingerprint=fingerprint,
+                                              scale_jump=scale_jump), nan)
 
     def _folded(self, group: Folded) -> None:
         """Collectives of one shape that started and ended ok within this drain: counted at once; the

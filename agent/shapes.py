@@ -98,10 +98,10 @@ class Shapes:
 
     def collective(self, shape: Shape, start: Record, end: Record | None, status: str, nan: int, hang: bool,
                    slow: bool, now_ns: int | None = None, gpu_start: int | None = None,
-                   marks: tuple[int, str] = UNMARKED, fingerprint: int = -1) -> Collective:
+                   marks: tuple[int, str] = UNMARKED, fingerprint: int = -1, scale_jump: int = 0) -> Collective:
         """What exporters see of a collective: ``nan``, the NAN_HAS_* bits seen for it; ``end`` None while
         it is in flight (at ``now_ns``); ``marks``, its span's (send number, entry); ``fingerprint``, its
-        result's (-1: none)."""
+        result's (-1: none); ``scale_jump``, its DDP bucket's (0: none)."""
         offset = self.ring.clock_offset_ns
         flags, aux = (start.flags, start.aux) if start.kind == START else (0, 0)  # START lost: END alone
         end_ns = end.t_ns if end is not None else now_ns
@@ -114,4 +114,4 @@ class Shapes:
             self.ring.string(start.module) if start.module else "",
             PHASES[start.phase] if start.phase < len(PHASES) else "", bool(nan & NAN_HAS_INF),
             -1 if gpu_start is None else gpu_start + offset, self.global_rank(start.pg, start.peer) if shape.is_p2p else -1,
-            0, *marks, fingerprint))
+            0, *marks, fingerprint, scale_jump))

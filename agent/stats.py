@@ -100,6 +100,7 @@ class Stats:
         self._step_first_nonfinite: dict[tuple[str, str], tuple[int, str]] = {}
         """``first_nonfinite`` of the loss scaler's step in progress, until it says whether it skips it."""
         self.fingerprints: dict[tuple[str, str], tuple[int, int, str]] = {}
+        self.scale_jumps: dict[str, tuple[int, int, int]] = {}
         self.first_send: dict[tuple[str, int, str], int] = {}
         self.nonfinite_entry: NonfiniteEntry | None = None
         self._step_first_send: dict[tuple[str, int, str], int] = {}
@@ -114,7 +115,7 @@ class Stats:
                 dict(self.completed), dict(self.bytes), dict(self.bus_bytes), dict(self.last_seq), dict(self.hangs),
                 dict(self.nans), dict(self.snapshots), dict(self.first_nonfinite), dict(self.failed),
                 dict(self.gpu_queue), dict(self.gpu_exec), dict(self.loss_scale_steps), dict(self.first_send),
-                self.nonfinite_entry, dict(self.p2p_failed), dict(self.fingerprints))
+                self.nonfinite_entry, dict(self.p2p_failed), dict(self.fingerprints), dict(self.scale_jumps))
 
     def enqueued(self, shape, seq: int) -> None:
         """A collective of ``shape`` (the sidecar's ``Shape``) was issued."""
@@ -168,6 +169,15 @@ class Stats:
         """Collective ``seq`` (an ``op``) of group ``pg`` ended holding ``value`` (``hooks/fingerprints.py``), one
         of every ``every``: kept in slot (seq // every) % FINGERPRINT_SLOTS, the same slot on every rank."""
         self.fingerprints[(pg, str(seq // max(every, 1) % FINGERPRINT_SLOTS))] = (seq, value, op)
+
+    def scale(self, pg: str, seq: int, grown: int | None) -> None:
+        """A DDP bucket of group ``pg`` (collective ``seq``) whose scale this rank follows (``agent/scales.py``):
+        ``grown``, by how many binary orders it jumped over its recent scale, or None."""
+        jumps = self.scale_jumps.get(pg, (0, 0, 0))
+        if grown is not None:
+            self.scale_jumps[pg] = (jumps[0] + 1, seq, grown)
+        elif pg not in self.scale_jumps:
+            self.scale_jumps[pg] = jumps
 
     def on_gpu(self, shape, queue_s: float, exec_s: float) -> None:
         """A collective of ``shape`` waited ``queue_s`` from issue to its start on the GPU, then ran ``exec_s``."""

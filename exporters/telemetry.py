@@ -66,6 +66,9 @@ class Collective(NamedTuple):
     fingerprint: int = -1
     """For a fingerprinted collective (every member of its group holds the same result): its result's
     fingerprint (48 bits, ``hooks/fingerprints.py``); -1 otherwise."""
+    scale_jump: int = 0
+    """For a DDP bucket whose largest value grew ``2**scale_jump`` over the bucket's recent scale
+    (``agent/scales.py``); 0 otherwise."""
 
 
 class NonfiniteEntry(NamedTuple):
@@ -137,6 +140,9 @@ class StatsSnapshot(NamedTuple):
     fingerprints: dict[tuple[str, str], tuple[int, int, str]]
     """(pg, slot) -> (seq, fingerprint, op): the group's last fingerprinted results, ``FINGERPRINT_SLOTS`` of
     them, each in the slot of its number among them (the same slot on every rank for the same seq)."""
+    scale_jumps: dict[str, tuple[int, int, int]]
+    """pg -> (jumps, seq, binary orders) of the group's DDP buckets whose scale this rank follows: how many
+    grew ``2**SCALE_JUMP`` or more over their recent scale, and the last such (0, 0, 0: none yet)."""
 
 
 class RankTelemetry(Protocol):

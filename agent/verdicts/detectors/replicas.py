@@ -1,6 +1,9 @@
 """Replicas that disagree: after an all_reduce, a broadcast or an all_gather every member of the group
 holds the same bytes; a member whose fingerprint of the result differs from the rest's, at the same
-sequence number, holds a corrupted result (silent data corruption: a transfer, or the rank itself)."""
+sequence number, holds a corrupted result (silent data corruption: a transfer, or the rank itself).
+And replicas whose inputs diverge: data-parallel ranks' gradients differ by their data, not by orders of
+magnitude; a member whose DDP bucket's largest value jumped where the rest's did not computed wrong, or
+had a value flipped high."""
 
 from __future__ import annotations
 
@@ -38,3 +41,27 @@ def replica_mismatches(pg: str, members: list[RankFacts]) -> list[Finding]:
                     "their results differ from each other: which one is corrupted is not known")
         return [Finding("replica_mismatch", tuple(odd), pg, ops.pop(), seq, evidence)]
     return []
+
+
+def diverging_inputs(pg: str, members: list[RankFacts]) -> list[Finding]:
+    """Each member whose DDP buckets' scale jumped (``GroupFacts.scale_jumps``: 2^8 or more over the bucket's
+    recent scale) at a collective where at most half of the members that follow their scale did: its
+    gradients grew while its replicas' did not. Where more jumped at one collective it is the job's own (a
+    loss spike), no rank's. One finding a rank: its first such jump."""
+    followed = [f for f in members if pg in f.groups and f.groups[pg].scale_jumps is not None]
+    by_seq: dict[int, dict[int, int]] = collections.defaultdict(dict)
+    for f in followed:
+        for seq, orders in f.groups[pg].scale_jumps.items():
+            by_seq[seq][f.rank] = orders
+    found: dict[int, Finding] = {}
+    for seq in sorted(by_seq):
+        jumped = by_seq[seq]
+        if 2 * len(jumped) > len(followed):
+            continue
+        rest = sorted(f.rank for f in followed if f.rank not in jumped)
+        for rank, orders in sorted(jumped.items()):
+            found.setdefault(rank, Finding(
+                "diverging_input", (rank,), pg, "all_reduce", seq,
+                f"its gradients' largest value grew 2^{orders} over the bucket's recent scale, {who(rest)}'s did not"))
+    return list(found.values())
+

@@ -10,6 +10,8 @@ from .common import lost
 
 
 DURATION_SUM, DURATION_COUNT = f"{names.COLLECTIVE_DURATION}_sum", f"{names.COLLECTIVE_DURATION}_count"
+SCALE_READ = (names.total(names.INPUT_SCALE_JUMPS), names.INPUT_SCALE_JUMP_SEQ, names.INPUT_SCALE_JUMP_ORDERS)
+"""The metrics of a group's DDP buckets' scale, in ``GroupFacts.scale_read``'s order."""
 
 
 def metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> None:
@@ -49,6 +51,8 @@ def metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> None
             slot[2] = int(value)
         else:
             slot[0], slot[1] = int(value), labels["op"]
+    elif name in SCALE_READ:
+        facts.group(pg).scale_read[SCALE_READ.index(name)] = int(value)
     elif name == names.total(names.LOSS_SCALE_STEPS) and labels.get("outcome") == "skipped":
         facts.loss_scale_skipped = int(value)
 
@@ -63,3 +67,6 @@ def settle(facts: RankFacts, gone: bool, reasons: set[str]) -> None:
             group.finished = 0
         group.fingerprints.update({seq: (op, value) for seq, op, value in group.fingerprint_slots.values()
                                    if value is not None and seq is not None})
+        jumps, seq, orders = group.scale_read
+        if jumps is not None:
+            group.scale_jumps = {seq: orders} if jumps > 0 and seq is not None and orders is not None else {}
