@@ -184,3 +184,45 @@ def test_a_rank_without_the_group_leaves_the_comparison_alone():
         f.group("0").fingerprints = {64: ("all_reduce", value)}
     facts[3].group("1").fingerprints = {}
     assert [f.ranks for f in findings(facts) if f.kind == "replica_mismatch"] == [(2,)]
+
+
+def diverging_training(rank, world_size, out, culprit, fault):
+    """A DDP job (the C++ hook's buckets) whose ``culprit`` rank's gradients grow x1e3 from step 12
+    (``scaled``), or have one value's high exponent bit flipped at step 12 (``flipped``); its agent writes
+    spans to ``out``."""
+    os.environ.update(COMMLENS_TRACE_FILE=os.path.join(out, f"traces-{rank}.jsonl"))
+    commlens.agent.start(Config.from_env({**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                                  "WORLD_SIZE": str(world_size)}))
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 1)))
+    step = [0]
+
+    def flip(grad):
+        if rank == culprit and fault == "flipped" and step[0] == 12:
+            grad = grad.clone()
+            grad.view(-1).view(torch.int32)[3] ^= 1 << 30  # the exponent's high bit: 2^128 times, or from 2^-127 up
+        return grad
+
+    model.module[0].weight.register_hook(flip)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    torch.manual_seed(rank)
+    for step[0] in range(20):
+        optimizer.zero_grad()
+        loss = model(torch.randn(16, 32)).sum()
+        (loss * 1e3 if rank == culprit and fault == "scaled" and step[0] >= 12 else loss).backward()
+        optimizer.step()
+    commlens.agent.stop()
+
+
+def test_a_rank_whose_gradients_grew_or_had_a_value_flipped_high_is_named_and_no_other_is(run_ranks, tmp_path):
+    """Three DDP replicas on the C++ hook's path: the culprit's buckets jump in scale (x1e3 is 2^10; a flipped
+    high exponent bit far more) where its replicas' do not; after the fact it alone is named, with the
+    collective and the jump."""
+    for culprit, fault in ((0, "scaled"), (2, "flipped")):
+        out = tmp_path / f"{fault}-{culprit}"
+        out.mkdir()
+        run_ranks(diverging_training, 3, out=str(out), culprit=culprit, fault=fault)
+        found = [f for f in findings(readers.from_files(str(out))) if f.kind == "diverging_input"]
+        assert [f.ranks for f in found] == [(culprit,)], [f.line() for f in found]
+        assert found[0].line().startswith(f"diverging input: rank {culprit} in all_reduce (group 0, seq ")
+        assert "grew 2^" in found[0].evidence and "did not" in found[0].evidence, found[0].line()
