@@ -94,7 +94,7 @@ def corrupting_training(rank, world_size, out, culprit):
     """A DDP job whose ``culprit`` rank's communication hook flips one exponent bit of one element of its
     reduced gradients at step 3; its agent writes spans to ``out``."""
     os.environ.update(COMMLENS_FINGERPRINT_EVERY="1", COMMLENS_TRACE_FILE=os.path.join(out, f"traces-{rank}.jsonl"))
-    agent = commlens.agent.start(Config.from_env({**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
+    commlens.agent.start(Config.from_env({**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
                                                   "WORLD_SIZE": str(world_size)}))
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 1)))
