@@ -191,10 +191,11 @@ class MetricsCollector(_Scrapes):
                        "or more over the bucket's recent scale on this rank (its median of the last 16 steps): a value "
                        "flipped high, or the rank's gradients grown", ("pg",),
                        {(pg,): n for pg, (n, _, _) in jumps.items()}, rank)
-        yield _gauge(names.INPUT_SCALE_JUMP_ORDERS, "The last such jump: by how many binary orders the bucket grew",
-                     ("pg",), {(pg,): orders for pg, (n, _, orders) in jumps.items() if n}, rank)
-        yield _gauge(names.INPUT_SCALE_JUMP_SEQ, "The last such jump: its collective's sequence number", ("pg",),
-                     {(pg,): seq for pg, (n, seq, _) in jumps.items() if n}, rank)
+        yield _gauge(names.INPUT_SCALE_JUMP_ORDERS, "The last such jump: by how many binary orders the bucket grew "
+                     "(0: none yet)",
+                     ("pg",), {(pg,): orders for pg, (_, _, orders) in jumps.items()}, rank)
+        yield _gauge(names.INPUT_SCALE_JUMP_SEQ, "The last such jump: its collective's sequence number (0: none yet)",
+                     ("pg",), {(pg,): seq for pg, (_, seq, _) in jumps.items()}, rank)
         yield _gauge(names.NONFINITE_FIRST_SEQ, "Sequence number of the first collective whose input held NaN or Inf "
                      "on this rank (outside steps a loss scaler skipped); the lowest across ranks is where the values "
                      "entered", ("pg", "op", "kind"),

@@ -10,7 +10,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from commlens.hooks import ddp
-from commlens.ring.layout import STATUS
+from commlens.ring.layout import STATUS, bucket_of, exponent_of
 from commlens.ring.ops import CODE
 import commlens.hooks as ch
 
@@ -176,12 +176,13 @@ def hookless_cpu_model(rank, world_size, cache=None):
     recorded = _grads(DDP(_model(layers=4), bucket_cap_mb=0.001), rank)  # no post-hook: END is written from C
     records = [r for r in reader.read() if r.kind in (ch.START, ch.END) and r.op == CODE[ch.OpName.all_reduce]]
     ch.uninstrument()
-    starts = [r for r in records if r.kind == ch.START and r.aux > 0]  # a bucket's START: aux is its index + 1
+    starts = [r for r in records if r.kind == ch.START and r.aux > 0]  # a bucket's START: its index, its scale
     ends = {r.op_id: r for r in records if r.kind == ch.END}
     return {"plain": plain, "recorded": recorded, "cpp": ddp.cpp_hook() is not None,
             "warnings": [str(w.message) for w in caught if "DDP" in str(w.message)],
-            "buckets": [(s.seq, s.aux - 1, s.nbytes, ends[s.op_id].seq, ends[s.op_id].flags, ends[s.op_id].aux,
+            "buckets": [(s.seq, bucket_of(s.aux), s.nbytes, ends[s.op_id].seq, ends[s.op_id].flags, ends[s.op_id].aux,
                          ends[s.op_id].t_ns >= s.t_ns) for s in starts if s.op_id in ends],
+            "scales": [exponent_of(s.aux) for s in starts],
             "unended": [s.op_id for s in starts if s.op_id not in ends]}
 
 
@@ -194,6 +195,8 @@ def _same_buckets_as_plain_ddp(results):
         assert r["unended"] == []
         # DDP's first backward reduces one bucket; it rebuilds them by size (one per layer here) after
         assert [index for _, index, *_ in r["buckets"]] == [0, 0, 1, 2, 3]
+        if r["cpp"]:  # its pass found each bucket's largest exponent (the Python hook's path makes none)
+            assert all(scale is not None and -127 <= scale < 128 for scale in r["scales"]), r["scales"]
         assert sum(nbytes for _, _, nbytes, *_ in r["buckets"]) == 2 * params_bytes
         for start_seq, _, nbytes, end_seq, status, wire, ordered in r["buckets"]:
             assert (end_seq, STATUS[status], wire, ordered) == (start_seq, "ok", nbytes, True)
