@@ -229,10 +229,11 @@ EXPECTED = {"nan": ("CommlensNaNOrigin",), "inf": ("CommlensNaNOrigin",),
             "late": ("CommlensRankLate", "CommlensPeerLate"), "leave": ("CommlensRankLate", "CommlensPeerLate"),
             "kill": ("CommlensRankKilled",), "size": ("CommlensCollectiveMismatch",),
             "desync": ("CommlensCollectiveDesync",), "slow-data": ("CommlensStraggler",),
-            "slow-compute": ("CommlensStraggler",), "corrupt": ("CommlensReplicaMismatch",), "stall": (), "none": ()}
+            "slow-compute": ("CommlensStraggler",), "corrupt": ("CommlensReplicaMismatch",),
+            "grow": ("CommlensInputDiverging",), "stall": (), "none": ()}
 """The alert(s) that name the culprit of each fault; none live for a one-off stall (named after the fact)."""
 TRAINS_ON_S = {"none": 30, "stall": 25, "nan": 30, "inf": 30, "late": 30, "slow-data": 50, "slow-compute": 50,
-               "corrupt": 30}
+               "corrupt": 30, "grow": 30}
 """Seconds the job trains after the fault (after its start, healthy); the other faults end the job."""
 LATE_S = 20
 """A late rank's sleep: its alert fires (hang threshold 3 s, ``for`` 2 s) and the live diagnose reads it before
@@ -340,6 +341,17 @@ class Cell:
             where = positions(layout, world or LAYOUTS[layout].world)
             culprit = random.Random(f"{seed}:{layout}:{fault}:{mode}:{precision}").choice(sorted(where))
         return cls(layout, fault, mode, culprit, precision, world)
+
+
+REPLICA_FAULTS = {"corrupt": ("ddp",), "grow": ("ddp",)}
+"""The layouts whose data-parallel groups hold three replicas or more, where a fault of one replica's
+data is named alone (of two that differ, which one is wrong is not known: both are named); ``grow``
+also needs DDP's buckets, whose scale commlens follows (matrix_train.py)."""
+
+
+def judged_in(layout: str, fault: str) -> bool:
+    """Whether the matrix has the cell of ``fault`` in ``layout``."""
+    return layout in REPLICA_FAULTS.get(fault, (layout,))
 
 
 @dataclasses.dataclass
@@ -509,8 +521,7 @@ def matrix_main(argv: list[str]) -> None:
         parser.error(str(error))
     cells = cells or [
         Cell.make(layout, fault, mode, args.precision, seed=args.seed) for layout in args.layouts.split(",")
-        for fault in args.faults.split(",") for mode in args.modes.split(",")
-        if (layout, fault) != ("fsdp", "corrupt")]  # no data-parallel all_reduce to corrupt (matrix_train.py)
+        for fault in args.faults.split(",") for mode in args.modes.split(",") if judged_in(layout, fault)]
     header = (f"{'cell':<34}{'P/R alerts':>11}{'P/R live':>10}{'P/R offline':>12}{'fire s':>8}{'wall s':>8}  ok    "
               f"named by alerts; by live diagnose; by offline diagnose   (culprit's position)")
     print(header, flush=True)

@@ -50,6 +50,8 @@ Faults, on rank ``--rank`` at step ``--step`` (``--fault none`` for a healthy ru
                   result of their data-parallel all_reduce (a transfer corrupted silently: in DDP's
                   layouts a communication hook every rank registers; in the pipelines' after the explicit
                   all_reduce). Not in fsdp, whose gradients are reduce_scattered (no two ranks hold the same)
+    grow          from ``--step`` on, the rank's gradients grow x1e3 (its loss scaled: a rank computing
+                  wrong). In ddp only, whose DDP buckets' scale commlens follows
 
 The wall time at which the fault strikes goes to ``FAULT_TIME_FILE`` (``faulty_train.mark_fault_time``).
 """
@@ -72,7 +74,7 @@ HIDDEN, BATCH = 32, 16
 SHAPES = {"ddp": (1, 1, 0), "fsdp": (1, 1, 0), "tp-dp": (2, 1, 2), "tp-pp-dp": (2, 2, 4), "pp4": (1, 4, 4)}
 """Layout -> (TP size, pipeline stages, ranks per data-parallel replica; 0: any world)."""
 FAULTS = ("none", "nan", "inf", "late", "stall", "leave", "kill", "size", "desync", "slow-data", "slow-compute",
-          "corrupt")
+          "corrupt", "grow")
 
 
 class Fault:
@@ -167,6 +169,8 @@ def main() -> None:
     if args.fault == "corrupt" and args.layout == "fsdp":
         parser.error("--fault corrupt corrupts the data-parallel all_reduce of gradients: fsdp has none "
                      "(its gradients are reduce_scattered); take ddp, tp-dp, tp-pp-dp or pp4")
+    if args.fault == "grow" and args.layout != "ddp":
+        parser.error("--fault grow grows a DDP model's gradients: take ddp")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     tp, stages, per_replica = SHAPES[args.layout]
@@ -274,7 +278,7 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 comm.before()  # in ddp, DDP's bucket all_reduce is the step's first collective (fsdp: a gather)
             if last:
-                scaler.scale(loss).backward()
+                scaler.scale(loss * 1e3 if fault.now("grow", step, every_step=True) else loss).backward()
             else:
                 y.backward(received)
             if hook is not None:
