@@ -5,7 +5,7 @@
 // thread without the GIL, through the ring's producer (_producer.c). Taking the GIL on that thread, as
 // a Python hook's callback does, cost about 50 µs a bucket. A bucket that failed, or whose post-hooks
 // must run, completes in Python. The division is the pass that also tells whether every element is
-// finite (float32 and float64), so that the NaN check need not make a pass of its own, and the largest
+// finite (float32, float64, bfloat16, float16), so that the NaN check need not make a pass of its own, and the largest
 // exponent among them (the bucket's scale, which the sidecar follows: a rank whose gradients grew): the
 // pre-hooks see the bucket divided, as the all_reduce gets it. Built against the installed torch on first use
 // (extension.py).
@@ -32,6 +32,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <time.h>
@@ -125,6 +126,33 @@ WITH_SIMD_CLONES uint64_t divide_run(double* values, int64_t count, double by) {
   return divide_in_place<double, uint64_t>(values, count, by);
 }
 
+// The same for 16-bit floats, each divided in float and rounded back to nearest even, as torch's div_
+// does: c10's conversions.
+template <typename Half>
+[[gnu::always_inline]] inline uint16_t divide_half(Half* values, int64_t count, float by) {
+  uint16_t top = 0;
+  for (int64_t i = 0; i < count; i++) {
+    Half value = static_cast<Half>(static_cast<float>(values[i]) / by);
+    values[i] = value;
+    uint16_t field;
+    if constexpr (std::is_same_v<Half, c10::BFloat16>) {
+      field = EXPONENT_BF16(value.x);
+    } else {
+      field = EXPONENT16(value.x);
+    }
+    top = field > top ? field : top;
+  }
+  return top;
+}
+
+WITH_SIMD_CLONES uint16_t divide_run(c10::BFloat16* values, int64_t count, float by) {
+  return divide_half(values, count, by);
+}
+
+WITH_SIMD_CLONES uint16_t divide_run(c10::Half* values, int64_t count, float by) {
+  return divide_half(values, count, by);
+}
+
 // What the division's pass tells of the bucket: whether every result is finite, and the largest binary
 // exponent among them (its scale: a value flipped high, or a rank's gradients grown, shows there).
 struct Divided {
@@ -133,8 +161,8 @@ struct Divided {
 };
 
 // ``values`` divided by ``by`` in place, in one pass on ATen's threads.
-template <typename Float, typename Bits>
-Divided divided(Float* values, int64_t count, Float by, int shift, Bits all_ones, int bias) {
+template <typename Float, typename Bits, typename By>
+Divided divided(Float* values, int64_t count, By by, int shift, Bits all_ones, int bias) {
   std::atomic<Bits> top{0};
   at::parallel_for(0, count, 1 << 16, [&](int64_t begin, int64_t end) {
     Bits found = divide_run(values + begin, end - begin, by), seen = top.load(std::memory_order_relaxed);
@@ -145,8 +173,8 @@ Divided divided(Float* values, int64_t count, Float by, int shift, Bits all_ones
   return {field != all_ones, static_cast<int>(field >> shift) - bias};
 }
 
-// The bucket divided by the group's size; what that pass tells (a contiguous float32 or float64
-// bucket), else nullopt.
+// The bucket divided by the group's size; what that pass tells (a contiguous bucket of floats), else
+// nullopt.
 std::optional<Divided> divide(at::Tensor& buffer, int64_t size) {
   if (buffer.is_contiguous() && buffer.scalar_type() == at::kFloat) {
     return divided<float, uint32_t>(buffer.data_ptr<float>(), buffer.numel(), static_cast<float>(size), 23,
@@ -155,6 +183,14 @@ std::optional<Divided> divide(at::Tensor& buffer, int64_t size) {
   if (buffer.is_contiguous() && buffer.scalar_type() == at::kDouble) {
     return divided<double, uint64_t>(buffer.data_ptr<double>(), buffer.numel(), static_cast<double>(size), 52,
                                      EXPONENT64(~0ull), 1023);
+  }
+  if (buffer.is_contiguous() && buffer.scalar_type() == at::kBFloat16) {
+    return divided<c10::BFloat16, uint16_t>(buffer.data_ptr<c10::BFloat16>(), buffer.numel(), static_cast<float>(size),
+                                            7, EXPONENT_BF16(0xffffu), 127);
+  }
+  if (buffer.is_contiguous() && buffer.scalar_type() == at::kHalf) {
+    return divided<c10::Half, uint16_t>(buffer.data_ptr<c10::Half>(), buffer.numel(), static_cast<float>(size), 10,
+                                        EXPONENT16(0xffffu), 15);
   }
   buffer.div_(size);
   return std::nullopt;

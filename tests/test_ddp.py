@@ -209,6 +209,40 @@ def test_a_hookless_cpu_model_records_each_bucket_from_cpp_with_plain_ddps_gradi
     _same_buckets_as_plain_ddp(results)
 
 
+class _Cast(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x):
+        return x.to(self.dtype)
+
+
+def half_precision_buckets(rank, world_size, dtype):
+    """A hookless model of ``dtype``'s gradients under plain DDP, then recorded by the C++ hook; the scale
+    its pass found of each bucket, and the largest of the rank's own gradients of the last step (the
+    buckets' values before their all_reduce, once divided by the world's size)."""
+    model = lambda: torch.nn.Sequential(_Cast(dtype), *_model(layers=4)).to(dtype)  # noqa: E731
+    own = max((g / world_size).abs().max().item() for g in _grads(model(), rank)[-1])
+    plain = _grads(DDP(model(), bucket_cap_mb=0.001), rank)
+    ch.instrument()
+    reader = ch.RingReader(ch.ring(), start=ch.ring().claimed())
+    recorded = _grads(DDP(model(), bucket_cap_mb=0.001), rank)
+    scales = [exponent_of(r.aux) for r in reader.read() if r.kind == ch.START and r.aux > 0]
+    ch.uninstrument()
+    return plain, recorded, scales, own
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_cpp_hook_divides_16_bit_buckets_as_plain_ddp_and_finds_their_scale(run_ranks, dtype):
+    for plain, recorded, scales, own in run_ranks(half_precision_buckets, 2, dtype=dtype):
+        for got, want in zip(recorded, plain):
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)  # bit for bit: divided in float, rounded so
+        assert len(scales) > 2 and None not in scales, scales  # one bucket, then DDP's rebuilt ones
+        assert max(scales[1:]) == torch.frexp(torch.tensor(own)).exponent.item() - 1, (scales, own)
+
+
 def test_without_a_compiler_a_hookless_model_is_recorded_by_the_python_hook_with_a_warning(run_ranks, tmp_path):
     results = run_ranks(hookless_cpu_model, 2, timeout_s=120, cache=str(tmp_path / "cache"))
     for r in results:

@@ -188,27 +188,29 @@ def test_a_rank_without_the_group_leaves_the_comparison_alone():
 
 def diverging_training(rank, world_size, out, culprit, fault):
     """A DDP job (the C++ hook's buckets) whose ``culprit`` rank's gradients grow x1e3 from step 12
-    (``scaled``), or have one value's high exponent bit flipped at step 12 (``flipped``); its agent writes
-    spans to ``out``."""
+    (``scaled``, float32), or have one value's high exponent bit flipped at step 12 (``flipped``, a
+    bfloat16 model); its agent writes spans to ``out``."""
     os.environ.update(COMMLENS_TRACE_FILE=os.path.join(out, f"traces-{rank}.jsonl"))
     commlens.agent.start(Config.from_env({**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
                                                   "WORLD_SIZE": str(world_size)}))
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 1)))
+    dtype = torch.bfloat16 if fault == "flipped" else torch.float32
+    layers = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 1)).to(dtype)
+    model = torch.nn.parallel.DistributedDataParallel(layers)
     step = [0]
 
     def flip(grad):
         if rank == culprit and fault == "flipped" and step[0] == 12:
             grad = grad.clone()
-            grad.view(-1).view(torch.int32)[3] ^= 1 << 30  # the exponent's high bit: 2^128 times, or from 2^-127 up
+            grad.view(-1).view(torch.int16)[3] ^= 1 << 14  # the exponent's high bit: 2^128 times, or from 2^-127 up
         return grad
 
-    model.module[0].weight.register_hook(flip)
+    layers[0].weight.register_hook(flip)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
     torch.manual_seed(rank)
     for step[0] in range(20):
         optimizer.zero_grad()
-        loss = model(torch.randn(16, 32)).sum()
+        loss = model(torch.randn(16, 32).to(dtype)).float().sum()
         (loss * 1e3 if rank == culprit and fault == "scaled" and step[0] >= 12 else loss).backward()
         optimizer.step()
     commlens.agent.stop()
