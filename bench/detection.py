@@ -413,21 +413,22 @@ def _ranks_said(report: str) -> set[str]:
 
 
 def run_cell(tmp_path: pathlib.Path, cell: Cell, alert_timeout_s: float = 90, after_end_s: float = 30,
-             after_s: float = 5) -> CellResult:
+             after_s: float = 5, trains_on_s: float | None = None, script_args: tuple[str, ...] = ()) -> CellResult:
     """One cell: Prometheus with the shipped rules, then the job; the expected alert awaited (up to
     ``alert_timeout_s``, or ``after_end_s`` past the job's end); ``diagnose --prometheus`` at once; the
     job let end (ended past its time); every alert that fired until then, and at least ``after_s`` past
-    the expected one; ``diagnose`` on the job's folder."""
+    the expected one; ``diagnose`` on the job's folder. ``trains_on_s``: in place of ``TRAINS_ON_S``'s;
+    ``script_args``: more of ``matrix_train.py``'s arguments."""
     started = time.monotonic()
     layout, fault = LAYOUTS[cell.layout], cell.fault
-    trains_on = TRAINS_ON_S.get(fault)
+    trains_on = trains_on_s or TRAINS_ON_S.get(fault)
     slowed_s = 0.06 if fault.startswith("slow") else 0  # the slow rank's --slow-ms: every step waits for it
     fault_step = FAULT_STEP + (math.ceil(JUDGED_AFTER_S / layout.step_s) if fault.startswith("slow") else 0)
     steps = fault_step + int(trains_on / (layout.step_s + slowed_s)) if trains_on else 100_000
     if fault == "none":
         steps = int(trains_on / layout.step_s)
     extra = ["--layout", cell.layout, "--precision", cell.precision, "--step-ms", str(layout.step_ms),
-             "--late-s", str(LATE_S), "--timeout-s", str(BACKEND_TIMEOUT_S.get(fault, 60))]
+             "--late-s", str(LATE_S), "--timeout-s", str(BACKEND_TIMEOUT_S.get(fault, 60)), *script_args]
     # a straggler's verdict needs no hang threshold: at 3 s a stall of this 2-core machine makes ranks
     # wait past it (as tests/test_verdicts.py's slow rank)
     hang_threshold_s = 60 if fault.startswith("slow") else 3

@@ -124,12 +124,13 @@ class Comm:
 class Shard(torch.nn.Module):
     """One rank's part of the model: a TP shard of a stage (the whole stage without TP)."""
 
-    def __init__(self):
+    def __init__(self, dropout: float = 0.0):
         super().__init__()
         self.linear = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.dropout = dropout
 
     def forward(self, x):
-        return self.linear(torch.tanh(x))
+        return self.linear(torch.nn.functional.dropout(torch.tanh(x), self.dropout, training=self.dropout > 0))
 
 
 def poisoned(tensor, value: float):
@@ -156,6 +157,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layout", choices=sorted(SHAPES), default="ddp")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--dropout", type=float, default=0.0, help="of the shard's input, each rank its own draw")
     parser.add_argument("--fault", choices=FAULTS, default="none")
     parser.add_argument("--rank", type=int, default=1)
     parser.add_argument("--step", type=int, default=20)
@@ -199,7 +201,7 @@ def main() -> None:
     fault, dtype = Fault(args, rank), {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     comm = Comm(fault)
     torch.manual_seed(stage * tp + tp_index)  # the replicas of a shard start alike
-    shard = Shard()
+    shard = Shard(args.dropout)
     pipelined = stages > 1
     if args.layout == "fsdp":
         model = fully_shard(shard)
