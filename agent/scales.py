@@ -8,7 +8,7 @@ jumped where its replicas did not (docs/verdicts.md, "diverging input").
 Example::
 
     scales = BucketScales()
-    grown = scales.seen("3", 0, -7)   # group "3", bucket 0: None, or by how many binary orders it grew
+    grown = scales.seen(("3", 0, 4096), -7)   # group "3"'s bucket 0 of 4 KiB: None, or by how many orders it grew
 """
 
 from __future__ import annotations
@@ -25,17 +25,18 @@ from step to step (data, learning rate), not eight at once."""
 
 
 class BucketScales:
-    """The last ``WINDOW`` scales of each (group, bucket) seen."""
+    """The last ``WINDOW`` scales of each bucket seen, by (group, index, bytes): two models of one group
+    (a GAN's two) each have a bucket 0, of their own sizes."""
 
     def __init__(self) -> None:
-        self._recent: dict[tuple[str, int], collections.deque[int]] = {}
+        self._recent: dict[tuple[str, int, int], collections.deque[int]] = {}
 
-    def seen(self, pg: str, bucket: int, exponent: int) -> int | None:
-        """Bucket ``bucket`` of group ``pg`` held values up to ``2**exponent``: by how many binary orders it
-        grew over its recent scale, where that is ``SCALE_JUMP`` or more; else None."""
-        recent = self._recent.get((pg, bucket))
+    def seen(self, bucket: tuple[str, int, int], exponent: int) -> int | None:
+        """``bucket`` held values up to ``2**exponent``: by how many binary orders it grew over its recent
+        scale, where that is ``SCALE_JUMP`` or more; else None."""
+        recent = self._recent.get(bucket)
         if recent is None:
-            recent = self._recent[(pg, bucket)] = collections.deque(maxlen=WINDOW)
+            recent = self._recent[bucket] = collections.deque(maxlen=WINDOW)
         grown = None
         if len(recent) >= JUDGED_FROM:
             median = sorted(recent)[len(recent) // 2]

@@ -98,10 +98,11 @@ class Shapes:
 
     def collective(self, shape: Shape, start: Record, end: Record | None, status: str, nan: int, hang: bool,
                    slow: bool, now_ns: int | None = None, gpu_start: int | None = None,
-                   marks: tuple[int, str] = UNMARKED, fingerprint: int = -1, scale_jump: int = 0) -> Collective:
+                   marks: tuple[int, str] = UNMARKED, fingerprint: int = -1,
+                   scale_jump: tuple[int, int] | None = None) -> Collective:
         """What exporters see of a collective: ``nan``, the NAN_HAS_* bits seen for it; ``end`` None while
         it is in flight (at ``now_ns``); ``marks``, its span's (send number, entry); ``fingerprint``, its
-        result's (-1: none); ``scale_jump``, its DDP bucket's (0: none)."""
+        result's (-1: none); ``scale_jump``, its DDP bucket's (orders, step)."""
         offset = self.ring.clock_offset_ns
         flags, aux = (start.flags, start.aux) if start.kind == START else (0, 0)  # START lost: END alone
         end_ns = end.t_ns if end is not None else now_ns

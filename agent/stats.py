@@ -11,7 +11,7 @@ import collections
 import threading
 from typing import Sequence
 
-from commlens.exporters.telemetry import NonfiniteEntry, StatsSnapshot
+from commlens.exporters.telemetry import BURST_GAP_S, NonfiniteEntry, StatsSnapshot
 
 DURATION_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
                     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -100,7 +100,7 @@ class Stats:
         self._step_first_nonfinite: dict[tuple[str, str], tuple[int, str]] = {}
         """``first_nonfinite`` of the loss scaler's step in progress, until it says whether it skips it."""
         self.fingerprints: dict[tuple[str, str], tuple[int, int, str]] = {}
-        self.scale_jumps: dict[str, tuple[int, int, int]] = {}
+        self.scale_jumps: dict[str, tuple[int, int, int, int, float]] = {}
         self.first_send: dict[tuple[str, int, str], int] = {}
         self.nonfinite_entry: NonfiniteEntry | None = None
         self._step_first_send: dict[tuple[str, int, str], int] = {}
@@ -170,12 +170,16 @@ class Stats:
         of every ``every``: kept in slot (seq // every) % FINGERPRINT_SLOTS, the same slot on every rank."""
         self.fingerprints[(pg, str(seq // max(every, 1) % FINGERPRINT_SLOTS))] = (seq, value, op)
 
-    def scale(self, pg: str, seq: int, grown: int | None) -> None:
-        """A DDP bucket of group ``pg`` (collective ``seq``) whose scale this rank follows (``agent/scales.py``):
-        ``grown``, by how many binary orders it jumped over its recent scale, or None."""
-        jumps = self.scale_jumps.get(pg, (0, 0, 0))
-        if grown is not None:
-            self.scale_jumps[pg] = (jumps[0] + 1, seq, grown)
+    def scale(self, pg: str, seq: int, step: int, grown: int | None, time_s: float) -> None:
+        """A DDP bucket of group ``pg`` (collective ``seq`` of DDP step ``step``, issued at wall time
+        ``time_s``) whose scale this rank follows (``agent/scales.py``): ``grown``, by how many binary orders
+        it jumped over its recent scale, or None. Kept: the jumps, the first of the latest burst (its seq,
+        step and orders), the last's time."""
+        jumps = self.scale_jumps.get(pg, (0, 0, 0, 0, 0.0))
+        if grown is not None and time_s - jumps[4] < BURST_GAP_S:  # its burst goes on: its first jump kept
+            self.scale_jumps[pg] = (jumps[0] + 1, *jumps[1:4], time_s)
+        elif grown is not None:
+            self.scale_jumps[pg] = (jumps[0] + 1, seq, step, grown, time_s)
         elif pg not in self.scale_jumps:
             self.scale_jumps[pg] = jumps
 

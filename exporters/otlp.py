@@ -150,8 +150,8 @@ def _own(c: Collective) -> dict[str, Any]:
         own[names.SEND_NUMBER] = c.send_number
     if c.fingerprint >= 0:
         own[names.FINGERPRINT] = c.fingerprint
-    if c.scale_jump:
-        own[names.INPUT_SCALE_JUMP] = c.scale_jump
+    if c.scale_jump is not None:
+        own[names.INPUT_SCALE_JUMP], own[names.INPUT_SCALE_JUMP_AT_STEP] = c.scale_jump
     return own
 
 

@@ -190,12 +190,14 @@ class MetricsCollector(_Scrapes):
         yield _counter(names.INPUT_SCALE_JUMPS, "DDP gradient buckets of the group whose largest value grew 256 times "
                        "or more over the bucket's recent scale on this rank (its median of the last 16 steps): a value "
                        "flipped high, or the rank's gradients grown", ("pg",),
-                       {(pg,): n for pg, (n, _, _) in jumps.items()}, rank)
-        yield _gauge(names.INPUT_SCALE_JUMP_ORDERS, "The last such jump: by how many binary orders the bucket grew "
-                     "(0: none yet)",
-                     ("pg",), {(pg,): orders for pg, (_, _, orders) in jumps.items()}, rank)
-        yield _gauge(names.INPUT_SCALE_JUMP_SEQ, "The last such jump: its collective's sequence number (0: none yet)",
-                     ("pg",), {(pg,): seq for pg, (_, seq, _) in jumps.items()}, rank)
+                       {(pg,): n for pg, (n, *_) in jumps.items()}, rank)
+        for name, field, what in ((names.INPUT_SCALE_JUMP_SEQ, 1, "its collective's sequence number"),
+                                  (names.INPUT_SCALE_JUMP_STEP, 2, "its group's DDP step, counted from 0"),
+                                  (names.INPUT_SCALE_JUMP_ORDERS, 3, "by how many binary orders the bucket grew")):
+            yield _gauge(name, f"The first jump of the latest burst (jumps under a minute apart), where it began: "
+                         f"{what} (0: none yet)", ("pg",), {(pg,): jump[field] for pg, jump in jumps.items()}, rank)
+        yield _gauge(names.INPUT_SCALE_JUMP_TIME, "The last jump: when its collective was issued, unix seconds "
+                     "(0: none yet)", ("pg",), {(pg,): jump[4] for pg, jump in jumps.items()}, rank)
         yield _gauge(names.NONFINITE_FIRST_SEQ, "Sequence number of the first collective whose input held NaN or Inf "
                      "on this rank (outside steps a loss scaler skipped); the lowest across ranks is where the values "
                      "entered", ("pg", "op", "kind"),

@@ -154,7 +154,9 @@ WITH_SIMD_CLONES uint16_t divide_run(c10::Half* values, int64_t count, float by)
 }
 
 // What the division's pass tells of the bucket: whether every result is finite, and the largest binary
-// exponent among them (its scale: a value flipped high, or a rank's gradients grown, shows there).
+// exponent among them (its scale: a value flipped high, or a rank's gradients grown, shows there), or
+// kNoScale where every value is zero or subnormal (a bucket of unused parameters).
+constexpr int kNoScale = -100000;
 struct Divided {
   bool finite;
   int exponent;
@@ -169,8 +171,8 @@ Divided divided(Float* values, int64_t count, By by, int shift, Bits all_ones, i
     while (found > seen && !top.compare_exchange_weak(seen, found, std::memory_order_relaxed)) {
     }
   });
-  Bits field = top.load();
-  return {field != all_ones, static_cast<int>(field >> shift) - bias};
+  Bits field = top.load();  // 0: every value zero or subnormal, no scale to follow
+  return {field != all_ones, field == 0 ? kNoScale : static_cast<int>(field >> shift) - bias};
 }
 
 // The bucket divided by the group's size; what that pass tells (a contiguous bucket of floats), else
@@ -257,7 +259,8 @@ class RecordedAllreduce : public c10d::CppCommHookInterface<c10::intrusive_ptr<c
       // A pre-hook registered to propagate raises here, through backward, as from a Python hook.
       py::object begun = python_->begin(python_->group, buffer, grad.getIndex(), grad.getParameters().size(),
                                         grad.isLast(), pass ? py::cast(pass->finite) : py::none(),
-                                        pass && pass->finite ? py::cast(pass->exponent) : py::none());
+                                        pass && pass->finite && pass->exponent != kNoScale ? py::cast(pass->exponent)
+                                                                                           : py::none());
       if (!begun.is_none()) {
         py::object producer = begun[py::int_(2)];
         Bucket made{nullptr, producer.is_none() ? nullptr : producer.ptr(), {}, std::nullopt, nullptr, 0};

@@ -91,7 +91,8 @@ def start_aux(bucket_index: int | None, exponent: int | None = None) -> int:
     """
     if bucket_index is None:
         return 0
-    return bucket_index + 1 | (0 if exponent is None else exponent + EXPONENT_OFFSET) << BUCKET_BITS
+    held = min(bucket_index + 1, (1 << BUCKET_BITS) - 1)  # a model of 65,535 buckets or more: the last ones as one
+    return held | (0 if exponent is None else exponent + EXPONENT_OFFSET) << BUCKET_BITS
 
 
 def bucket_of(aux: int) -> int:

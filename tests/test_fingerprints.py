@@ -228,3 +228,33 @@ def test_a_rank_whose_gradients_grew_or_had_a_value_flipped_high_is_named_and_no
         assert [f.ranks for f in found] == [(culprit,)], [f.line() for f in found]
         assert found[0].line().startswith(f"diverging input: rank {culprit} in all_reduce (group 0, seq ")
         assert "grew 2^" in found[0].evidence and "did not" in found[0].evidence, found[0].line()
+
+
+def test_replicas_whose_scale_jumps_in_one_step_are_the_jobs_own_and_the_first_to_jump_alone_is_named():
+    """Facts of 4 replicas: a loss scaler's growth makes ranks 0-2 jump in step 5, each at a bucket of its
+    own (different seqs): the job's, nobody named. A minute later rank 3 jumps alone in step 9, and ranks 0-2
+    in step 10 (what it sent them through the all_reduce): rank 3 is named, at its seq."""
+    from commlens.agent.verdicts.facts import RankFacts
+
+    facts = [RankFacts(rank) for rank in range(4)]
+    for f in facts:
+        f.group("1").scale_jumps = {}
+    for rank, (seq, at) in enumerate([(40, 100.0), (41, 100.3), (43, 100.9)]):
+        facts[rank].group("1").scale_jumps[seq] = (5, 8, at)
+    assert not [f for f in findings(facts) if f.kind == "diverging_input"]
+    facts[3].group("1").scale_jumps[90] = (9, 120, 170.0)
+    for rank in range(3):
+        facts[rank].group("1").scale_jumps[98 + rank] = (10, 90, 170.2)
+    found = [f for f in findings(facts) if f.kind == "diverging_input"]
+    assert [(f.ranks, f.seq) for f in found] == [((3,), 90)], [f.line() for f in found]
+    assert "grew 2^120 over the bucket's recent scale in step 9, ranks [0, 1, 2]'s did not" in found[0].line()
+
+
+def test_a_bucket_scale_is_judged_after_its_first_steps_against_its_own_median():
+    from commlens.agent.scales import JUDGED_FROM, SCALE_JUMP, BucketScales
+
+    scales, bucket, other = BucketScales(), ("0", 0, 4096), ("0", 0, 8192)  # a second model's bucket 0
+    assert [scales.seen(bucket, -7 + (k % 3)) for k in range(JUDGED_FROM)] == [None] * JUDGED_FROM
+    assert scales.seen(other, 40) is None  # its own history: none yet
+    assert scales.seen(bucket, -6 + SCALE_JUMP - 1) is None  # 2^7 over the median (-6): no jump
+    assert scales.seen(bucket, -6 + SCALE_JUMP) == SCALE_JUMP

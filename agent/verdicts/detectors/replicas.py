@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections
 
+from commlens.exporters.telemetry import BURST_GAP_S
+
 from ..facts import RankFacts
 from ..finding import Finding
 from .waits import who
@@ -44,24 +46,33 @@ def replica_mismatches(pg: str, members: list[RankFacts]) -> list[Finding]:
 
 
 def diverging_inputs(pg: str, members: list[RankFacts]) -> list[Finding]:
-    """Each member whose DDP buckets' scale jumped (``GroupFacts.scale_jumps``: 2^8 or more over the bucket's
-    recent scale) at a collective where at most half of the members that follow their scale did: its
-    gradients grew while its replicas' did not. Where more jumped at one collective it is the job's own (a
-    loss spike), no rank's. One finding a rank: its first such jump."""
+    """The members whose DDP buckets' scale jumped first (``GroupFacts.scale_jumps``: 2^8 or more over the
+    bucket's recent scale), where at most half of the members that follow their buckets' scale did in
+    that step: their gradients grew while their replicas' did not. Jumps under ``BURST_GAP_S`` apart, of
+    any member, are one event, and only its first step counts: a value flipped high reaches every replica
+    through the all_reduce, whose next steps jump too (as NaN spreads from its origin). Where more jumped
+    in it, it is the job's own (a loss spike, a loss scaler's growth), no rank's."""
     followed = [f for f in members if pg in f.groups and f.groups[pg].scale_jumps is not None]
-    by_seq: dict[int, dict[int, int]] = collections.defaultdict(dict)
-    for f in followed:
-        for seq, orders in f.groups[pg].scale_jumps.items():
-            by_seq[seq][f.rank] = orders
+    jumps = sorted((at, step, seq, f.rank, orders) for f in followed
+                   for seq, (step, orders, at) in f.groups[pg].scale_jumps.items())
+    events: list[list[tuple[float, int, int, int, int]]] = []
+    for jump in jumps:
+        if not events or jump[0] - events[-1][-1][0] >= BURST_GAP_S:
+            events.append([])
+        events[-1].append(jump)
     found: dict[int, Finding] = {}
-    for seq in sorted(by_seq):
-        jumped = by_seq[seq]
-        if 2 * len(jumped) > len(followed):
+    for event in events:
+        first = min(step for _, step, *_ in event)
+        origins: dict[int, tuple[int, int]] = {}  # rank -> (its first seq, orders) in the first step
+        for _, step, seq, rank, orders in event:
+            if step == first and seq < origins.get(rank, (seq + 1,))[0]:
+                origins[rank] = (seq, orders)
+        if 2 * len(origins) > len(followed):
             continue
-        rest = sorted(f.rank for f in followed if f.rank not in jumped)
-        for rank, orders in sorted(jumped.items()):
+        rest = sorted(f.rank for f in followed if f.rank not in origins)
+        for rank, (seq, orders) in sorted(origins.items()):
             found.setdefault(rank, Finding(
                 "diverging_input", (rank,), pg, "all_reduce", seq,
-                f"its gradients' largest value grew 2^{orders} over the bucket's recent scale, {who(rest)}'s did not"))
+                f"its gradients' largest value grew 2^{orders} over the bucket's recent scale in step {first}, "
+                f"{who(rest)}'s did not (later jumps of theirs follow from it)"))
     return list(found.values())
-

@@ -3,6 +3,8 @@ once read (``settle``). The endpoints' reader and Prometheus' read the same name
 
 from __future__ import annotations
 
+import time
+
 from commlens.exporters import names
 
 from ..facts import RankFacts
@@ -10,8 +12,12 @@ from .common import lost
 
 
 DURATION_SUM, DURATION_COUNT = f"{names.COLLECTIVE_DURATION}_sum", f"{names.COLLECTIVE_DURATION}_count"
-SCALE_READ = (names.total(names.INPUT_SCALE_JUMPS), names.INPUT_SCALE_JUMP_SEQ, names.INPUT_SCALE_JUMP_ORDERS)
-"""The metrics of a group's DDP buckets' scale, in ``GroupFacts.scale_read``'s order."""
+SCALE_READ = (names.total(names.INPUT_SCALE_JUMPS), names.INPUT_SCALE_JUMP_SEQ, names.INPUT_SCALE_JUMP_STEP,
+              names.INPUT_SCALE_JUMP_ORDERS, names.INPUT_SCALE_JUMP_TIME)
+"""The metrics of a group's DDP buckets' scale, in ``GroupFacts.scale_read``'s order (the jumps: in all, or
+Prometheus' increase over 5 min, a fraction of one counting)."""
+JUMPS_KEPT_S = 300
+"""A jump of a bucket's scale is evidence this long (as ``CommlensInputDiverging`` holds)."""
 
 
 def metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> None:
@@ -52,7 +58,7 @@ def metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> None
         else:
             slot[0], slot[1] = int(value), labels["op"]
     elif name in SCALE_READ:
-        facts.group(pg).scale_read[SCALE_READ.index(name)] = int(value)
+        facts.group(pg).scale_read[SCALE_READ.index(name)] = value
     elif name == names.total(names.LOSS_SCALE_STEPS) and labels.get("outcome") == "skipped":
         facts.loss_scale_skipped = int(value)
 
@@ -67,6 +73,7 @@ def settle(facts: RankFacts, gone: bool, reasons: set[str]) -> None:
             group.finished = 0
         group.fingerprints.update({seq: (op, value) for seq, op, value in group.fingerprint_slots.values()
                                    if value is not None and seq is not None})
-        jumps, seq, orders = group.scale_read
+        jumps, seq, step, orders, at = group.scale_read
         if jumps is not None:
-            group.scale_jumps = {seq: orders} if jumps > 0 and seq is not None and orders is not None else {}
+            recent = jumps > 0 and None not in (seq, step, orders, at) and at >= time.time() - JUMPS_KEPT_S
+            group.scale_jumps = {int(seq): (int(step), int(orders), at)} if recent else {}

@@ -102,11 +102,11 @@ def _prometheus_facts(url: str, selector: str, interval: int, at: float | None =
                            names.NONFINITE_FIRST_SEQ, names.NONFINITE_FIRST_SEND, names.NONFINITE_ENTRY_SEQ,
                            names.NONFINITE_ISSUED_BEFORE, names.REPLICA_FINGERPRINT, names.REPLICA_FINGERPRINT_SEQ)),
                        (names.total(names.LOSS_SCALE_STEPS), f"{names.total(names.LOSS_SCALE_STEPS)}{{{selector}}}"),
-                       # the jumps of a group's buckets' scale within 5 min (exact: a counter's rise), the last's
-                       (jumps, f"max_over_time({jumps}{{{selector}}}[{last_5m}]) - min_over_time({jumps}{{{selector}}}"
-                               f"[{last_5m}])"),
+                       # the jumps of a group's buckets' scale within 5 min (a restart's reset not one), the last's
+                       (jumps, f"increase({jumps}{{{selector}}}[{last_5m}])"),
                        *((name, f"last_over_time({name}{{{selector}}}[{last_5m}])") for name in (
-                           names.INPUT_SCALE_JUMP_SEQ, names.INPUT_SCALE_JUMP_ORDERS)),
+                           names.INPUT_SCALE_JUMP_SEQ, names.INPUT_SCALE_JUMP_STEP, names.INPUT_SCALE_JUMP_ORDERS,
+                           names.INPUT_SCALE_JUMP_TIME)),
                        (names.FAILED_SEQ, f"last_over_time({names.FAILED_SEQ}{{{selector}}}[{last_5m}])"),
                        (names.P2P_FAILED, f"last_over_time({names.P2P_FAILED}{{{selector}}}[{last_5m}])")):
         for facts, labels, value in each(expr):
