@@ -28,6 +28,8 @@ and the gradients sent back are bfloat16); fp16 (autocast in float16 with dynami
 ``torch.amp.GradScaler`` growing its scale every few steps as ``parallel_train.py --amp`` does: the
 scaled gradients overflow every few steps and the step is skipped; the ranks of one model replica
 agree on the overflow through an all_reduce of their found-Inf flags, as Megatron's does).
+``--params bf16`` (ddp): the model itself in bfloat16, its data too, so that DDP's gradient buckets are
+bfloat16 (autocast keeps float32 parameters and gradients).
 
 Faults, on rank ``--rank`` at step ``--step`` (``--fault none`` for a healthy run):
 
@@ -141,9 +143,10 @@ def poisoned(tensor, value: float):
 
 
 def flip_exponent_bit(tensor) -> None:
-    """Flips an exponent bit of ``tensor``'s middle element in place (float32): a small gradient becomes
-    about 1e-20 of itself, a silent change."""
-    tensor.view(-1)[tensor.numel() // 2:].view(torch.int32)[0] ^= 1 << 29
+    """Flips an exponent bit of ``tensor``'s middle element in place (float32, or bfloat16: the same bit of
+    its exponent): a small gradient becomes about 1e-20 of itself, a silent change."""
+    bits = torch.int32 if tensor.dtype == torch.float32 else torch.int16
+    tensor.view(-1)[tensor.numel() // 2:].view(bits)[0] ^= 1 << (29 if bits == torch.int32 else 13)
 
 
 def burn(ms: float) -> None:
@@ -157,6 +160,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layout", choices=sorted(SHAPES), default="ddp")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--params", choices=("fp32", "bf16"), default="fp32", help="the model's dtype (ddp)")
     parser.add_argument("--dropout", type=float, default=0.0, help="of the shard's input, each rank its own draw")
     parser.add_argument("--fault", choices=FAULTS, default="none")
     parser.add_argument("--rank", type=int, default=1)
@@ -171,6 +175,8 @@ def main() -> None:
     if args.fault == "corrupt" and args.layout == "fsdp":
         parser.error("--fault corrupt corrupts the data-parallel all_reduce of gradients: fsdp has none "
                      "(its gradients are reduce_scattered); take ddp, tp-dp, tp-pp-dp or pp4")
+    if args.params != "fp32" and (args.layout != "ddp" or args.precision != "fp32"):
+        parser.error("--params bf16 makes a DDP model bfloat16 in place of autocast: take --layout ddp --precision fp32")
     if args.fault == "grow" and args.layout != "ddp":
         parser.error("--fault grow grows a DDP model's gradients: take ddp")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
@@ -201,7 +207,8 @@ def main() -> None:
     fault, dtype = Fault(args, rank), {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     comm = Comm(fault)
     torch.manual_seed(stage * tp + tp_index)  # the replicas of a shard start alike
-    shard = Shard(args.dropout)
+    params = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.params]
+    shard = Shard(args.dropout).to(params)
     pipelined = stages > 1
     if args.layout == "fsdp":
         model = fully_shard(shard)
@@ -231,7 +238,7 @@ def main() -> None:
         if fault.now("late", step) or fault.now("stall", step):
             fault.sleep_before_next = args.late_s if fault.name == "late" else 1.5
         # data loading
-        inputs = [torch.randn(BATCH, HIDDEN, generator=data) for _ in range(microbatches)]
+        inputs = [torch.randn(BATCH, HIDDEN, generator=data).to(params) for _ in range(microbatches)]
         targets = [torch.randn(BATCH, HIDDEN, generator=data) for _ in range(microbatches)]
         if fault.now("slow-data", step, every_step=True):
             time.sleep(args.slow_ms / 1000)

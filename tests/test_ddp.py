@@ -218,7 +218,7 @@ class _Cast(torch.nn.Module):
         return x.to(self.dtype)
 
 
-def half_precision_buckets(rank, world_size, dtype):
+def dtype_buckets(rank, world_size, dtype):
     """A hookless model of ``dtype``'s gradients under plain DDP, then recorded by the C++ hook; the scale
     its pass found of each bucket, and the largest of the rank's own gradients of the last step (the
     buckets' values before their all_reduce, once divided by the world's size)."""
@@ -233,12 +233,12 @@ def half_precision_buckets(rank, world_size, dtype):
     return plain, recorded, scales, own
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_cpp_hook_divides_16_bit_buckets_as_plain_ddp_and_finds_their_scale(run_ranks, dtype):
-    for plain, recorded, scales, own in run_ranks(half_precision_buckets, 2, dtype=dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_cpp_hook_divides_buckets_as_plain_ddp_and_finds_their_scale(run_ranks, dtype):
+    for plain, recorded, scales, own in run_ranks(dtype_buckets, 2, dtype=dtype):
         for got, want in zip(recorded, plain):
             for g, w in zip(got, want):
-                torch.testing.assert_close(g, w, rtol=0, atol=0)  # bit for bit: divided in float, rounded so
+                torch.testing.assert_close(g, w, rtol=0, atol=0)  # bit for bit (halved): 16-bit divided in float, rounded so
         assert len(scales) > 2 and None not in scales, scales  # one bucket, then DDP's rebuilt ones
         assert max(scales[1:]) == torch.frexp(torch.tensor(own)).exponent.item() - 1, (scales, own)
 
