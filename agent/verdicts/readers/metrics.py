@@ -63,10 +63,11 @@ def metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> None
         facts.loss_scale_skipped = int(value)
 
 
-def settle(facts: RankFacts, gone: bool, reasons: set[str]) -> None:
-    """Live: whether the rank is gone, how it ended (its snapshot ``reasons``), and a group in which it
+def settle(facts: RankFacts, gone: bool, reasons: set[str], now: float | None = None) -> None:
+    """Live: whether the rank is gone, how it ended (its snapshot ``reasons``), a group in which it
     issued collectives and completed none (no completed sequence number is exported before the first)
-    has completed up to 0."""
+    has completed up to 0, and its buckets' last jump in scale if within ``JUMPS_KEPT_S`` of ``now``
+    (None: the time now)."""
     facts.gone, facts.lost, facts.stopped = gone, lost(reasons), "signal" in reasons
     for group in facts.groups.values():
         if group.finished is None and group.issued > 0:
@@ -75,5 +76,5 @@ def settle(facts: RankFacts, gone: bool, reasons: set[str]) -> None:
                                    if value is not None and seq is not None})
         jumps, seq, step, orders, at = group.scale_read
         if jumps is not None:
-            recent = jumps > 0 and None not in (seq, step, orders, at) and at >= time.time() - JUMPS_KEPT_S
+            recent = jumps > 0 and None not in (seq, step, orders, at) and at >= (time.time() if now is None else now) - JUMPS_KEPT_S
             group.scale_jumps = {int(seq): (int(step), int(orders), at)} if recent else {}

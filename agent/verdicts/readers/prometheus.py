@@ -102,10 +102,9 @@ def _prometheus_facts(url: str, selector: str, interval: int, at: float | None =
                            names.NONFINITE_FIRST_SEQ, names.NONFINITE_FIRST_SEND, names.NONFINITE_ENTRY_SEQ,
                            names.NONFINITE_ISSUED_BEFORE, names.REPLICA_FINGERPRINT, names.REPLICA_FINGERPRINT_SEQ)),
                        (names.total(names.LOSS_SCALE_STEPS), f"{names.total(names.LOSS_SCALE_STEPS)}{{{selector}}}"),
-                       # the jumps of a group's buckets' scale within 5 min (a restart's reset not one), the last's
-                       (jumps, f"increase({jumps}{{{selector}}}[{last_5m}])"),
+                       # the jumps of a group's buckets' scale, the last's (recent by its time: ``settle``)
                        *((name, f"last_over_time({name}{{{selector}}}[{last_5m}])") for name in (
-                           names.INPUT_SCALE_JUMP_SEQ, names.INPUT_SCALE_JUMP_STEP, names.INPUT_SCALE_JUMP_ORDERS,
+                           jumps, names.INPUT_SCALE_JUMP_SEQ, names.INPUT_SCALE_JUMP_STEP, names.INPUT_SCALE_JUMP_ORDERS,
                            names.INPUT_SCALE_JUMP_TIME)),
                        (names.FAILED_SEQ, f"last_over_time({names.FAILED_SEQ}{{{selector}}}[{last_5m}])"),
                        (names.P2P_FAILED, f"last_over_time({names.P2P_FAILED}{{{selector}}}[{last_5m}])")):
@@ -148,7 +147,7 @@ def _prometheus_facts(url: str, selector: str, interval: int, at: float | None =
         endings[(labels.get("job", ""), int(labels["rank"]))].add(labels["reason"])
     for name, ranks in jobs.items():
         for rank, facts in ranks.items():
-            settle(facts, (name, rank) not in live or (name, rank) in down, endings[(name, rank)])
+            settle(facts, (name, rank) not in live or (name, rank) in down, endings[(name, rank)], end)
             # its own endpoint gone without a word of how it ended (an in-process agent's; docs/verdicts.md)
             facts.vanished = facts.unreachable and (name, rank) not in said_up and not endings[(name, rank)] & {
                 "signal", "exception", "exit"}
