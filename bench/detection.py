@@ -230,11 +230,13 @@ EXPECTED = {"nan": ("CommlensNaNOrigin",), "inf": ("CommlensNaNOrigin",),
             "kill": ("CommlensRankKilled",), "size": ("CommlensCollectiveMismatch",),
             "desync": ("CommlensCollectiveDesync",), "slow-data": ("CommlensStraggler",),
             "slow-compute": ("CommlensStraggler",), "corrupt": ("CommlensReplicaMismatch",),
-            "grow": ("CommlensInputDiverging",), "stall": (), "none": ()}
+            "grow": ("CommlensInputDiverging",), "flip": ("CommlensInputDiverging",), "stall": (), "none": ()}
 """The alert(s) that name the culprit of each fault; none live for a one-off stall (named after the fact)."""
 TRAINS_ON_S = {"none": 30, "stall": 25, "nan": 30, "inf": 30, "late": 30, "slow-data": 50, "slow-compute": 50,
-               "corrupt": 30, "grow": 30}
+               "corrupt": 30, "grow": 30, "flip": 30}
 """Seconds the job trains after the fault (after its start, healthy); the other faults end the job."""
+SCRIPT_ARGS = {"flip": ("--params", "bf16")}
+"""More of ``matrix_train.py``'s arguments for a fault: a value flipped high in a bfloat16 gradient."""
 LATE_S = 20
 """A late rank's sleep: its alert fires (hang threshold 3 s, ``for`` 2 s) and the live diagnose reads it before
 it catches up."""
@@ -343,10 +345,10 @@ class Cell:
         return cls(layout, fault, mode, culprit, precision, world)
 
 
-REPLICA_FAULTS = {"corrupt": ("ddp",), "grow": ("ddp",)}
+REPLICA_FAULTS = {"corrupt": ("ddp",), "grow": ("ddp",), "flip": ("ddp",)}
 """The layouts whose data-parallel groups hold three replicas or more, where a fault of one replica's
 data is named alone (of two that differ, which one is wrong is not known: both are named); ``grow``
-also needs DDP's buckets, whose scale commlens follows (matrix_train.py)."""
+and ``flip`` also need DDP's buckets, whose scale commlens follows (matrix_train.py)."""
 
 
 def judged_in(layout: str, fault: str) -> bool:
@@ -428,7 +430,7 @@ def run_cell(tmp_path: pathlib.Path, cell: Cell, alert_timeout_s: float = 90, af
     if fault == "none":
         steps = int(trains_on / layout.step_s)
     extra = ["--layout", cell.layout, "--precision", cell.precision, "--step-ms", str(layout.step_ms),
-             "--late-s", str(LATE_S), "--timeout-s", str(BACKEND_TIMEOUT_S.get(fault, 60)), *script_args]
+             "--late-s", str(LATE_S), "--timeout-s", str(BACKEND_TIMEOUT_S.get(fault, 60)), *SCRIPT_ARGS.get(fault, ()), *script_args]
     # a straggler's verdict needs no hang threshold: at 3 s a stall of this 2-core machine makes ranks
     # wait past it (as tests/test_verdicts.py's slow rank)
     hang_threshold_s = 60 if fault.startswith("slow") else 3

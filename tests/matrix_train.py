@@ -54,6 +54,12 @@ Faults, on rank ``--rank`` at step ``--step`` (``--fault none`` for a healthy ru
                   all_reduce). Not in fsdp, whose gradients are reduce_scattered (no two ranks hold the same)
     grow          from ``--step`` on, the rank's gradients grow x1e3 (its loss scaled: a rank computing
                   wrong). In ddp only, whose DDP buckets' scale commlens follows
+    flip          at ``--step``, once, the high bit of the exponent of the rank's largest gradient value
+                  flips before DDP's all_reduce (memory or a unit gone wrong past ECC): 2^128 times a
+                  value under 2. In ddp only; the job clips its gradients' norm, so it trains on. The
+                  matrix runs it on a bfloat16 model (``--params bf16``)
+
+In ddp the job clips its gradients' norm to 1, as large models' training does.
 
 The wall time at which the fault strikes goes to ``FAULT_TIME_FILE`` (``faulty_train.mark_fault_time``).
 """
@@ -76,7 +82,7 @@ HIDDEN, BATCH = 32, 16
 SHAPES = {"ddp": (1, 1, 0), "fsdp": (1, 1, 0), "tp-dp": (2, 1, 2), "tp-pp-dp": (2, 2, 4), "pp4": (1, 4, 4)}
 """Layout -> (TP size, pipeline stages, ranks per data-parallel replica; 0: any world)."""
 FAULTS = ("none", "nan", "inf", "late", "stall", "leave", "kill", "size", "desync", "slow-data", "slow-compute",
-          "corrupt", "grow")
+          "corrupt", "grow", "flip")
 
 
 class Fault:
@@ -149,6 +155,16 @@ def flip_exponent_bit(tensor) -> None:
     tensor.view(-1)[tensor.numel() // 2:].view(bits)[0] ^= 1 << (29 if bits == torch.int32 else 13)
 
 
+def flipped_high(tensor):
+    """A copy of ``tensor`` whose largest value has its exponent's high bit flipped (float32 or bfloat16):
+    2^128 times that value if under 2."""
+    bits = torch.int32 if tensor.dtype == torch.float32 else torch.int16
+    tensor = tensor.detach().clone()
+    largest = int(tensor.abs().argmax())
+    tensor.view(-1)[largest:].view(bits)[0] ^= 1 << (30 if bits == torch.int32 else 14)
+    return tensor
+
+
 def burn(ms: float) -> None:
     """Matmuls for ``ms`` milliseconds: extra compute."""
     end, a = time.perf_counter() + ms / 1000, torch.randn(64, 64)
@@ -177,8 +193,8 @@ def main() -> None:
                      "(its gradients are reduce_scattered); take ddp, tp-dp, tp-pp-dp or pp4")
     if args.params != "fp32" and (args.layout != "ddp" or args.precision != "fp32"):
         parser.error("--params bf16 makes a DDP model bfloat16 in place of autocast: take --layout ddp --precision fp32")
-    if args.fault == "grow" and args.layout != "ddp":
-        parser.error("--fault grow grows a DDP model's gradients: take ddp")
+    if args.fault in ("grow", "flip") and args.layout != "ddp":
+        parser.error(f"--fault {args.fault} changes a DDP model's gradients: take ddp")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     tp, stages, per_replica = SHAPES[args.layout]
@@ -281,6 +297,8 @@ def main() -> None:
                 if poison is not None and args.layout == "ddp":  # into its own gradient, before DDP's all_reduce
                     value, poison = poison, None
                     hook = shard.linear.weight.register_hook(lambda grad: poisoned(grad, value))
+                elif fault.now("flip", step) and args.layout == "ddp":
+                    hook = shard.linear.weight.register_hook(flipped_high)
                 if fault.now("kill", step):  # in DDP's place: as many elements as its gradients, then death
                     comm.all_reduce(torch.cat([p.detach().reshape(-1) for p in shard.parameters()]),
                                     dp_group, async_op=True)
@@ -356,6 +374,9 @@ def main() -> None:
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
+        if args.layout == "ddp":
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(shard.parameters(), 1.0)
         if scaler.is_enabled():
             if mp_group is not None:  # the replica's ranks agree on an overflow, or their scales part
                 found = torch.tensor([0.0 if all(torch.isfinite(p.grad).all() for p in shard.parameters()) else 1.0])
