@@ -235,8 +235,9 @@ EXPECTED = {"nan": ("CommlensNaNOrigin",), "inf": ("CommlensNaNOrigin",),
 TRAINS_ON_S = {"none": 30, "stall": 25, "nan": 30, "inf": 30, "late": 30, "slow-data": 50, "slow-compute": 50,
                "corrupt": 30, "grow": 30, "flip": 30}
 """Seconds the job trains after the fault (after its start, healthy); the other faults end the job."""
-SCRIPT_ARGS = {"flip": ("--params", "bf16")}
-"""More of ``matrix_train.py``'s arguments for a fault: a value flipped high in a bfloat16 gradient."""
+MODEL_PARAMS = {"flip": "bf16"}
+"""The model's dtype for a fault, in fp32 cells (``matrix_train.py --params``): a value flipped high in a
+bfloat16 gradient (autocast's cells keep float32 gradients)."""
 LATE_S = 20
 """A late rank's sleep: its alert fires (hang threshold 3 s, ``for`` 2 s) and the live diagnose reads it before
 it catches up."""
@@ -430,7 +431,9 @@ def run_cell(tmp_path: pathlib.Path, cell: Cell, alert_timeout_s: float = 90, af
     if fault == "none":
         steps = int(trains_on / layout.step_s)
     extra = ["--layout", cell.layout, "--precision", cell.precision, "--step-ms", str(layout.step_ms),
-             "--late-s", str(LATE_S), "--timeout-s", str(BACKEND_TIMEOUT_S.get(fault, 60)), *SCRIPT_ARGS.get(fault, ()), *script_args]
+             "--late-s", str(LATE_S), "--timeout-s", str(BACKEND_TIMEOUT_S.get(fault, 60)), *script_args]
+    if cell.precision == "fp32" and fault in MODEL_PARAMS:
+        extra += ["--params", MODEL_PARAMS[fault]]
     # a straggler's verdict needs no hang threshold: at 3 s a stall of this 2-core machine makes ranks
     # wait past it (as tests/test_verdicts.py's slow rank)
     hang_threshold_s = 60 if fault.startswith("slow") else 3

@@ -56,7 +56,7 @@ Faults, on rank ``--rank`` at step ``--step`` (``--fault none`` for a healthy ru
                   wrong). In ddp only, whose DDP buckets' scale commlens follows
     flip          at ``--step``, once, the high bit of the exponent of the rank's largest gradient value
                   flips before DDP's all_reduce (memory or a unit gone wrong past ECC): 2^128 times a
-                  value under 2. In ddp only; the job clips its gradients' norm, so it trains on. The
+                  value under 1. In ddp only; the job clips its gradients' norm, so it trains on. The
                   matrix runs it on a bfloat16 model (``--params bf16``)
 
 In ddp the job clips its gradients' norm to 1, as large models' training does.
@@ -157,7 +157,8 @@ def flip_exponent_bit(tensor) -> None:
 
 def flipped_high(tensor):
     """A copy of ``tensor`` whose largest value has its exponent's high bit flipped (float32 or bfloat16):
-    2^128 times that value if under 2."""
+    2^128 times that value if under 1."""
+    assert tensor.dtype in (torch.float32, torch.bfloat16), tensor.dtype
     bits = torch.int32 if tensor.dtype == torch.float32 else torch.int16
     tensor = tensor.detach().clone()
     largest = int(tensor.abs().argmax())

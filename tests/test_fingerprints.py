@@ -11,6 +11,8 @@ import commlens.agent
 import commlens.hooks as ch
 from commlens.agent.config import Config
 from commlens.agent.verdicts import findings, readers
+from commlens.agent.verdicts.facts import RankFacts
+from commlens.agent.verdicts.readers.metrics import settle
 from commlens.hooks import fingerprints
 from commlens.hooks._state import state
 from commlens.ring import RingReader
@@ -258,3 +260,18 @@ def test_a_bucket_scale_is_judged_after_its_first_steps_against_its_own_median()
     assert scales.seen(other, 40) is None  # its own history: none yet
     assert scales.seen(bucket, -6 + SCALE_JUMP - 1) is None  # 2^7 over the median (-6): no jump
     assert scales.seen(bucket, -6 + SCALE_JUMP) == SCALE_JUMP
+
+
+def test_a_bucket_jump_read_live_is_evidence_while_its_time_is_within_what_the_reader_keeps():
+    """``diagnose --metrics`` keeps a jump 5 min by the rank's clock (``jumps_since``); Prometheus' reader
+    reads only recent ones (its clock) and keeps any it read; a rank with no jump has none."""
+    def jumps(read: list, since: float | None) -> dict:
+        facts = RankFacts(1)
+        facts.group("3").scale_read = read
+        settle(facts, False, set(), since)
+        return facts.group("3").scale_jumps
+
+    jumped = [2, 41, 20, 12, 1000.0]
+    assert jumps(jumped, 999.0) == jumps(jumped, None) == {41: (20, 12, 1000.0)}
+    assert jumps(jumped, 1000.0) == {}
+    assert jumps([0, 0, 0, 0, 0.0], None) == {}

@@ -3,8 +3,6 @@ once read (``settle``). The endpoints' reader and Prometheus' read the same name
 
 from __future__ import annotations
 
-import time
-
 from commlens.exporters import names
 
 from ..facts import RankFacts
@@ -14,10 +12,11 @@ from .common import lost
 DURATION_SUM, DURATION_COUNT = f"{names.COLLECTIVE_DURATION}_sum", f"{names.COLLECTIVE_DURATION}_count"
 SCALE_READ = (names.total(names.INPUT_SCALE_JUMPS), names.INPUT_SCALE_JUMP_SEQ, names.INPUT_SCALE_JUMP_STEP,
               names.INPUT_SCALE_JUMP_ORDERS, names.INPUT_SCALE_JUMP_TIME)
-"""The metrics of a group's DDP buckets' scale, in ``GroupFacts.scale_read``'s order (the jumps: in all, or
-Prometheus' increase over 5 min, a fraction of one counting)."""
+"""The metrics of a group's DDP buckets' scale, in ``GroupFacts.scale_read``'s order (the jumps: in all;
+from Prometheus, only while the last is recent)."""
 JUMPS_KEPT_S = 300
-"""A jump of a bucket's scale is evidence this long (as ``CommlensInputDiverging`` holds)."""
+"""A jump of a bucket's scale is evidence this long (as ``CommlensInputDiverging`` holds); read from the
+endpoints, by the rank's clock against the reader's."""
 
 
 def metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> None:
@@ -63,11 +62,11 @@ def metric_fact(facts: RankFacts, name: str, labels: dict, value: float) -> None
         facts.loss_scale_skipped = int(value)
 
 
-def settle(facts: RankFacts, gone: bool, reasons: set[str], now: float | None = None) -> None:
+def settle(facts: RankFacts, gone: bool, reasons: set[str], jumps_since: float | None = None) -> None:
     """Live: whether the rank is gone, how it ended (its snapshot ``reasons``), a group in which it
     issued collectives and completed none (no completed sequence number is exported before the first)
-    has completed up to 0, and its buckets' last jump in scale if within ``JUMPS_KEPT_S`` of ``now``
-    (None: the time now)."""
+    has completed up to 0, and its buckets' last jump in scale if after ``jumps_since`` (unix seconds, the
+    rank's clock; None: any jump the reader read)."""
     facts.gone, facts.lost, facts.stopped = gone, lost(reasons), "signal" in reasons
     for group in facts.groups.values():
         if group.finished is None and group.issued > 0:
@@ -76,5 +75,5 @@ def settle(facts: RankFacts, gone: bool, reasons: set[str], now: float | None = 
                                    if value is not None and seq is not None})
         jumps, seq, step, orders, at = group.scale_read
         if jumps is not None:
-            recent = jumps > 0 and None not in (seq, step, orders, at) and at >= (time.time() if now is None else now) - JUMPS_KEPT_S
+            recent = jumps > 0 and None not in (seq, step, orders, at) and at > (jumps_since or 0)
             group.scale_jumps = {int(seq): (int(step), int(orders), at)} if recent else {}
