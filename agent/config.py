@@ -75,6 +75,10 @@ class Config:
     """``NanCheckHook``'s mode on the inputs of every collective, or "off"."""
     nan_check_every: int = 1
     """DDP's gradient buckets are checked on one step in this many (``NanCheckHook``'s ``every``)."""
+    fingerprint_every: int = 61
+    """N: a group's collectives whose sequence number is a multiple of N have their result fingerprinted
+    where they are an all_reduce, broadcast or all_gather (0: none; ``hooks/fingerprints.py``). A prime, so
+    that a repeating pattern of ops meets each of its ops at some multiple."""
     prometheus: bool = True
     """Serve the Prometheus endpoint (``OTEL_METRICS_EXPORTER`` lists ``prometheus``, the default)."""
     otlp_metrics_endpoint: str | None = None
@@ -143,6 +147,7 @@ class Config:
             snapshot_timeout_s=env.number("COMMLENS_SNAPSHOT_TIMEOUT_S", 10, minimum=0.1),
             nan_check=env.choice("COMMLENS_NAN_CHECK", "report", NAN_CHECKS),
             nan_check_every=env.integer("COMMLENS_NAN_CHECK_EVERY", 1, minimum=1),
+            fingerprint_every=env.integer("COMMLENS_FINGERPRINT_EVERY", 61, minimum=0),
             metrics_detail=env.choice("COMMLENS_METRICS_DETAIL", "group", DETAILS),
             prometheus="prometheus" in exporters, otlp_metrics_endpoint=metrics_endpoint,
             otlp_metrics_protocol=metrics_protocol,

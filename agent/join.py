@@ -18,14 +18,17 @@ import collections
 from typing import Callable, Sequence
 
 from commlens.exporters.telemetry import Collective
-from commlens.ring.layout import (END, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, NAN_OUTPUT, NOT_ISSUED, REASONS,
-                                  SNAPSHOT, START, STATUS, Record)
+from commlens.ring.layout import (BUCKET_BITS, END, FINGERPRINT, FLAG_LAST_BUCKET, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS,
+                                  NAN, NAN_OUTPUT, NOT_ISSUED, REASONS, SNAPSHOT, START, STATUS, Record, bucket_of,
+                                  exponent_of)
 from commlens.ring.memory import Ring
+from commlens.ring.ops import OPS
 from commlens.ring.reader import Folded
 
 from .inflight import InFlight
 from .nonfinite import LossScaleHold, NonfiniteInputs, kinds
 from .outliers import SlowOutliers
+from .scales import BucketScales
 from .shapes import Shapes
 from .stats import Stats
 
@@ -66,6 +69,16 @@ class RecordJoin:
         """op_id -> NAN_HAS_NAN | NAN_HAS_INF seen for it (its input's, while its collective is read)."""
         self._nan_spans: collections.Counter[str] = collections.Counter()
         """Group -> spans of non-finite collectives kept so far (``NAN_SPANS_KEPT``)."""
+        self.fingerprints: dict[int, int] = {}
+        """op_id -> its result's fingerprint, until its END (its span is kept: after the fact, the ranks'
+        fingerprints are compared from their spans); at most as many as can be in flight."""
+        self.scales = BucketScales()
+        self.ddp_steps: collections.Counter[str] = collections.Counter()
+        """Group -> DDP steps of its followed buckets seen (counted at each step's last bucket): the same
+        number on every replica, whose steps are compared."""
+        self.scale_jumps: dict[int, tuple[int, int]] = {}
+        """op_id -> (by how many binary orders its DDP bucket jumped, the step; ``agent/scales.py``), until its
+        END (its span is kept); at most as many as can be in flight."""
 
     def handle(self, records: list[Record], folded: list[Folded], snapshots: list[str]) -> None:
         """One read's records, then its folds; the snapshots asked for go to ``snapshots``."""
@@ -86,6 +99,13 @@ class RecordJoin:
                 snapshots.append(REASONS[record.flags])
             elif record.kind == LOSS_SCALE and record.flags < len(LOSS_SCALE_EVENTS):
                 self.hold.event(LOSS_SCALE_EVENTS[record.flags])
+            elif record.kind == FINGERPRINT:
+                self.stats.fingerprint(self.shapes.group(record.pg)[0], record.seq, OPS[record.op].value, record.aux,
+                                       record.nbytes)
+                fingerprints = self.fingerprints
+                fingerprints[record.op_id] = record.nbytes
+                if len(fingerprints) > self.inflight.slots:  # ENDs lost (counted as records dropped): the oldest
+                    del fingerprints[next(iter(fingerprints))]
         for group in folded:
             self._folded(group)
 
@@ -101,17 +121,34 @@ class RecordJoin:
         pending = self.inputs.pending
         if pending and record.op_id in pending:
             self.inputs.issued(record.op_id)
+        if record.aux >> BUCKET_BITS:  # a DDP bucket's, with its scale
+            self._scaled(shape.pg, record)
+
+    def _scaled(self, pg: str, start: Record) -> None:
+        grown = self.scales.seen((pg, bucket_of(start.aux), start.nbytes), exponent_of(start.aux))
+        step = self.ddp_steps[pg]
+        if start.flags & FLAG_LAST_BUCKET:
+            self.ddp_steps[pg] += 1
+        self.stats.scale(pg, start.seq, step, grown, (start.t_ns + self.shapes.ring.clock_offset_ns) / 1e9)
+        if grown is not None:
+            jumps = self.scale_jumps
+            jumps[start.op_id] = (grown, step)
+            if len(jumps) > self.inflight.slots:  # ENDs lost (counted as records dropped): the oldest
+                del jumps[next(iter(jumps))]
 
     def _ended(self, end: Record) -> None:
         op_id = end.op_id
         start, gpu_start, hung = self.inflight.ended(op_id)
         if end.flags == NOT_ISSUED:
             self.nan.pop(op_id, None)
+            self.scale_jumps.pop(op_id, None)
             return
         shape = self.shapes.known.get((end.op, end.pg, end.nbytes, end.sig)) or self.shapes.of(end)
         status = STATUS[end.flags] if end.flags < len(STATUS) else "error"
         seconds = (end.t_ns - start.t_ns) / 1e9 if start is not None else None
         nan = self.nan.pop(op_id, 0) if self.nan else 0  # the checks first: these are rare
+        fingerprint = self.fingerprints.pop(op_id, -1) if self.fingerprints else -1
+        scale_jump = self.scale_jumps.pop(op_id, None) if self.scale_jumps else None
         if gpu_start is not None and start is not None:
             gpu_start = _within(gpu_start, start, end)
             self.stats.on_gpu(shape, (gpu_start - start.t_ns) / 1e9, (end.t_ns - gpu_start) / 1e9)
@@ -122,11 +159,12 @@ class RecordJoin:
         if nan:
             self._nan_spans[shape.pg] += 1
         if not (nan and self._nan_spans[shape.pg] <= NAN_SPANS_KEPT or hung or slow or status != "ok"
-                or self.sample(shape.pg, (end.seq,), shape.is_p2p)):
+                or fingerprint >= 0 or scale_jump is not None or self.sample(shape.pg, (end.seq,), shape.is_p2p)):
             return
         first = start or end
         self.hold.emit(self.shapes.collective(shape, first, end, status, nan, hung, slow, gpu_start=gpu_start,
-                                              marks=self.inputs.marks_of(first.op_id)), nan)
+                                              marks=self.inputs.marks_of(first.op_id), fingerprint=fingerprint,
+                                              scale_jump=scale_jump), nan)
 
     def _folded(self, group: Folded) -> None:
         """Collectives of one shape that started and ended ok within this drain: counted at once; the

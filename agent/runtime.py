@@ -21,6 +21,7 @@ from typing import Any
 
 from commlens.hooks import (FlightRecorderHook, cuda, NanCheckHook, attribution, instrument, process_ring, record,
                             register_abort_hook, uninstrument, watch_loss_scaling)
+from commlens.hooks._state import state
 from commlens.ring.dumps import write_end_note
 from commlens.ring.memory import ring_file
 
@@ -61,6 +62,7 @@ class Agent:
         else:
             self._start_exporting(ring)
         self.job_dumps = JobDumps(config.job, min(1.0, config.hang_threshold_s / 4), lambda: self.snapshot("peer"))
+        state.fingerprint_every = config.fingerprint_every
         self.nan_check = None if config.nan_check == "off" else \
             NanCheckHook(config.nan_check, every=config.nan_check_every).register_with_comm()
         # a loss scaler's skipped steps hold Inf by design: the check's findings in them are told apart
@@ -138,6 +140,7 @@ class Agent:
             return max(0.0, deadline - time.monotonic())
         self._abort_handle.remove()
         attribution.disable()
+        state.fingerprint_every = 0
         uninstrument()
         if self.nan_check is not None:
             self.nan_check.unregister()

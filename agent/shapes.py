@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from commlens.exporters.telemetry import Collective
 from commlens.ring.codec import decode_group, decode_signature
-from commlens.ring.layout import FLAG_ASYNC, FLAG_LAST_BUCKET, NAN_HAS_INF, NAN_HAS_NAN, PHASES, START, Record
+from commlens.ring.layout import FLAG_ASYNC, FLAG_LAST_BUCKET, NAN_HAS_INF, NAN_HAS_NAN, PHASES, START, Record, bucket_of
 from commlens.ring.memory import Ring
 from commlens.ring.ops import OPS
 
@@ -98,9 +98,11 @@ class Shapes:
 
     def collective(self, shape: Shape, start: Record, end: Record | None, status: str, nan: int, hang: bool,
                    slow: bool, now_ns: int | None = None, gpu_start: int | None = None,
-                   marks: tuple[int, str] = UNMARKED) -> Collective:
+                   marks: tuple[int, str] = UNMARKED, fingerprint: int = -1,
+                   scale_jump: tuple[int, int] | None = None) -> Collective:
         """What exporters see of a collective: ``nan``, the NAN_HAS_* bits seen for it; ``end`` None while
-        it is in flight (at ``now_ns``); ``marks``, its span's (send number, entry)."""
+        it is in flight (at ``now_ns``); ``marks``, its span's (send number, entry); ``fingerprint``, its
+        result's (-1: none); ``scale_jump``, its DDP bucket's (orders, step)."""
         offset = self.ring.clock_offset_ns
         flags, aux = (start.flags, start.aux) if start.kind == START else (0, 0)  # START lost: END alone
         end_ns = end.t_ns if end is not None else now_ns
@@ -109,8 +111,8 @@ class Shapes:
         return _make(Collective, (  # every field, in order: without NamedTuple's slower __new__
             shape.op, shape.pg, shape.pg_size, start.seq, shape.is_p2p, start.op_id, self.rank, shape.nbytes,
             shape.dtype, bool(flags & FLAG_ASYNC), status, start.t_ns + offset, end_ns + offset, busbw, bool(nan & NAN_HAS_NAN), hang,
-            slow, end is None, aux - 1, bool(flags & FLAG_LAST_BUCKET), end.aux if end is not None and aux else 0,
+            slow, end is None, bucket_of(aux), bool(flags & FLAG_LAST_BUCKET), end.aux if end is not None and aux else 0,
             self.ring.string(start.module) if start.module else "",
             PHASES[start.phase] if start.phase < len(PHASES) else "", bool(nan & NAN_HAS_INF),
             -1 if gpu_start is None else gpu_start + offset, self.global_rank(start.pg, start.peer) if shape.is_p2p else -1,
-            0, *marks))
+            0, *marks, fingerprint, scale_jump))

@@ -11,7 +11,7 @@ import collections
 import threading
 from typing import Sequence
 
-from commlens.exporters.telemetry import NonfiniteEntry, StatsSnapshot
+from commlens.exporters.telemetry import BURST_GAP_S, NonfiniteEntry, StatsSnapshot
 
 DURATION_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
                     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -27,6 +27,9 @@ COARSE_BUCKETS = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
 """The latency buckets exposed below ``full`` detail: a subset of ``DURATION_BUCKETS``, so that their
 cumulative counts are exact."""
 ALL = "all"
+FINGERPRINT_SLOTS = 4
+"""A group's last fingerprinted results kept (and exported) per rank: enough that ranks a few collectives
+apart still share one sequence number to compare at."""
 
 
 def size_class(nbytes: int) -> str:
@@ -96,6 +99,8 @@ class Stats:
         self.loss_scale_steps: collections.Counter[str] = collections.Counter()
         self._step_first_nonfinite: dict[tuple[str, str], tuple[int, str]] = {}
         """``first_nonfinite`` of the loss scaler's step in progress, until it says whether it skips it."""
+        self.fingerprints: dict[tuple[str, str], tuple[int, int, str]] = {}
+        self.scale_jumps: dict[str, tuple[int, int, int, int, float]] = {}
         self.first_send: dict[tuple[str, int, str], int] = {}
         self.nonfinite_entry: NonfiniteEntry | None = None
         self._step_first_send: dict[tuple[str, int, str], int] = {}
@@ -110,7 +115,7 @@ class Stats:
                 dict(self.completed), dict(self.bytes), dict(self.bus_bytes), dict(self.last_seq), dict(self.hangs),
                 dict(self.nans), dict(self.snapshots), dict(self.first_nonfinite), dict(self.failed),
                 dict(self.gpu_queue), dict(self.gpu_exec), dict(self.loss_scale_steps), dict(self.first_send),
-                self.nonfinite_entry, dict(self.p2p_failed))
+                self.nonfinite_entry, dict(self.p2p_failed), dict(self.fingerprints), dict(self.scale_jumps))
 
     def enqueued(self, shape, seq: int) -> None:
         """A collective of ``shape`` (the sidecar's ``Shape``) was issued."""
@@ -159,6 +164,24 @@ class Stats:
         self._step_first_nonfinite.clear()
         self._step_first_send.clear()
         self._step_entry = None
+
+    def fingerprint(self, pg: str, seq: int, op: str, every: int, value: int) -> None:
+        """Collective ``seq`` (an ``op``) of group ``pg`` ended holding ``value`` (``hooks/fingerprints.py``), one
+        of every ``every``: kept in slot (seq // every) % FINGERPRINT_SLOTS, the same slot on every rank."""
+        self.fingerprints[(pg, str(seq // max(every, 1) % FINGERPRINT_SLOTS))] = (seq, value, op)
+
+    def scale(self, pg: str, seq: int, step: int, grown: int | None, time_s: float) -> None:
+        """A DDP bucket of group ``pg`` (collective ``seq`` of DDP step ``step``, issued at wall time
+        ``time_s``) whose scale this rank follows (``agent/scales.py``): ``grown``, by how many binary orders
+        it jumped over its recent scale, or None. Kept: the jumps, the first of the latest burst (its seq,
+        step and orders), the last's time."""
+        jumps = self.scale_jumps.get(pg, (0, 0, 0, 0, 0.0))
+        if grown is not None and time_s - jumps[4] < BURST_GAP_S:  # its burst goes on: its first jump kept
+            self.scale_jumps[pg] = (jumps[0] + 1, *jumps[1:4], time_s)
+        elif grown is not None:
+            self.scale_jumps[pg] = (jumps[0] + 1, seq, step, grown, time_s)
+        elif pg not in self.scale_jumps:
+            self.scale_jumps[pg] = jumps
 
     def on_gpu(self, shape, queue_s: float, exec_s: float) -> None:
         """A collective of ``shape`` waited ``queue_s`` from issue to its start on the GPU, then ran ``exec_s``."""

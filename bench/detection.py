@@ -229,10 +229,15 @@ EXPECTED = {"nan": ("CommlensNaNOrigin",), "inf": ("CommlensNaNOrigin",),
             "late": ("CommlensRankLate", "CommlensPeerLate"), "leave": ("CommlensRankLate", "CommlensPeerLate"),
             "kill": ("CommlensRankKilled",), "size": ("CommlensCollectiveMismatch",),
             "desync": ("CommlensCollectiveDesync",), "slow-data": ("CommlensStraggler",),
-            "slow-compute": ("CommlensStraggler",), "stall": (), "none": ()}
+            "slow-compute": ("CommlensStraggler",), "corrupt": ("CommlensReplicaMismatch",),
+            "grow": ("CommlensInputDiverging",), "flip": ("CommlensInputDiverging",), "stall": (), "none": ()}
 """The alert(s) that name the culprit of each fault; none live for a one-off stall (named after the fact)."""
-TRAINS_ON_S = {"none": 30, "stall": 25, "nan": 30, "inf": 30, "late": 30, "slow-data": 50, "slow-compute": 50}
+TRAINS_ON_S = {"none": 30, "stall": 25, "nan": 30, "inf": 30, "late": 30, "slow-data": 50, "slow-compute": 50,
+               "corrupt": 30, "grow": 30, "flip": 30}
 """Seconds the job trains after the fault (after its start, healthy); the other faults end the job."""
+MODEL_PARAMS = {"flip": "bf16"}
+"""The model's dtype for a fault, in fp32 cells (``matrix_train.py --params``): a value flipped high in a
+bfloat16 gradient (autocast's cells keep float32 gradients)."""
 LATE_S = 20
 """A late rank's sleep: its alert fires (hang threshold 3 s, ``for`` 2 s) and the live diagnose reads it before
 it catches up."""
@@ -341,6 +346,17 @@ class Cell:
         return cls(layout, fault, mode, culprit, precision, world)
 
 
+REPLICA_FAULTS = {"corrupt": ("ddp",), "grow": ("ddp",), "flip": ("ddp",)}
+"""The layouts whose data-parallel groups hold three replicas or more, where a fault of one replica's
+data is named alone (of two that differ, which one is wrong is not known: both are named); ``grow``
+and ``flip`` also need DDP's buckets, whose scale commlens follows (matrix_train.py)."""
+
+
+def judged_in(layout: str, fault: str) -> bool:
+    """Whether the matrix has the cell of ``fault`` in ``layout``."""
+    return layout in REPLICA_FAULTS.get(fault, (layout,))
+
+
 @dataclasses.dataclass
 class CellResult:
     cell: Cell
@@ -400,21 +416,24 @@ def _ranks_said(report: str) -> set[str]:
 
 
 def run_cell(tmp_path: pathlib.Path, cell: Cell, alert_timeout_s: float = 90, after_end_s: float = 30,
-             after_s: float = 5) -> CellResult:
+             after_s: float = 5, trains_on_s: float | None = None, script_args: tuple[str, ...] = ()) -> CellResult:
     """One cell: Prometheus with the shipped rules, then the job; the expected alert awaited (up to
     ``alert_timeout_s``, or ``after_end_s`` past the job's end); ``diagnose --prometheus`` at once; the
     job let end (ended past its time); every alert that fired until then, and at least ``after_s`` past
-    the expected one; ``diagnose`` on the job's folder."""
+    the expected one; ``diagnose`` on the job's folder. ``trains_on_s``: in place of ``TRAINS_ON_S``'s;
+    ``script_args``: more of ``matrix_train.py``'s arguments."""
     started = time.monotonic()
     layout, fault = LAYOUTS[cell.layout], cell.fault
-    trains_on = TRAINS_ON_S.get(fault)
+    trains_on = trains_on_s or TRAINS_ON_S.get(fault)
     slowed_s = 0.06 if fault.startswith("slow") else 0  # the slow rank's --slow-ms: every step waits for it
     fault_step = FAULT_STEP + (math.ceil(JUDGED_AFTER_S / layout.step_s) if fault.startswith("slow") else 0)
     steps = fault_step + int(trains_on / (layout.step_s + slowed_s)) if trains_on else 100_000
     if fault == "none":
         steps = int(trains_on / layout.step_s)
     extra = ["--layout", cell.layout, "--precision", cell.precision, "--step-ms", str(layout.step_ms),
-             "--late-s", str(LATE_S), "--timeout-s", str(BACKEND_TIMEOUT_S.get(fault, 60))]
+             "--late-s", str(LATE_S), "--timeout-s", str(BACKEND_TIMEOUT_S.get(fault, 60)), *script_args]
+    if cell.precision == "fp32" and fault in MODEL_PARAMS:
+        extra += ["--params", MODEL_PARAMS[fault]]
     # a straggler's verdict needs no hang threshold: at 3 s a stall of this 2-core machine makes ranks
     # wait past it (as tests/test_verdicts.py's slow rank)
     hang_threshold_s = 60 if fault.startswith("slow") else 3
@@ -508,7 +527,7 @@ def matrix_main(argv: list[str]) -> None:
         parser.error(str(error))
     cells = cells or [
         Cell.make(layout, fault, mode, args.precision, seed=args.seed) for layout in args.layouts.split(",")
-        for fault in args.faults.split(",") for mode in args.modes.split(",")]
+        for fault in args.faults.split(",") for mode in args.modes.split(",") if judged_in(layout, fault)]
     header = (f"{'cell':<34}{'P/R alerts':>11}{'P/R live':>10}{'P/R offline':>12}{'fire s':>8}{'wall s':>8}  ok    "
               f"named by alerts; by live diagnose; by offline diagnose   (culprit's position)")
     print(header, flush=True)

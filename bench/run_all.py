@@ -43,6 +43,8 @@ BENCHES = (
     Bench("hook_overhead", ("bench/hook_overhead.py",), "the hot path alone, a backend that returns at once"),
     Bench("export_throughput", ("bench/export_throughput.py",), "the sidecar's drain, span building, the trace file"),
     Bench("nan_check", ("bench/nan_check.py",), "the NaN/Inf check against one torch.sum of the payload"),
+    Bench("fingerprints", ("bench/fingerprints.py",),
+          "one fingerprint against one torch.sum; a DDP step's share at each sampling"),
     Bench("agent_cost", ("bench/agent_cost.py", "--repeats", "5"),
           "the whole agent, each configuration against no commlens: fresh 2-rank jobs, and CPU on one rank"),
     Bench("latency_loop", ("bench/latency_loop.py",), "2 ranks, configurations switched in place: rank 0 by thread"),
@@ -53,6 +55,8 @@ BENCHES = (
     Bench("shards", ("bench/shards.py",), "the same jobs on three Prometheus servers, sharded by job (hashmod)"),
     Bench("fire_times", ("bench/fire_times.py",),
           "seconds from a fault's first scrape to its culprit's alert at each scrape interval, promtool's replays"),
+    Bench("replica_soak", ("bench/replica_soak.py",),
+          "healthy DDP jobs, 10 minutes each in fp32, bf16, fp16 and a bfloat16 model, watched for a false alarm"),
     Bench("detection", ("bench/detection.py", "--matrix", "--seed", "9"),
           "the verdict matrix: every layout and fault, both modes, culprits drawn"),
 )
@@ -102,6 +106,11 @@ def _cells_held(out: str) -> float:
     return sum(row[6] == "ok" for row in rows) / len(rows)
 
 
+def _quiet_runs(out: str) -> float:
+    runs = [line for line in out.splitlines() if line.startswith("ddp ")]
+    return sum("no alert, nothing found" in line for line in runs) / len(runs)
+
+
 def _slowest(*faults: str) -> Callable[[str], float]:
     def read(out: str) -> float:
         times = [float(row[4]) for row in _matrix_rows(out) if row[0].split(":")[1] in faults and row[4] != "-"]
@@ -136,6 +145,8 @@ GOALS = (
          _nan_check_worst(0), "×", at_most=1.2),
     Goal("a payload holding Inf costs the check ≤ 2× a finite one (the worst payload)", "nan_check",
          _nan_check_worst(1), "×", at_most=2),
+    Goal("replica fingerprints at the default sampling (every 61st collective): ≤ 1 % of a DDP step",
+         "fingerprints", _number(r"^61\s+([\d.]+)%"), "%", at_most=1),
     Goal("CPU commlens uses per collective, one rank, default: ≤ 5 µs", "agent_cost",
          _number(r"^default\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+([\d.]+)$"), "µs", at_most=5),
     Goal("CPU commlens uses per collective on rank 0 of two, default (training thread + its threads): ≤ 5 µs",
@@ -150,6 +161,8 @@ GOALS = (
          _all_right("10,000 ranks,"), "", at_least=1),
     Goal("three Prometheus servers sharded by job, 10,000 ranks: the same", "shards",
          _all_right("10,000 ranks,"), "", at_least=1),
+    Goal("healthy DDP jobs of 10 minutes (4 precisions): runs with no alert and nothing found", "replica_soak",
+         _quiet_runs, "of runs", at_least=1),
     Goal("the verdict matrix: cells where every reader names the culprit and no one else", "detection",
          _cells_held, "of cells", at_least=1),
     Goal("NaN/Inf origin named ≤ 5 s after the fault (slowest cell)", "detection", _slowest("nan", "inf"), "s",

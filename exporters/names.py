@@ -35,6 +35,13 @@ NONFINITE_FIRST_SEQ = "commlens_nonfinite_first_seq"
 NONFINITE_FIRST_SEND = "commlens_nonfinite_first_send"
 NONFINITE_ENTRY_SEQ = "commlens_nonfinite_entry_seq"
 NONFINITE_ISSUED_BEFORE = "commlens_nonfinite_issued_before_seq"
+REPLICA_FINGERPRINT = "commlens_replica_fingerprint"
+REPLICA_FINGERPRINT_SEQ = "commlens_replica_fingerprint_seq"
+INPUT_SCALE_JUMPS = "commlens_input_scale_jumps"
+INPUT_SCALE_JUMP_ORDERS = "commlens_input_scale_jump_orders"
+INPUT_SCALE_JUMP_SEQ = "commlens_input_scale_jump_seq"
+INPUT_SCALE_JUMP_STEP = "commlens_input_scale_jump_step"
+INPUT_SCALE_JUMP_TIME = "commlens_input_scale_jump_time_seconds"
 LOSS_SCALE_STEPS = "commlens_loss_scale_steps"
 ABORT_SNAPSHOTS = "commlens_abort_snapshots"
 RING_RECORDS_DROPPED = "commlens_ring_records_dropped"
@@ -45,9 +52,12 @@ RANK_UP = "commlens_rank_up"
 
 HISTOGRAMS = (COLLECTIVE_DURATION,)
 COUNTERS = (COLLECTIVES, COLLECTIVE_BYTES, COLLECTIVE_BUS_BYTES, GPU_QUEUE, GPU_EXEC, HANGS, NAN_EVENTS,
-            LOSS_SCALE_STEPS, ABORT_SNAPSHOTS, RING_RECORDS_DROPPED, SPANS_EXPORTED, TELEMETRY_ERRORS)
+            LOSS_SCALE_STEPS, ABORT_SNAPSHOTS, RING_RECORDS_DROPPED, SPANS_EXPORTED, TELEMETRY_ERRORS,
+            INPUT_SCALE_JUMPS)
 GAUGES = (LAST_SEQ, INFLIGHT, INFLIGHT_OLDEST, HUNG_SEQ, HUNG_BYTES, P2P_HUNG, FAILED_SEQ, P2P_FAILED,
-          NONFINITE_FIRST_SEQ, NONFINITE_FIRST_SEND, NONFINITE_ENTRY_SEQ, NONFINITE_ISSUED_BEFORE, INFO, RANK_UP)
+          NONFINITE_FIRST_SEQ, NONFINITE_FIRST_SEND, NONFINITE_ENTRY_SEQ, NONFINITE_ISSUED_BEFORE, REPLICA_FINGERPRINT,
+          REPLICA_FINGERPRINT_SEQ, INPUT_SCALE_JUMP_ORDERS, INPUT_SCALE_JUMP_SEQ,
+          INPUT_SCALE_JUMP_STEP, INPUT_SCALE_JUMP_TIME, INFO, RANK_UP)
 
 
 def total(counter: str) -> str:
@@ -81,6 +91,14 @@ values reached it."""
 NONFINITE_ENTRY = "commlens.nonfinite.entry"
 """On the rank's first input of all that held NaN or Inf: where it had come to in its groups then, JSON
 ``{"issued": {group: last collective seq}, "received": {group: {peer: recvs from it}}}``."""
+FINGERPRINT = "commlens.fingerprint"
+"""On a fingerprinted collective (every Nth all_reduce, broadcast, all_gather of its group): its result's
+fingerprint, the same on every member unless one's result was corrupted."""
+INPUT_SCALE_JUMP = "commlens.input_scale_jump"
+"""On a DDP bucket whose largest value grew 2^n over the bucket's recent scale on this rank: n (a value
+flipped high, or the rank's gradients grown; its peers' buckets tell which)."""
+INPUT_SCALE_JUMP_AT_STEP = "commlens.input_scale_jump.step"
+"""On such a bucket: its group's DDP step, counted from 0 (the same on every replica)."""
 LOSS_SCALE_SKIPPED = "commlens.loss_scale.skipped_step"
 """On a collective with a non-finite tensor in a step the loss scaler skipped: that step's number among
 the skipped steps of its rank (1, 2, ...). Its values were the scaler's overflow, not a fault."""

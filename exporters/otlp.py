@@ -148,6 +148,10 @@ def _own(c: Collective) -> dict[str, Any]:
         own[names.LOSS_SCALE_SKIPPED] = c.loss_scale_skipped
     if c.send_number:
         own[names.SEND_NUMBER] = c.send_number
+    if c.fingerprint >= 0:
+        own[names.FINGERPRINT] = c.fingerprint
+    if c.scale_jump is not None:
+        own[names.INPUT_SCALE_JUMP], own[names.INPUT_SCALE_JUMP_AT_STEP] = c.scale_jump
     return own
 
 

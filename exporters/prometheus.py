@@ -179,6 +179,25 @@ class MetricsCollector(_Scrapes):
         yield _counter(names.NAN_EVENTS, "Collectives whose input (or output) held NaN (kind nan) or Inf (kind inf)",
                        ("op", "pg", "kind"), {**{(*k, kind): 0 for k in seen for kind in NONFINITE_KINDS}, **s.nans},
                        rank)
+        yield _gauge(names.REPLICA_FINGERPRINT, "A fingerprint of the result of one of the group's last fingerprinted "
+                     "collectives (all_reduce, broadcast, all_gather: every member holds the same), by slot; a rank "
+                     "whose value differs from its group's at the same sequence number holds a corrupted result",
+                     ("pg", "slot"), {key: value for key, (_, value, _) in s.fingerprints.items()}, rank)
+        yield _gauge(names.REPLICA_FINGERPRINT_SEQ, "The sequence number of the collective whose fingerprint is in the "
+                     "slot, by its op", ("pg", "slot", "op"),
+                     {(pg, slot, op): seq for (pg, slot), (seq, _, op) in s.fingerprints.items()}, rank)
+        jumps = s.scale_jumps
+        yield _counter(names.INPUT_SCALE_JUMPS, "DDP gradient buckets of the group whose largest value grew 256 times "
+                       "or more over the bucket's recent scale on this rank (its median of the last 16 steps): a value "
+                       "flipped high, or the rank's gradients grown", ("pg",),
+                       {(pg,): n for pg, (n, *_) in jumps.items()}, rank)
+        for name, field, what in ((names.INPUT_SCALE_JUMP_SEQ, 1, "its collective's sequence number"),
+                                  (names.INPUT_SCALE_JUMP_STEP, 2, "its group's DDP step, counted from 0"),
+                                  (names.INPUT_SCALE_JUMP_ORDERS, 3, "by how many binary orders the bucket grew")):
+            yield _gauge(name, f"The first jump of the latest burst (jumps under a minute apart), where it began: "
+                         f"{what} (0: none yet)", ("pg",), {(pg,): jump[field] for pg, jump in jumps.items()}, rank)
+        yield _gauge(names.INPUT_SCALE_JUMP_TIME, "The last jump: when its collective was issued, unix seconds "
+                     "(0: none yet)", ("pg",), {(pg,): jump[4] for pg, jump in jumps.items()}, rank)
         yield _gauge(names.NONFINITE_FIRST_SEQ, "Sequence number of the first collective whose input held NaN or Inf "
                      "on this rank (outside steps a loss scaler skipped); the lowest across ranks is where the values "
                      "entered", ("pg", "op", "kind"),

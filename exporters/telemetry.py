@@ -63,6 +63,12 @@ class Collective(NamedTuple):
     nonfinite_entry: str = ""
     """For the rank's first input of all that held NaN or Inf: where it had come to in its groups then,
     as JSON (``{"issued": {group: seq}, "received": {group: {peer: recvs}}}``, ``NonfiniteEntry``)."""
+    fingerprint: int = -1
+    """For a fingerprinted collective (every member of its group holds the same result): its result's
+    fingerprint (48 bits, ``hooks/fingerprints.py``); -1 otherwise."""
+    scale_jump: tuple[int, int] | None = None
+    """For a DDP bucket whose largest value grew ``2**orders`` over the bucket's recent scale
+    (``agent/scales.py``): (orders, the DDP step of its group, counted from 0); None otherwise."""
 
 
 class NonfiniteEntry(NamedTuple):
@@ -100,6 +106,12 @@ class GroupInFlight(NamedTuple):
     """The payload bytes of the oldest collective in flight past the hang threshold (``hung_seq``'s)."""
 
 
+BURST_GAP_S = 60.0
+"""A rank's jumps of a DDP bucket's scale less than this apart are one burst, of its group's members' one
+event: a value flipped high reaches every replica through the all_reduce, and their next steps' gradients
+jump too; the first jump is where it began (``StatsSnapshot.scale_jumps``)."""
+
+
 class StatsSnapshot(NamedTuple):
     """A rank's counters at one moment (``Stats.snapshot()``), keyed as the metrics are labelled."""
 
@@ -131,6 +143,13 @@ class StatsSnapshot(NamedTuple):
     p2p_failed: dict[str, tuple[int, str, int]]
     """pg -> (seq, op, the peer's global rank): the first point-to-point op that failed (its peer's process
     ended: gloo fails at once)."""
+    fingerprints: dict[tuple[str, str], tuple[int, int, str]]
+    """(pg, slot) -> (seq, fingerprint, op): the group's last fingerprinted results, ``FINGERPRINT_SLOTS`` of
+    them, each in the slot of its number among them (the same slot on every rank for the same seq)."""
+    scale_jumps: dict[str, tuple[int, int, int, int, float]]
+    """pg -> (jumps, seq, step, binary orders, wall time) of the group's DDP buckets whose scale this rank
+    follows: how many grew ``2**SCALE_JUMP`` or more over their recent scale; the first jump of the latest
+    burst (its seq, DDP step and orders: where it began) and the time of its last (zeros: none yet)."""
 
 
 class RankTelemetry(Protocol):

@@ -23,18 +23,22 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <structmember.h>
+#include <time.h>
 
+#include "_fingerprint.h"
 #include "_gpu.h"
 #include "_record.h"
 #include "_state.h"
+#include "_tensor_memory.h"
 
 static int (*issuing_now)(void);
 static int (*issuing_set)(int);
 static uint64_t (*write_record)(PyObject *, const unsigned long long *);
+static void (*write_record_at)(PyObject *, const unsigned long long *, uint64_t);
 static commlens_state *state;
 
 static PyObject *s_producer, *s_is_cuda, *s_shape, *s_dtype, *s_sid, *s_next_collective_seq, *s_start, *s_get_device,
-    *s_layout, *s_pool_exhausted, *s_gpu_check, *s_end;
+    *s_layout, *s_pool_exhausted, *s_gpu_check, *s_end, *s_fingerprint, *s_fingerprint_unread;
 static PyObject *s_parameters[4]; /* tensor, op, group, async_op */
 
 typedef struct {
@@ -237,9 +241,10 @@ static int counted(AllReduce *self, PyObject *label) {
     return result == NULL ? -1 : 0;
 }
 
-/* process_ring.count_error("gpu_pool_exhausted"): the op goes untimed on the GPU, or unchecked. */
-static int pool_exhausted(AllReduce *self) {
-    PyObject *result = PyObject_CallOneArg(self->count_error, s_pool_exhausted);
+/* process_ring.count_error(kind): "gpu_pool_exhausted" (the op goes untimed on the GPU, or unchecked), or
+ * "fingerprint_unread" (a result due a fingerprint not readable here). */
+static int count_lost(AllReduce *self, PyObject *kind) {
+    PyObject *result = PyObject_CallOneArg(self->count_error, kind);
     Py_XDECREF(result);
     return result == NULL ? -1 : 0;
 }
@@ -252,14 +257,38 @@ static int64_t gpu_started(AllReduce *self, PyObject *tensor, Common *c, const u
         record_fields n; /* its NAN_HAS_* bit and count the GPU's poll adds */
         nan_fields(n, self->code, start[3], start[4], start[5], c->sig, -1, 0, 0, 0);
         int issued = self->gpu->check(tensor, c->producer, n, c->found);
-        if ((issued < 0 || (issued == 0 && pool_exhausted(self) < 0)) && counted(self, s_gpu_check) < 0)
+        if ((issued < 0 || (issued == 0 && count_lost(self, s_pool_exhausted) < 0)) && counted(self, s_gpu_check) < 0)
             return -2;
     }
     write_record(c->producer, start);
     int64_t pair = self->gpu->start(c->device);
-    if ((pair == -2 || (pair == -1 && pool_exhausted(self) < 0)) && counted(self, s_start) < 0)
+    if ((pair == -2 || (pair == -1 && count_lost(self, s_pool_exhausted) < 0)) && counted(self, s_start) < 0)
         return -3;
     return pair < 0 ? -1 : pair;
+}
+
+/* FINGERPRINT of the result, a CPU tensor reduced in place, for a collective whose fingerprint is due (the
+ * group's every ``every``th: state.fingerprint_every, as fingerprints.due), before its END (the sidecar
+ * keeps its span by it). 0, or -1 where an error must propagate (an error of commlens' own is counted).
+ * Over a MiB the hash lets other threads run (the caller holds the tensor). */
+static int fingerprinted(AllReduce *self, PyObject *tensor, Common *c, unsigned long long sid,
+                         unsigned long long op_id, unsigned long long seq, int every) {
+    long long address = c->nbytes == 0 ? 1 : readable_address(tensor);  /* empty: 0, as _fingerprint.c's */
+    if (address <= 0)
+        return address == 0 ? count_lost(self, s_fingerprint_unread) : counted(self, s_fingerprint);
+    const unsigned char *bytes = (const unsigned char *)(uintptr_t)address;
+    uint64_t value;
+    if (c->nbytes > FINGERPRINT_HOLDING_THE_GIL) {
+        Py_BEGIN_ALLOW_THREADS
+        value = fingerprint_of(bytes, (int64_t)c->nbytes);
+        Py_END_ALLOW_THREADS
+    } else {
+        value = fingerprint_of(bytes, (int64_t)c->nbytes);
+    }
+    record_fields f;
+    fingerprint_fields(f, self->code, sid, op_id, seq, c->sig, value, (unsigned long long)every);
+    write_record(c->producer, f);
+    return 0;
 }
 
 static int unsigned_of(PyObject *number, unsigned long long *out) {
@@ -310,6 +339,16 @@ static PyObject *issue(AllReduce *self, PyObject *const a[4], Common *c) {
     end_fields(v, self->code, sid, op_id, seq, c->nbytes, c->sig, -1, STATUS_OK, 0);
     if (pair >= 0 && self->gpu->end(pair, c->producer, v) == 0)
         return result;  /* the GPU's poll writes GPU_START and END */
+    int every = state->fingerprint_every;
+    if (pair < 0 && every > 0 && seq % (unsigned long long)every == 0) { /* FINGERPRINT, then END at its own time */
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        int raised = fingerprinted(self, a[0], c, sid, op_id, seq, every) < 0;
+        write_record_at(c->producer, v, (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec);
+        if (raised)
+            Py_CLEAR(result);
+        return result;
+    }
     write_record(c->producer, v);
     if (pair >= 0) {
         self->gpu->release(pair);
@@ -444,15 +483,18 @@ PyMODINIT_FUNC PyInit__all_reduce(void) {
     issuing_set = (int (*)(int))PyCapsule_Import("commlens.hooks._issuing.set", 0);
     write_record = (uint64_t(*)(PyObject *, const unsigned long long *))PyCapsule_Import(
         "commlens.ring._producer.write_record", 0);
+    write_record_at = (void (*)(PyObject *, const unsigned long long *, uint64_t))PyCapsule_Import(
+        "commlens.ring._producer.write_record_at", 0);
     state = (commlens_state *)PyCapsule_Import(COMMLENS_STATE_CAPSULE, 0);
-    if (issuing_now == NULL || issuing_set == NULL || write_record == NULL || state == NULL)
+    if (issuing_now == NULL || issuing_set == NULL || write_record == NULL || write_record_at == NULL || state == NULL)
         return NULL;
     const char *strings[] = {"producer", "is_cuda", "shape", "dtype", "sid", "next_collective_seq", "START", "tensor",
                              "op", "group", "async_op", "get_device", "layout", "gpu_pool_exhausted", "GPU check",
-                             "END"};
+                             "END", "FINGERPRINT", "fingerprint_unread"};
     PyObject **interned[] = {&s_producer, &s_is_cuda, &s_shape, &s_dtype, &s_sid, &s_next_collective_seq, &s_start,
                              &s_parameters[0], &s_parameters[1], &s_parameters[2], &s_parameters[3], &s_get_device,
-                             &s_layout, &s_pool_exhausted, &s_gpu_check, &s_end};
+                             &s_layout, &s_pool_exhausted, &s_gpu_check, &s_end, &s_fingerprint,
+                             &s_fingerprint_unread};
     for (size_t i = 0; i < sizeof(strings) / sizeof(strings[0]); i++)
         if ((*interned[i] = PyUnicode_InternFromString(strings[i])) == NULL)
             return NULL;

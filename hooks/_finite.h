@@ -13,6 +13,12 @@
 #define CARRY16(bits) ((uint16_t)(((bits) & 0x7c00u) + 0x0400u))                              /* float16 */
 #define CARRY_BF16(bits) ((uint16_t)(((bits) & 0x7f80u) + 0x0080u))                           /* bfloat16 */
 #define NONFINITE32 0x80000000u
+/* The exponent field: a pass that also wants the values' scale takes its largest, all ones exactly where a
+ * value is NaN or Inf. */
+#define EXPONENT32(bits) ((uint32_t)((bits) & 0x7f800000u))
+#define EXPONENT64(bits) ((uint64_t)((bits) & 0x7ff0000000000000ull))
+#define EXPONENT16(bits) ((uint16_t)((bits) & 0x7c00u))   /* float16 */
+#define EXPONENT_BF16(bits) ((uint16_t)((bits) & 0x7f80u)) /* bfloat16 */
 #define NONFINITE64 0x8000000000000000ull
 #define NONFINITE16 0x8000u
 

@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "_finite.h"
+#include "_tensor_memory.h"
 
 enum { KIND_FLOAT32, KIND_FLOAT64, KIND_FLOAT16, KIND_BFLOAT16, KINDS };
 
@@ -84,32 +85,6 @@ static void count(const void *x, Py_ssize_t n, int kind, Py_ssize_t *nans, Py_ss
     case KIND_FLOAT16: count16(x, n, nans, infs); break;
     default: count_bf16(x, n, nans, infs);
     }
-}
-
-/* The address of t's data when it is a contiguous CPU tensor with data; 0 when its memory cannot be
- * read here (a CUDA, sparse, strided, fake or wrapper tensor); -1 with an exception set. */
-static long long readable_address(PyObject *t) {
-    unsigned long long address = 0;
-    PyObject *cpu = PyObject_GetAttrString(t, "is_cpu");
-    int readable = cpu == NULL ? -1 : PyObject_IsTrue(cpu);
-    Py_XDECREF(cpu);
-    if (readable > 0) {
-        PyObject *contiguous = PyObject_CallMethod(t, "is_contiguous", NULL);
-        readable = contiguous == NULL ? -1 : PyObject_IsTrue(contiguous);
-        Py_XDECREF(contiguous);
-    }
-    if (readable > 0) {
-        PyObject *pointer = PyObject_CallMethod(t, "data_ptr", NULL);
-        address = pointer == NULL ? 0 : PyLong_AsUnsignedLongLong(pointer);
-        Py_XDECREF(pointer);
-        readable = PyErr_Occurred() ? -1 : address != 0;
-    }
-    if (readable < 0) {  /* no storage (sparse, fake), or no notion of contiguity (sparse CSR) */
-        if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
-            return -1;
-        PyErr_Clear();
-    }
-    return readable > 0 ? (long long)address : 0;
 }
 
 /* The arguments (t, (floats, kind)) of ``name``; 0 when they are accepted, -1 with an exception set. */

@@ -18,6 +18,8 @@ static PyMemberDef state_members[] = {
     {"hooked", T_BOOL, offsetof(commlens_state, hooked), 0, "a pre- or post-hook must see every collective"},
     {"checking_inputs", T_BOOL, offsetof(commlens_state, checking_inputs), 0, "an input check is registered"},
     {"ddp_active", T_INT, offsetof(commlens_state, ddp_active), 0, "DDP communication hooks running now"},
+    {"fingerprint_every", T_INT, offsetof(commlens_state, fingerprint_every), 0,
+     "a group's every Nth collective's result is fingerprinted (0: none)"},
     {"reporting", T_OBJECT, offsetof(commlens_state, reporting), 0, "the one input check's report, or None"},
     {"reporting_found", T_OBJECT, offsetof(commlens_state, reporting_found), 0, "its found, or None"},
     {"where", T_OBJECT, offsetof(commlens_state, where), 0, "module attribution's where(), or None"},
@@ -51,7 +53,7 @@ PyMODINIT_FUNC PyInit__state(void) {
     if (state == NULL)
         return NULL;
     state->hooked = state->checking_inputs = 0;
-    state->ddp_active = 0;
+    state->ddp_active = state->fingerprint_every = 0;
     PyObject **objects[] = {&state->reporting, &state->reporting_found, &state->where, &state->ring};
     for (size_t i = 0; i < sizeof(objects) / sizeof(objects[0]); i++)
         *objects[i] = Py_NewRef(Py_None);

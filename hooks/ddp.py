@@ -25,9 +25,10 @@ from commlens.ring import _producer
 from commlens.ring.layout import ERROR, NOT_ISSUED, OK
 from commlens.ring.ops import OpName
 
-from . import _issuing, extension, groups, issuing, process_ring, signatures
+from . import _issuing, extension, fingerprints, groups, issuing, process_ring, signatures
 from .futures import then, when_done
 from .patch import Patches
+from .record import status_of
 from .recorder import InFlight
 from .registry import post_hooks
 from ._state import state as hot_state
@@ -45,6 +46,8 @@ class DdpBucket:
     """The backward passes of its model that ended (with their last bucket) before this bucket's."""
     wire_bytes: int = 0
     """Bytes the wrapped hook's own collectives carried (after compression); known once it returned."""
+    exponent: int | None = None
+    """The largest binary exponent among its values, where the C++ hook's pass over them found it (in START)."""
 
 
 class Steps:
@@ -111,12 +114,27 @@ def wrap(hook: Callable | None = None) -> Callable:
             return future
         if flight.gpu is not None:  # a bucket on a CUDA device completes when the GPU has reduced it
             flight.gpu_end(future)
+        elif fingerprints.due(flight.code, flight.seq):  # DDP gets the hook's result once it is fingerprinted
+            return then(future, functools.partial(_completed_with_result, flight))
         else:
             when_done(future, flight._future_done)
         return future
 
     recorded._commlens_wrapped = True
     return recorded
+
+
+def _completed_with_result(flight: InFlight, done: Any) -> Any:
+    """The hook's result, ``flight`` completed first with it as its output (what the hook's future holds,
+    whatever the bucket's buffer holds); the hook's error raised on, to DDP."""
+    try:
+        value = done.value()
+    except Exception as error:
+        flight.complete(status_of(error), error)
+        raise
+    flight.output_tensors = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    flight.complete(OK, None)
+    return value
 
 
 def recorded_allreduce() -> Callable:
@@ -167,30 +185,31 @@ def _start(state: Any, bucket: Any, steps: Steps) -> InFlight | None:
 
 
 def _begin(pg: Any, buffer: torch.Tensor, index: int, parameters: int, is_last: bool,
-           finite: bool | None = None, *, steps: Steps) -> InFlight | None:
+           finite: bool | None = None, exponent: int | None = None, *, steps: Steps) -> InFlight | None:
     step = steps.of(is_last)
     try:
         group = groups.group_of(pg)
     except Exception as error:  # commlens could not record it: the bucket goes on unrecorded
         process_ring.internal_error("ddp bucket", error)
         return None
-    info = DdpBucket(index, parameters, is_last, buffer.numel() * buffer.element_size(), step)
+    info = DdpBucket(index, parameters, is_last, buffer.numel() * buffer.element_size(), step, exponent=exponent)
     tensors = (buffer,)
     return issuing.start(OpName.all_reduce, group, tensors, tensors, True, None, None, bucket=info,
                           inputs_finite=finite is True)
 
 
 def _begin_in_cpp(pg: Any, buffer: torch.Tensor, index: int, parameters: int, is_last: bool,
-                  finite: bool | None, *, steps: Steps) -> tuple | None:
+                  finite: bool | None, exponent: int | None, *, steps: Steps) -> tuple | None:
     """``begin`` of the C++ hook (one model's, ``steps`` bound): START of a bucket it has divided,
-    ``finite`` when its pass proved every element finite (the NaN check is then left out); what it
-    needs to end it (``_ddp_hook.cpp``)."""
-    flight = _begin(pg, buffer, index, parameters, is_last, finite, steps=steps)
+    ``finite`` when its pass proved every element finite (the NaN check is then left out), ``exponent``
+    the largest among them; what it needs to end it (``_ddp_hook.cpp``)."""
+    flight = _begin(pg, buffer, index, parameters, is_last, finite, exponent, steps=steps)
     if flight is None:
         return None
     flight.bucket.wire_bytes = flight.bucket.nbytes
     producer = None if post_hooks.entries else process_ring.ring().producer  # post-hooks run in Python
-    return _end_in_python, flight, producer, flight.end_args()
+    due = fingerprints.due(flight.code, flight.seq) and producer is not None  # else complete() writes it
+    return _end_in_python, flight, producer, flight.end_args(), flight.fingerprint_args() if due else None
 
 
 def _end_in_python(flight: InFlight, error: str | None) -> None:
@@ -207,7 +226,7 @@ def cpp_hook() -> Any:
     return extension.load_or_warn(
         "_ddp_hook.cpp", "C++ hook",
         "records DDP gradient buckets with a Python communication hook, about 100 µs more per bucket",
-        lambda module: module.init(_issuing.set, _producer.write_record))
+        lambda module: module.init(_issuing.set, _producer.write_record, _producer.write_record_at))
 
 
 def _record_buckets(model: DistributedDataParallel, reducer: Any) -> None:

@@ -23,8 +23,8 @@ import itertools
 from typing import Any, Callable
 
 from commlens.ring.codec import encode_group
-from commlens.ring.layout import (END, ERROR, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, OK, REASONS, SNAPSHOT,
-                                   START, TIMEOUT)
+from commlens.ring.layout import (END, ERROR, FINGERPRINT, GPU_START, LOSS_SCALE, LOSS_SCALE_EVENTS, NAN, OK, REASONS,
+                                   SNAPSHOT, START, TIMEOUT)
 
 from . import process_ring
 from ._state import state
@@ -47,14 +47,14 @@ def producer() -> Any:
 
 
 def start(write: Write, op: int, pg: int, op_id: int, seq: int, nbytes: int, sig: int, peer: int,
-          flags: int = 0, bucket: int = 0, t_ns: int | None = None) -> int:
-    """START: the op is about to be issued (``flags``: ``FLAG_*``; ``bucket``: a DDP bucket's index + 1);
-    returns its time."""
+          flags: int = 0, aux: int = 0, t_ns: int | None = None) -> int:
+    """START: the op is about to be issued (``flags``: ``FLAG_*``; ``aux``: a DDP bucket's
+    ``layout.start_aux``); returns its time."""
     where = state.where  # set by ``attribution.enable()``: the (module string id << 8) | phase of an op issued now
     at = 0 if where is None else where()
     if t_ns is None:
-        return write(START, op, flags, pg, op_id, seq, nbytes, sig, peer, bucket, at)
-    return write(START, op, flags, pg, op_id, seq, nbytes, sig, peer, bucket, at, t_ns)
+        return write(START, op, flags, pg, op_id, seq, nbytes, sig, peer, aux, at)
+    return write(START, op, flags, pg, op_id, seq, nbytes, sig, peer, aux, at, t_ns)
 
 
 def end(write: Write, op: int, pg: int, op_id: int, seq: int, nbytes: int, sig: int, peer: int,
@@ -88,6 +88,18 @@ def nan_args(op: int, pg: int, op_id: int, seq: int, sig: int, peer: int, index:
              count: int) -> tuple[int, ...]:
     """NAN's arguments to ``Ring.write`` (``where`` included), for a writer in C++ (``_gpu.cpp``)."""
     return NAN, op, flags, pg, op_id, seq, count, sig, peer, index, 0
+
+
+def fingerprint(write: Write, op: int, pg: int, op_id: int, seq: int, sig: int, value: int, every: int) -> int:
+    """FINGERPRINT: the op's result, which every member of its group holds alike, as ``value``
+    (``fingerprints.of``); one of every ``every`` collectives of the group."""
+    return write(*fingerprint_args(op, pg, op_id, seq, sig, every, value))
+
+
+def fingerprint_args(op: int, pg: int, op_id: int, seq: int, sig: int, every: int, value: int = 0) -> tuple[int, ...]:
+    """FINGERPRINT's arguments to ``Ring.write`` (``where`` included), for a writer in C++ (``_ddp_hook.cpp``),
+    which puts the value in ``nbytes`` (index 6)."""
+    return FINGERPRINT, op, 0, pg, op_id, seq, value, sig, -1, every, 0
 
 
 def snapshot(write: Write, reason: str) -> int:

@@ -10,12 +10,14 @@ blocking the caller.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, NoReturn
 
-from commlens.ring.layout import FLAG_ASYNC, FLAG_LAST_BUCKET, OK, STATUS
+from commlens.ring.layout import FLAG_ASYNC, FLAG_LAST_BUCKET, OK, STATUS, start_aux
 from commlens.ring.ops import CODE, OPS, OpName
 
-from . import cuda, finite, process_ring, record, signatures
+from . import cuda, fingerprints, finite, process_ring, record, signatures
+from ._state import state
 from .futures import when_done
 from .ops import AbortHookArgs, PostHookArgs, PreHookArgs
 from .poller import poller
@@ -88,7 +90,17 @@ class InFlight(PreHookArgs):
             self.gpu = None
         fields = (record.writer(), self.code, self.sid, self.op_id, self.seq, self.nbytes, self.sig, self.wire_peer,
                   status, self._wire_bytes())
-        end = record.end(*fields) if gpu_ns is None else record.end_on_gpu(*fields, *gpu_ns)
+        if gpu_ns is not None:
+            end = record.end_on_gpu(*fields, *gpu_ns)
+        elif status == OK and (in_caller or self.bucket is not None) and fingerprints.due(self.code, self.seq):
+            # FINGERPRINT, then END at its own time. An async op's future wakes its waiters before its callbacks
+            # run: the caller may write the result while it is read here, so only a result the caller has not
+            # yet got is read (a sync op's, a waited one's, a DDP bucket's, whose future DDP gets follows this)
+            end = time.monotonic_ns()
+            fingerprints.write(fields[0], self.code, self.sid, self.op_id, self.seq, self.sig, self.output_tensors)
+            record.end(*fields, t_ns=end)
+        else:
+            end = record.end(*fields)
         if error is not None and abort_hooks.entries:
             abort_hooks.call(AbortHookArgs(self, error, STATUS[status]))
         if post_hooks.entries:
@@ -103,6 +115,10 @@ class InFlight(PreHookArgs):
         bucket's bytes on the wire."""
         return record.end_args(self.code, self.sid, self.op_id, self.seq, self.nbytes, self.sig, self.wire_peer, OK,
                                self._wire_bytes())
+
+    def fingerprint_args(self) -> tuple[int, ...]:
+        """FINGERPRINT's arguments to ``Ring.write`` but its value (0), for a writer in C++ (``_ddp_hook.cpp``)."""
+        return record.fingerprint_args(self.code, self.sid, self.op_id, self.seq, self.sig, state.fingerprint_every)
 
     def nan_args(self, index: int, flags: int) -> tuple[int, ...]:
         """NAN's arguments to ``Ring.write`` for tensor ``index`` of this op (count 0: not counted), for a
@@ -145,7 +161,7 @@ class InFlight(PreHookArgs):
 def begin(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async_op: bool,
           root: int | None, peer: int | None, bucket: Any = None, inputs_finite: bool = False) -> InFlight:
     """Run the pre-hooks and write START for one op about to be issued; returns its record.
-    ``bucket`` describes a DDP gradient bucket (``ddp.DdpBucket``); START's aux is its index + 1.
+    ``bucket`` describes a DDP gradient bucket (``ddp.DdpBucket``); START's aux holds its index and scale.
     ``inputs_finite``: the caller proved every input finite, and the input checks are left out.
     A propagating pre-hook's error is raised as ``HookRaised``, after the op's START and END."""
     call = InFlight.__new__(InFlight)
@@ -178,8 +194,9 @@ def begin(op: OpName, group: Group, tensors: tuple, output_tensors: tuple, async
 
 
 def _write_start(call: InFlight) -> None:
+    bucket = call.bucket
     call.t0 = record.start(record.writer(), call.code, call.sid, call.op_id, call.seq, call.nbytes, call.sig,
-                           call.wire_peer, call.flags, 0 if call.bucket is None else call.bucket.index + 1)
+                           call.wire_peer, call.flags, 0 if bucket is None else start_aux(bucket.index, bucket.exponent))
 
 
 def aborted(group_name: str) -> None:
@@ -231,6 +248,10 @@ def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple,
     if pair is not None:  # completes when the GPU has finished it (hooks/cuda.py)
         end = record.end_args(code, sid, op_id, seq, nbytes, sig, wire_peer)
         cuda.tracker().end(pair, None, (record.producer(), end), None)
+    elif fingerprints.due(code, seq):  # FINGERPRINT, then END at its own time
+        end = time.monotonic_ns()
+        fingerprints.write(write, code, sid, op_id, seq, sig, output_tensors)
+        record.end(write, code, sid, op_id, seq, nbytes, sig, wire_peer, t_ns=end)
     else:
         record.end(write, code, sid, op_id, seq, nbytes, sig, wire_peer)
     return result

@@ -151,7 +151,7 @@ static PyObject *fold_run(PyObject *module, PyObject *args) {
         Py_ssize_t j = *table_slot(&ends, r->op_id) - 1, g_at = *table_slot(&gpus, r->op_id) - 1;
         Py_ssize_t n_at = *table_slot(&nans, r->op_id) - 1;
         if (j <= i || partner[j] || *table_slot(&others, r->op_id) || (g_at >= 0 && (g_at < i || g_at > j)) ||
-            n_at > i)
+            n_at > i || r->aux >> BUCKET_BITS) /* a bucket's START with its values' exponent: the reader tracks it */
             continue;
         int gpu = g_at >= 0, nan = n_at >= 0 ? records[n_at].flags : 0;
         partner[j] = i + 1;

@@ -24,17 +24,19 @@ typedef struct {
 
 _Static_assert(sizeof(record_t) == RECORD_SIZE, "record layout must match layout.RECORD");
 
-enum { KIND_START = 1, KIND_END = 2, KIND_NAN = 3, KIND_GPU_START = 4, KIND_SNAPSHOT = 5, KIND_LOSS_SCALE = 6 };
+enum { KIND_START = 1, KIND_END = 2, KIND_NAN = 3, KIND_GPU_START = 4, KIND_SNAPSHOT = 5, KIND_LOSS_SCALE = 6,
+       KIND_FINGERPRINT = 7 };
 enum { STATUS_OK = 0, STATUS_ERROR = 1, STATUS_TIMEOUT = 2, STATUS_NOT_ISSUED = 3 }; /* END's flags */
 enum { NAN_OUTPUT = 1, NAN_HAS_NAN = 2, NAN_HAS_INF = 4 };                         /* NAN's flags */
 enum { FLAG_ASYNC = 1, FLAG_LAST_BUCKET = 2 };                                    /* START's flags */
+enum { BUCKET_BITS = 16 }; /* START's aux: a bucket's index + 1 below, its values' exponent above (layout.start_aux) */
 
 /* What a writer hands to write_record: kind, op, flags, pg, op_id, seq, nbytes, sig, peer, aux, where
  * (Ring.write's arguments, the time aside; a peer of -1 as its two's complement). */
 typedef unsigned long long record_fields[11];
 
-/* START: the op is about to be issued (``bucket``: a DDP bucket's index + 1, in aux; ``where``: module
- * attribution's (module string id << 8) | phase). */
+/* START: the op is about to be issued (``bucket``: a DDP bucket's index + 1, in aux: layout.start_aux; ``where``:
+ * module attribution's (module string id << 8) | phase). */
 static inline void start_fields(record_fields v, unsigned long long op, unsigned long long pg, unsigned long long op_id,
                                 unsigned long long seq, unsigned long long nbytes, unsigned long long sig, long long peer,
                                 unsigned long long flags, unsigned long long bucket, unsigned long long where) {
@@ -56,6 +58,15 @@ static inline void nan_fields(record_fields v, unsigned long long op, unsigned l
                               unsigned long long flags, unsigned long long count) {
     v[0] = KIND_NAN, v[1] = op, v[2] = flags, v[3] = pg, v[4] = op_id, v[5] = seq;
     v[6] = count, v[7] = sig, v[8] = (unsigned long long)peer, v[9] = index, v[10] = 0;
+}
+
+/* FINGERPRINT: the op's result, alike on every member of its group, as one number (in nbytes); one of
+ * every ``every`` collectives of the group (in aux). */
+static inline void fingerprint_fields(record_fields v, unsigned long long op, unsigned long long pg,
+                                      unsigned long long op_id, unsigned long long seq, unsigned long long sig,
+                                      unsigned long long fingerprint, unsigned long long every) {
+    v[0] = KIND_FINGERPRINT, v[1] = op, v[2] = 0, v[3] = pg, v[4] = op_id, v[5] = seq;
+    v[6] = fingerprint, v[7] = sig, v[8] = (unsigned long long)-1LL, v[9] = every, v[10] = 0;
 }
 
 #endif

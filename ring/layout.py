@@ -14,13 +14,15 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
-START, END, NAN, GPU_START, SNAPSHOT, LOSS_SCALE = 1, 2, 3, 4, 5, 6
+START, END, NAN, GPU_START, SNAPSHOT, LOSS_SCALE, FINGERPRINT = 1, 2, 3, 4, 5, 6, 7
 """Record kinds: a collective was issued, finished, had a non-finite tensor, started on the GPU; the
 writer asks its reader for a flight-recorder snapshot (``flags``: the reason's index in ``REASONS``);
-a loss scaler began or ended a step (``flags``: the index in ``LOSS_SCALE_EVENTS``)."""
+a loss scaler began or ended a step (``flags``: the index in ``LOSS_SCALE_EVENTS``); a collective's
+result, which every member of its group holds alike, as one number (in ``nbytes``: ``_fingerprint.c``)."""
 REASONS = ("abort", "hang", "signal", "exception", "peer", "exit")
 """Why a snapshot was written (each one's meaning: ``commlens_abort_snapshots_total`` in docs/metrics.md)."""
-ERRORS = ("hook", "recorder", "string_dropped", "work_unjudged", "gpu_pool_exhausted", "gpu_captured")
+ERRORS = ("hook", "recorder", "string_dropped", "work_unjudged", "gpu_pool_exhausted", "gpu_captured",
+          "fingerprint_unread")
 """What the writer lost, counted in the header (``commlens_telemetry_errors_total`` in docs/metrics.md)."""
 LOSS_SCALE_EVENTS = ("scaled", "applied", "skipped", "made")
 """A loss scaler (``torch.amp.GradScaler``) scaled a loss: the step's gradients follow; it ended the
@@ -30,6 +32,10 @@ NAN_OUTPUT, NAN_HAS_NAN, NAN_HAS_INF = 1, 2, 4
 """Bits of a NAN record's ``flags``: the tensor was an output; it held NaN; it held Inf."""
 FLAG_ASYNC, FLAG_LAST_BUCKET = 1, 2
 """Bits of a START record's ``flags``: the op is async; it is a DDP model's last gradient bucket."""
+BUCKET_BITS, EXPONENT_OFFSET = 16, 2048
+"""A START record's ``aux``: a DDP bucket's index + 1 in its low ``BUCKET_BITS`` bits (0: no bucket); above
+them, the largest binary exponent among the bucket's values as its pass over them found it, + ``EXPONENT_OFFSET``
+(0: not known; ``start_aux``)."""
 OK, ERROR, TIMEOUT, NOT_ISSUED = 0, 1, 2, 3
 STATUS = ("ok", "error", "timeout", "not_issued")
 """An END record's ``flags``: the op's status, by index. ``not_issued``: a DDP bucket whose communication
@@ -48,7 +54,7 @@ CLOSED_OFFSET = 44  # 1 once the writer closed the ring (uint32)
 STRING_CLAIM_OFFSET = 48  # bytes of the string arena claimed so far (uint64)
 CLAIM_OFFSET = 56  # the producers' next index (uint64)
 CURSOR_OFFSET = 64  # the reader's next index (uint64)
-ERRORS_OFFSET = 72  # one uint64 per ERRORS kind
+ERRORS_OFFSET = 72  # one uint64 per ERRORS kind, to HEADER_SIZE
 MAGIC = b"CMLNSRNG"
 VERSION = 5
 RECORD = struct.Struct("<QBBBBIQQQQIiIIQ")
@@ -74,3 +80,27 @@ class Record(NamedTuple):
     aux: int
     module: int
     tail: int
+
+
+def start_aux(bucket_index: int | None, exponent: int | None = None) -> int:
+    """START's ``aux`` of a DDP bucket (``bucket_index``; None: no bucket) whose largest value's binary
+    exponent is ``exponent`` (None: not known).
+
+    >>> bucket_of(start_aux(3, -7)), exponent_of(start_aux(3, -7))
+    (3, -7)
+    """
+    if bucket_index is None:
+        return 0
+    held = min(bucket_index + 1, (1 << BUCKET_BITS) - 1)  # a model of 65,535 buckets or more: the last ones as one
+    return held | (0 if exponent is None else exponent + EXPONENT_OFFSET) << BUCKET_BITS
+
+
+def bucket_of(aux: int) -> int:
+    """The DDP bucket's index in a START's ``aux``; -1: no bucket."""
+    return (aux & (1 << BUCKET_BITS) - 1) - 1
+
+
+def exponent_of(aux: int) -> int | None:
+    """The bucket's largest binary exponent in a START's ``aux``; None: not known."""
+    held = aux >> BUCKET_BITS
+    return held - EXPONENT_OFFSET if held else None

@@ -28,6 +28,8 @@ and the gradients sent back are bfloat16); fp16 (autocast in float16 with dynami
 ``torch.amp.GradScaler`` growing its scale every few steps as ``parallel_train.py --amp`` does: the
 scaled gradients overflow every few steps and the step is skipped; the ranks of one model replica
 agree on the overflow through an all_reduce of their found-Inf flags, as Megatron's does).
+``--params bf16`` (ddp): the model itself in bfloat16, its data too, so that DDP's gradient buckets are
+bfloat16 (autocast keeps float32 parameters and gradients).
 
 Faults, on rank ``--rank`` at step ``--step`` (``--fault none`` for a healthy run):
 
@@ -46,6 +48,18 @@ Faults, on rank ``--rank`` at step ``--step`` (``--fault none`` for a healthy ru
     desync        the rank issues all_gather where the others all_reduce the job's loss
     slow-data     the rank's data loading takes ``--slow-ms`` longer every step from ``--step`` on
     slow-compute  the rank's forward does extra matmuls, ~``--slow-ms`` more every step from ``--step`` on
+    corrupt       from ``--step`` on, one exponent bit of one element of the rank's gradients flips in the
+                  result of their data-parallel all_reduce (a transfer corrupted silently: in DDP's
+                  layouts a communication hook every rank registers; in the pipelines' after the explicit
+                  all_reduce). Not in fsdp, whose gradients are reduce_scattered (no two ranks hold the same)
+    grow          from ``--step`` on, the rank's gradients grow x1e3 (its loss scaled: a rank computing
+                  wrong). In ddp only, whose DDP buckets' scale commlens follows
+    flip          at ``--step``, once, the high bit of the exponent of the rank's largest gradient value
+                  flips before DDP's all_reduce (memory or a unit gone wrong past ECC): 2^128 times a
+                  value under 1. In ddp only; the job clips its gradients' norm, so it trains on. The
+                  matrix runs it on a bfloat16 model (``--params bf16``)
+
+In ddp the job clips its gradients' norm to 1, as large models' training does.
 
 The wall time at which the fault strikes goes to ``FAULT_TIME_FILE`` (``faulty_train.mark_fault_time``).
 """
@@ -61,12 +75,14 @@ import time
 import torch
 import torch.distributed as dist
 from faulty_train import mark_fault_time
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.fsdp import fully_shard
 
 HIDDEN, BATCH = 32, 16
 SHAPES = {"ddp": (1, 1, 0), "fsdp": (1, 1, 0), "tp-dp": (2, 1, 2), "tp-pp-dp": (2, 2, 4), "pp4": (1, 4, 4)}
 """Layout -> (TP size, pipeline stages, ranks per data-parallel replica; 0: any world)."""
-FAULTS = ("none", "nan", "inf", "late", "stall", "leave", "kill", "size", "desync", "slow-data", "slow-compute")
+FAULTS = ("none", "nan", "inf", "late", "stall", "leave", "kill", "size", "desync", "slow-data", "slow-compute",
+          "corrupt", "grow", "flip")
 
 
 class Fault:
@@ -116,18 +132,37 @@ class Comm:
 class Shard(torch.nn.Module):
     """One rank's part of the model: a TP shard of a stage (the whole stage without TP)."""
 
-    def __init__(self):
+    def __init__(self, dropout: float = 0.0):
         super().__init__()
         self.linear = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.dropout = dropout
 
     def forward(self, x):
-        return self.linear(torch.tanh(x))
+        return self.linear(torch.nn.functional.dropout(torch.tanh(x), self.dropout, training=self.dropout > 0))
 
 
 def poisoned(tensor, value: float):
     """A copy of ``tensor`` with one element ``value``."""
     tensor = tensor.detach().clone()
     tensor.view(-1)[0] = value
+    return tensor
+
+
+def flip_exponent_bit(tensor) -> None:
+    """Flips an exponent bit of ``tensor``'s middle element in place (float32, or bfloat16: the same bit of
+    its exponent): a small gradient becomes about 1e-20 of itself, a silent change."""
+    bits = torch.int32 if tensor.dtype == torch.float32 else torch.int16
+    tensor.view(-1)[tensor.numel() // 2:].view(bits)[0] ^= 1 << (29 if bits == torch.int32 else 13)
+
+
+def flipped_high(tensor):
+    """A copy of ``tensor`` whose largest value has its exponent's high bit flipped (float32 or bfloat16):
+    2^128 times that value if under 1."""
+    assert tensor.dtype in (torch.float32, torch.bfloat16), tensor.dtype
+    bits = torch.int32 if tensor.dtype == torch.float32 else torch.int16
+    tensor = tensor.detach().clone()
+    largest = int(tensor.abs().argmax())
+    tensor.view(-1)[largest:].view(bits)[0] ^= 1 << (30 if bits == torch.int32 else 14)
     return tensor
 
 
@@ -142,6 +177,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layout", choices=sorted(SHAPES), default="ddp")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--params", choices=("fp32", "bf16"), default="fp32", help="the model's dtype (ddp)")
+    parser.add_argument("--dropout", type=float, default=0.0, help="of the shard's input, each rank its own draw")
     parser.add_argument("--fault", choices=FAULTS, default="none")
     parser.add_argument("--rank", type=int, default=1)
     parser.add_argument("--step", type=int, default=20)
@@ -152,6 +189,13 @@ def main() -> None:
     parser.add_argument("--slow-ms", type=float, default=60)
     parser.add_argument("--timeout-s", type=float, default=60, help="the backend's timeout")
     args = parser.parse_args()
+    if args.fault == "corrupt" and args.layout == "fsdp":
+        parser.error("--fault corrupt corrupts the data-parallel all_reduce of gradients: fsdp has none "
+                     "(its gradients are reduce_scattered); take ddp, tp-dp, tp-pp-dp or pp4")
+    if args.params != "fp32" and (args.layout != "ddp" or args.precision != "fp32"):
+        parser.error("--params bf16 makes a DDP model bfloat16 in place of autocast: take --layout ddp --precision fp32")
+    if args.fault in ("grow", "flip") and args.layout != "ddp":
+        parser.error(f"--fault {args.fault} changes a DDP model's gradients: take ddp")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     tp, stages, per_replica = SHAPES[args.layout]
@@ -180,12 +224,22 @@ def main() -> None:
     fault, dtype = Fault(args, rank), {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     comm = Comm(fault)
     torch.manual_seed(stage * tp + tp_index)  # the replicas of a shard start alike
-    shard = Shard()
+    params = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.params]
+    shard = Shard(args.dropout).to(params)
     pipelined = stages > 1
     if args.layout == "fsdp":
         model = fully_shard(shard)
     else:
         model = shard if pipelined else torch.nn.parallel.DistributedDataParallel(shard, process_group=dp_group)
+    if args.fault == "corrupt" and not pipelined:
+        def corrupting(group, bucket):  # every rank's hook; the culprit's result corrupted from --step on
+            def result(future):
+                reduced = future.value()[0]
+                if fault.now("corrupt", step, every_step=True):
+                    flip_exponent_bit(reduced)
+                return reduced
+            return allreduce_hook(group, bucket).then(result)
+        model.register_comm_hook(dp_group, corrupting)
     optimizer = torch.optim.SGD(shard.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", growth_factor=2.0 ** 4, backoff_factor=2.0 ** -4, growth_interval=3,
                                   enabled=args.precision == "fp16")
@@ -201,7 +255,7 @@ def main() -> None:
         if fault.now("late", step) or fault.now("stall", step):
             fault.sleep_before_next = args.late_s if fault.name == "late" else 1.5
         # data loading
-        inputs = [torch.randn(BATCH, HIDDEN, generator=data) for _ in range(microbatches)]
+        inputs = [torch.randn(BATCH, HIDDEN, generator=data).to(params) for _ in range(microbatches)]
         targets = [torch.randn(BATCH, HIDDEN, generator=data) for _ in range(microbatches)]
         if fault.now("slow-data", step, every_step=True):
             time.sleep(args.slow_ms / 1000)
@@ -244,13 +298,15 @@ def main() -> None:
                 if poison is not None and args.layout == "ddp":  # into its own gradient, before DDP's all_reduce
                     value, poison = poison, None
                     hook = shard.linear.weight.register_hook(lambda grad: poisoned(grad, value))
+                elif fault.now("flip", step) and args.layout == "ddp":
+                    hook = shard.linear.weight.register_hook(flipped_high)
                 if fault.now("kill", step):  # in DDP's place: as many elements as its gradients, then death
                     comm.all_reduce(torch.cat([p.detach().reshape(-1) for p in shard.parameters()]),
                                     dp_group, async_op=True)
                     os.kill(os.getpid(), signal.SIGKILL)
                 comm.before()  # in ddp, DDP's bucket all_reduce is the step's first collective (fsdp: a gather)
             if last:
-                scaler.scale(loss).backward()
+                scaler.scale(loss * 1e3 if fault.now("grow", step, every_step=True) else loss).backward()
             else:
                 y.backward(received)
             if hook is not None:
@@ -312,11 +368,16 @@ def main() -> None:
                 comm.all_reduce(flat, dp_group, async_op=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             comm.all_reduce(flat, dp_group)
+            if fault.now("corrupt", step, every_step=True):
+                flip_exponent_bit(flat)
             flat /= replicas
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
+        if args.layout == "ddp":
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(shard.parameters(), 1.0)
         if scaler.is_enabled():
             if mp_group is not None:  # the replica's ranks agree on an overflow, or their scales part
                 found = torch.tensor([0.0 if all(torch.isfinite(p.grad).all() for p in shard.parameters()) else 1.0])

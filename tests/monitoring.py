@@ -23,6 +23,7 @@ import time
 import urllib.parse
 import urllib.request
 
+from commlens.agent.verdicts.catalogue import KINDS
 from ports import free_port, free_ports
 from receivers import serve_posts
 
@@ -55,9 +56,10 @@ def wait_for(condition, what: str, timeout_s: float = 90, explain=None):
 
 
 def culprits(report: str) -> set[int]:
-    """The ranks that the findings of ``commlens diagnose`` blame."""
-    found = re.findall(r"(?:entered on|late or missing:|killed or crashed:|desync:|size mismatch:|straggler:|stall:|"
-                       r"all waiting,|waiting on each other,) ranks? ([\d, ]+) in", report)
+    """The ranks that the findings of ``commlens diagnose`` blame (a finding of every kind that names ranks:
+    its title, then its ranks; a node's and the network's name the node or nobody)."""
+    titles = "|".join(re.escape(kind.title) for kind in KINDS)
+    found = re.findall(rf"(?:{titles}) ranks? ([\d, ]+) in", report)
     return {int(rank) for ranks in found for rank in ranks.split(",")}
 
 

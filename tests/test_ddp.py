@@ -10,7 +10,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from commlens.hooks import ddp
-from commlens.ring.layout import STATUS
+from commlens.ring.layout import STATUS, bucket_of, exponent_of
 from commlens.ring.ops import CODE
 import commlens.hooks as ch
 
@@ -176,12 +176,13 @@ def hookless_cpu_model(rank, world_size, cache=None):
     recorded = _grads(DDP(_model(layers=4), bucket_cap_mb=0.001), rank)  # no post-hook: END is written from C
     records = [r for r in reader.read() if r.kind in (ch.START, ch.END) and r.op == CODE[ch.OpName.all_reduce]]
     ch.uninstrument()
-    starts = [r for r in records if r.kind == ch.START and r.aux > 0]  # a bucket's START: aux is its index + 1
+    starts = [r for r in records if r.kind == ch.START and r.aux > 0]  # a bucket's START: its index, its scale
     ends = {r.op_id: r for r in records if r.kind == ch.END}
     return {"plain": plain, "recorded": recorded, "cpp": ddp.cpp_hook() is not None,
             "warnings": [str(w.message) for w in caught if "DDP" in str(w.message)],
-            "buckets": [(s.seq, s.aux - 1, s.nbytes, ends[s.op_id].seq, ends[s.op_id].flags, ends[s.op_id].aux,
+            "buckets": [(s.seq, bucket_of(s.aux), s.nbytes, ends[s.op_id].seq, ends[s.op_id].flags, ends[s.op_id].aux,
                          ends[s.op_id].t_ns >= s.t_ns) for s in starts if s.op_id in ends],
+            "scales": [exponent_of(s.aux) for s in starts],
             "unended": [s.op_id for s in starts if s.op_id not in ends]}
 
 
@@ -194,6 +195,8 @@ def _same_buckets_as_plain_ddp(results):
         assert r["unended"] == []
         # DDP's first backward reduces one bucket; it rebuilds them by size (one per layer here) after
         assert [index for _, index, *_ in r["buckets"]] == [0, 0, 1, 2, 3]
+        if r["cpp"]:  # its pass found each bucket's largest exponent (the Python hook's path makes none)
+            assert all(scale is not None and -127 <= scale < 128 for scale in r["scales"]), r["scales"]
         assert sum(nbytes for _, _, nbytes, *_ in r["buckets"]) == 2 * params_bytes
         for start_seq, _, nbytes, end_seq, status, wire, ordered in r["buckets"]:
             assert (end_seq, STATUS[status], wire, ordered) == (start_seq, "ok", nbytes, True)
@@ -204,6 +207,40 @@ def test_a_hookless_cpu_model_records_each_bucket_from_cpp_with_plain_ddps_gradi
     results = run_ranks(hookless_cpu_model, 2)
     assert [(r["cpp"], r["warnings"]) for r in results] == [(True, [])] * 2
     _same_buckets_as_plain_ddp(results)
+
+
+class _Cast(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x):
+        return x.to(self.dtype)
+
+
+def dtype_buckets(rank, world_size, dtype):
+    """A hookless model of ``dtype``'s gradients under plain DDP, then recorded by the C++ hook; the scale
+    its pass found of each bucket, and the largest of the rank's own gradients of the last step (the
+    buckets' values before their all_reduce, once divided by the world's size)."""
+    model = lambda: torch.nn.Sequential(_Cast(dtype), *_model(layers=4)).to(dtype)  # noqa: E731
+    own = max((g / world_size).abs().max().item() for g in _grads(model(), rank)[-1])
+    plain = _grads(DDP(model(), bucket_cap_mb=0.001), rank)
+    ch.instrument()
+    reader = ch.RingReader(ch.ring(), start=ch.ring().claimed())
+    recorded = _grads(DDP(model(), bucket_cap_mb=0.001), rank)
+    scales = [exponent_of(r.aux) for r in reader.read() if r.kind == ch.START and r.aux > 0]
+    ch.uninstrument()
+    return plain, recorded, scales, own
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_cpp_hook_divides_buckets_as_plain_ddp_and_finds_their_scale(run_ranks, dtype):
+    for plain, recorded, scales, own in run_ranks(dtype_buckets, 2, dtype=dtype):
+        for got, want in zip(recorded, plain):
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)  # bit for bit (halved): 16-bit divided in float, rounded so
+        assert len(scales) > 2 and None not in scales, scales  # one bucket, then DDP's rebuilt ones
+        assert max(scales[1:]) == torch.frexp(torch.tensor(own)).exponent.item() - 1, (scales, own)
 
 
 def test_without_a_compiler_a_hookless_model_is_recorded_by_the_python_hook_with_a_warning(run_ranks, tmp_path):

@@ -101,10 +101,11 @@ def test_the_c_record_is_the_python_record_field_for_field_and_code_for_code():
     assert [name for name, _ in fields] == list(layout.Record._fields), fields
     assert "<" + "".join(code for _, code in fields) == layout.RECORD.format
     codes = dict((name, int(value)) for name, value in re.findall(r"\b([A-Z][A-Z_0-9]+) = (\d+)", header))
-    python = {f"KIND_{name}": getattr(layout, name) for name in ("START", "END", "NAN", "GPU_START", "SNAPSHOT", "LOSS_SCALE")}
+    python = {f"KIND_{name}": getattr(layout, name) for name in ("START", "END", "NAN", "GPU_START", "SNAPSHOT", "LOSS_SCALE",
+                                                               "FINGERPRINT")}
     python |= {f"STATUS_{status.upper()}": i for i, status in enumerate(layout.STATUS)}
     python |= {name: getattr(layout, name) for name in ("NAN_OUTPUT", "NAN_HAS_NAN", "NAN_HAS_INF", "FLAG_ASYNC",
-                                                         "FLAG_LAST_BUCKET")}
+                                                         "FLAG_LAST_BUCKET", "BUCKET_BITS")}
     assert codes == python
 
 

@@ -218,7 +218,7 @@ def test_an_mp_spawn_job_is_labelled_by_its_process_group(run_ranks):
         assert r["labels"]["rank"] == str(rank) and r["labels"]["world_size"] == "2"
         assert r["labels"]["local_rank"] == str(rank)
         assert r["errors"] == {"hook": 0, "recorder": 0, "string_dropped": 0, "work_unjudged": 0, "gpu_pool_exhausted": 0,
-                               "gpu_captured": 0}
+                               "gpu_captured": 0, "fingerprint_unread": 0}
 
 
 def sparse_nan(rank, world_size):

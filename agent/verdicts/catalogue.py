@@ -33,6 +33,8 @@ class Kind:
 
 KINDS = (
     Kind("nan_origin", "NaN/Inf entered on", ("CommlensNaNOrigin",)),
+    Kind("replica_mismatch", "corrupted result:", ("CommlensReplicaMismatch",)),
+    Kind("diverging_input", "diverging input:", ("CommlensInputDiverging",)),
     Kind("node_unreachable", "unreachable:", ("CommlensNodeUnreachable",)),
     Kind("node_slow", "slow node:", ("CommlensNodeSlow",)),
     Kind("network_slow", "the network is slow, no rank is late:", ("CommlensNetworkSlow",)),

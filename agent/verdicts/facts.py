@@ -57,6 +57,20 @@ class GroupFacts:
     """Collectives that completed in the window (live)."""
     arrivals: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
     """seq -> (op, start ns) of each collective seen (offline)."""
+    fingerprints: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    """seq -> (op, fingerprint) of each fingerprinted collective's result (live: the last few; offline: from
+    its spans): every member of the group holds the same, unless one's result was corrupted."""
+    fingerprint_slots: dict[str, list] = dataclasses.field(default_factory=dict)
+    """Live, while read: slot -> [seq, op, fingerprint] as its two metrics give them (``fingerprints``
+    once both are read)."""
+    scale_jumps: dict[int, tuple[int, int, float]] | None = None
+    """seq -> (its DDP step, by how many binary orders its bucket's largest value grew over the bucket's
+    recent scale, when it was issued: unix seconds) (``agent/scales.py``; live: the first jump of the
+    latest burst, if within 5 min; offline: every jump, from its spans); None: no bucket of the group is
+    followed so here."""
+    scale_read: list = dataclasses.field(default_factory=lambda: [None] * 5)
+    """Live, while read: [jumps, seq, step, orders, time] as its metrics give them (``scale_jumps`` once
+    read)."""
     inputs: dict[int, tuple[str, str]] = dataclasses.field(default_factory=dict)
     """seq -> (op, its input tensors' dtypes and sizes) of each collective in its dumps (offline)."""
     hangs_seen: dict[int, tuple[int, int | None]] = dataclasses.field(default_factory=dict)

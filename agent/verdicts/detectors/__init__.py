@@ -21,6 +21,7 @@ from .ends import died_in, lost_unseen, unreachable_nodes
 from .hangs import hang, late_peers
 from .mismatches import mismatch, size_mismatch
 from .nonfinite import nan_origins
+from .replicas import diverging_inputs, replica_mismatches
 from .slowness import held_by_stragglers, network_slow, node_last, peer_stalls, slow_node, stalls, straggler
 from .waits import member
 
@@ -44,7 +45,7 @@ def findings(facts: Iterable[RankFacts]) -> list[Finding]:
         mismatched = size_mismatch(pg, members)
         if mismatched:  # the backend fails or aborts the ranks in it: their hang or death there follows from it
             stuck = [f for f in stuck if f.kind == "desync" or (f.seq or 0) < mismatched[0].seq] + mismatched
-        found += stuck
+        found += stuck + replica_mismatches(pg, members) + diverging_inputs(pg, members)
         if not stuck and not any(f.pg == pg for f in links) and not any(f.lost for f in members):
             found += straggler(pg, members, facts) + stalls(pg, members, facts) + peer_stalls(pg, members, facts)
     found = _once_each(held_by_stragglers(found, facts) + lost_unseen(facts, found))

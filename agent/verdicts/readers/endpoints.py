@@ -18,7 +18,7 @@ from commlens.exporters import names
 
 from ..facts import RankFacts
 from .common import say_skipped
-from .metrics import DURATION_COUNT, DURATION_SUM, metric_fact, settle
+from .metrics import DURATION_COUNT, DURATION_SUM, JUMPS_KEPT_S, metric_fact, settle
 
 
 def from_metrics_texts(first: Iterable[str], second: Iterable[str], window_s: float) -> list[RankFacts]:
@@ -66,7 +66,7 @@ def from_metrics_texts(first: Iterable[str], second: Iterable[str], window_s: fl
     for rank in range(world_size):  # a rank no endpoint answered for
         ranks.setdefault(rank, RankFacts(rank))
     for rank, facts in ranks.items():
-        settle(facts, rank not in reporting[1] or rank in down, endings[rank])
+        settle(facts, rank not in reporting[1] or rank in down, endings[rank], time.time() - JUMPS_KEPT_S)
     return [ranks[rank] for rank in sorted(ranks)]
 
 

@@ -314,6 +314,12 @@ def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[
     start, end = int(span["startTimeUnixNano"]), None if a.get(names.IN_FLIGHT) else int(span["endTimeUnixNano"])
     group.arrivals[seq] = (op, start)
     group.issued = max(group.issued, seq)
+    if names.FINGERPRINT in a:
+        group.fingerprints[seq] = (op, int(a[names.FINGERPRINT]))
+    if names.DDP_BUCKET in a:  # its spans tell each jump of its buckets' scale (those that jumped are kept)
+        group.scale_jumps = group.scale_jumps or {}
+        if names.INPUT_SCALE_JUMP in a:
+            group.scale_jumps[seq] = (int(a[names.INPUT_SCALE_JUMP_AT_STEP]), int(a[names.INPUT_SCALE_JUMP]), start / 1e9)
     if a.get(names.SLOW) or a.get(names.HANG):
         ranks[rank].waits.append((start, end))
         if not a.get(names.HANG) and end is not None:

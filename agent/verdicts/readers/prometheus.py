@@ -89,6 +89,7 @@ def _prometheus_facts(url: str, selector: str, interval: int, at: float | None =
     enqueued = f'{names.LAST_SEQ}{{state="enqueued"{"," + selector if selector else ""}}}'
     completed = f'{names.LAST_SEQ}{{state="completed"{"," + selector if selector else ""}}}'
     hung = f"{names.HUNG_SEQ}{{{selector}}}"
+    jumps = names.total(names.INPUT_SCALE_JUMPS)
     # the last issued and completed (by their state label); then, while a group had a hang in the last
     # minute: what each rank had issued (a late rank may have caught up since), and the hang itself
     for name, expr in ((names.LAST_SEQ, f"last_over_time({enqueued}[{last_15m}])"),
@@ -99,8 +100,14 @@ def _prometheus_facts(url: str, selector: str, interval: int, at: float | None =
                        (names.P2P_HUNG, f"{names.P2P_HUNG}{{{selector}}}"),
                        *((name, f"{name}{{{selector}}}") for name in (
                            names.NONFINITE_FIRST_SEQ, names.NONFINITE_FIRST_SEND, names.NONFINITE_ENTRY_SEQ,
-                           names.NONFINITE_ISSUED_BEFORE)),
+                           names.NONFINITE_ISSUED_BEFORE, names.REPLICA_FINGERPRINT, names.REPLICA_FINGERPRINT_SEQ)),
                        (names.total(names.LOSS_SCALE_STEPS), f"{names.total(names.LOSS_SCALE_STEPS)}{{{selector}}}"),
+                       # the jumps of a group's buckets' scale while recent (as the rules judge), the last's
+                       (jumps, f"last_over_time({jumps}{{{selector}}}[{last_5m}]) and on (job, pg, rank) "
+                               f"({_jumped_lately(selector, last_5m)})"),
+                       *((name, f"last_over_time({name}{{{selector}}}[{last_5m}])") for name in (
+                           names.INPUT_SCALE_JUMP_SEQ, names.INPUT_SCALE_JUMP_STEP, names.INPUT_SCALE_JUMP_ORDERS,
+                           names.INPUT_SCALE_JUMP_TIME)),
                        (names.FAILED_SEQ, f"last_over_time({names.FAILED_SEQ}{{{selector}}}[{last_5m}])"),
                        (names.P2P_FAILED, f"last_over_time({names.P2P_FAILED}{{{selector}}}[{last_5m}])")):
         for facts, labels, value in each(expr):
@@ -147,6 +154,13 @@ def _prometheus_facts(url: str, selector: str, interval: int, at: float | None =
             facts.vanished = facts.unreachable and (name, rank) not in said_up and not endings[(name, rank)] & {
                 "signal", "exception", "exit"}
     return {name: [ranks[r] for r in sorted(ranks)] for name, ranks in jobs.items()}
+
+
+def _jumped_lately(selector: str, window: str) -> str:
+    """The ranks' groups whose buckets' last jump in scale, if any, is within ``window``, by Prometheus'
+    clock (as ``commlens:input_scale_first_jump``): its time changed there, or its series began there."""
+    time = f"{names.INPUT_SCALE_JUMP_TIME}{{{selector}}}"
+    return f"changes({time}[{window}]) > 0 or last_over_time({time}[{window}]) unless {time} offset {window}"
 
 
 def scrape_interval_s(url: str, job: str | None = None) -> int:
