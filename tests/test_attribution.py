@@ -54,7 +54,9 @@ def attributed(rank, world_size):
     optimizer.step()
     dist.all_reduce(torch.ones(1))
     sidecar.drain()
-    seen = [(c.op, c.module, c.phase, c.bucket >= 0) for c in spans]
+    # in the order issued: the sidecar builds a read's folded collectives after those it reads one by one
+    # (a DDP bucket's, whose scale it follows)
+    seen = [(c.op, c.module, c.phase, c.bucket >= 0) for c in sorted(spans, key=lambda c: c.start_ns)]
     attribution.disable()
     ch.uninstrument()
     alive = weakref.ref(net.blocks[0])
