@@ -95,7 +95,8 @@ def test_a_fingerprint_is_the_defined_sum_of_its_bytes_at_any_address_and_length
 def corrupting_training(rank, world_size, out, culprit):
     """A DDP job whose ``culprit`` rank's communication hook flips one exponent bit of one element of its
     reduced gradients at step 3; its agent writes spans to ``out``."""
-    os.environ.update(COMMLENS_FINGERPRINT_EVERY="1", COMMLENS_TRACE_FILE=os.path.join(out, f"traces-{rank}.jsonl"))
+    os.environ.update(COMMLENS_FINGERPRINT_EVERY="1", COMMLENS_TRACE_FILE=os.path.join(out, f"traces-{rank}.jsonl"),
+                      COMMLENS_METRICS_PORT="0")  # no endpoint: read after the fact, other jobs run beside
     commlens.agent.start(Config.from_env({**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
                                                   "WORLD_SIZE": str(world_size)}))
     torch.manual_seed(0)
@@ -192,7 +193,8 @@ def diverging_training(rank, world_size, out, culprit, fault):
     """A DDP job (the C++ hook's buckets) whose ``culprit`` rank's gradients grow x1e3 from step 12
     (``scaled``, float32), or have one value's high exponent bit flipped at step 12 (``flipped``, a
     bfloat16 model); its agent writes spans to ``out``."""
-    os.environ.update(COMMLENS_TRACE_FILE=os.path.join(out, f"traces-{rank}.jsonl"))
+    os.environ.update(COMMLENS_TRACE_FILE=os.path.join(out, f"traces-{rank}.jsonl"),
+                      COMMLENS_METRICS_PORT="0")  # no endpoint: read after the fact, other jobs run beside
     commlens.agent.start(Config.from_env({**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
                                                   "WORLD_SIZE": str(world_size)}))
     torch.manual_seed(0)
