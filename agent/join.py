@@ -47,6 +47,14 @@ def _within(gpu_start_ns: int, start: Record, end: Record) -> int:
     return min(max(gpu_start_ns, start.t_ns), end.t_ns)
 
 
+def _put_bounded(table: dict, op_id: int, value: object, most: int) -> None:
+    """``table[op_id] = value``, an op's until its END; past ``most`` entries (ENDs lost: counted as records
+    dropped) the oldest is let go of."""
+    table[op_id] = value
+    if len(table) > most:
+        del table[next(iter(table))]
+
+
 def keep_all(pg: str, seqs: Sequence[int], is_p2p: bool) -> list[int]:
     """The default sampler: every collective of ``seqs`` is kept (by index)."""
     return list(range(len(seqs)))
@@ -102,10 +110,7 @@ class RecordJoin:
             elif record.kind == FINGERPRINT:
                 self.stats.fingerprint(self.shapes.group(record.pg)[0], record.seq, OPS[record.op].value, record.aux,
                                        record.nbytes)
-                fingerprints = self.fingerprints
-                fingerprints[record.op_id] = record.nbytes
-                if len(fingerprints) > self.inflight.slots:  # ENDs lost (counted as records dropped): the oldest
-                    del fingerprints[next(iter(fingerprints))]
+                _put_bounded(self.fingerprints, record.op_id, record.nbytes, self.inflight.slots)
         for group in folded:
             self._folded(group)
 
@@ -131,10 +136,7 @@ class RecordJoin:
             self.ddp_steps[pg] += 1
         self.stats.scale(pg, start.seq, step, grown, (start.t_ns + self.shapes.ring.clock_offset_ns) / 1e9)
         if grown is not None:
-            jumps = self.scale_jumps
-            jumps[start.op_id] = (grown, step)
-            if len(jumps) > self.inflight.slots:  # ENDs lost (counted as records dropped): the oldest
-                del jumps[next(iter(jumps))]
+            _put_bounded(self.scale_jumps, start.op_id, (grown, step), self.inflight.slots)
 
     def _ended(self, end: Record) -> None:
         op_id = end.op_id

@@ -180,8 +180,8 @@ class Stats:
             self.scale_jumps[pg] = (jumps[0] + 1, *jumps[1:4], time_s)
         elif grown is not None:
             self.scale_jumps[pg] = (jumps[0] + 1, seq, step, grown, time_s)
-        elif pg not in self.scale_jumps:
-            self.scale_jumps[pg] = jumps
+        else:
+            self.scale_jumps.setdefault(pg, jumps)
 
     def on_gpu(self, shape, queue_s: float, exec_s: float) -> None:
         """A collective of ``shape`` waited ``queue_s`` from issue to its start on the GPU, then ran ``exec_s``."""

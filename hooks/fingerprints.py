@@ -7,11 +7,12 @@ transfer, or corrupted it in place (docs/verdicts.md).
 Example::
 
     if due(code, seq):
-        write(write_fn, code, sid, op_id, seq, sig, output_tensors)   # FINGERPRINT, before END
+        ended = write(write_fn, code, sid, op_id, seq, sig, output_tensors)   # FINGERPRINT, before END
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from commlens.ring.ops import CODE, OpName
@@ -43,9 +44,11 @@ def of(tensors: tuple) -> int | None:
     return found
 
 
-def write(write_fn: Callable[..., int], code: int, sid: int, op_id: int, seq: int, sig: int, outputs: tuple) -> None:
+def write(write_fn: Callable[..., int], code: int, sid: int, op_id: int, seq: int, sig: int, outputs: tuple) -> int:
     """FINGERPRINT of ``outputs``, where they can be read here (else counted: ``fingerprint_unread``); a
-    failure is counted, never raised."""
+    failure is counted, never raised. Returns the time it was called, for the op's END (written next:
+    the hash is not the collective's time)."""
+    called = time.monotonic_ns()
     try:
         value = of(outputs)
         if value is None:
@@ -54,3 +57,4 @@ def write(write_fn: Callable[..., int], code: int, sid: int, op_id: int, seq: in
             record.fingerprint(write_fn, code, sid, op_id, seq, sig, value, state.fingerprint_every)
     except Exception as error:  # noqa: BLE001 — telemetry never fails the collective
         process_ring.internal_error("FINGERPRINT", error)
+    return called

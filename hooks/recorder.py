@@ -10,7 +10,6 @@ blocking the caller.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, NoReturn
 
 from commlens.ring.layout import FLAG_ASYNC, FLAG_LAST_BUCKET, OK, STATUS, start_aux
@@ -96,8 +95,7 @@ class InFlight(PreHookArgs):
             # FINGERPRINT, then END at its own time. An async op's future wakes its waiters before its callbacks
             # run: the caller may write the result while it is read here, so only a result the caller has not
             # yet got is read (a sync op's, a waited one's, a DDP bucket's, whose future DDP gets follows this)
-            end = time.monotonic_ns()
-            fingerprints.write(fields[0], self.code, self.sid, self.op_id, self.seq, self.sig, self.output_tensors)
+            end = fingerprints.write(fields[0], self.code, self.sid, self.op_id, self.seq, self.sig, self.output_tensors)
             record.end(*fields, t_ns=end)
         else:
             end = record.end(*fields)
@@ -249,8 +247,7 @@ def run_unhooked(code: int, group: Group, tensors: tuple, output_tensors: tuple,
         end = record.end_args(code, sid, op_id, seq, nbytes, sig, wire_peer)
         cuda.tracker().end(pair, None, (record.producer(), end), None)
     elif fingerprints.due(code, seq):  # FINGERPRINT, then END at its own time
-        end = time.monotonic_ns()
-        fingerprints.write(write, code, sid, op_id, seq, sig, output_tensors)
+        end = fingerprints.write(write, code, sid, op_id, seq, sig, output_tensors)
         record.end(write, code, sid, op_id, seq, nbytes, sig, wire_peer, t_ns=end)
     else:
         record.end(write, code, sid, op_id, seq, nbytes, sig, wire_peer)
