@@ -171,6 +171,8 @@ GOALS = (
          _slowest("late", "leave", "kill"), "s", at_most=8),
     Goal("a straggler named ≤ 10 s after it starts (slowest cell)", "detection",
          _slowest("slow-data", "slow-compute"), "s", at_most=10),
+    Goal("silent corruption (a corrupted result, a diverging input) named ≤ 10 s after the fault (slowest cell)",
+         "detection", _slowest("corrupt", "grow", "flip"), "s", at_most=10),
 )
 
 
@@ -217,7 +219,7 @@ def render() -> str:
             continue
         meta, output = results[goal.bench]
         figure = goal.read(output)
-        shown = f"{figure:.0%}" if goal.unit == "of cells" else f"{figure:g} {goal.unit}".strip()
+        shown = f"{figure:.0%}" if goal.unit in ("of cells", "of runs") else f"{figure:g} {goal.unit}".strip()
         if goal.bench in ("scale", "victoria", "shards"):
             shown = "right" if figure else "wrong"
         out.append(f"| {goal.text} | {shown} | {'met' if goal.met(figure) else '**missed**'} | "
