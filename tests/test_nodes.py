@@ -134,19 +134,20 @@ def test_a_slow_link_is_named_as_the_network_and_nothing_else_is(tmp_path, harne
 
 @pytest.mark.across_nodes
 def test_a_healthy_job_across_nodes_fires_nothing_and_sends_every_nodes_spans_to_one_receiver(tmp_path, harness):
-    """The same job, no fault, to its end: once it is under way, no alert that names a culprit is pending
-    beyond one evaluation or firing, and every node's command ends 0. (At start-up, on a busy machine,
-    the ranks can wait past the tests' 3 s hang threshold in DDP's first collective, for a rank still
-    building its model: a hang by that threshold, over once the job is under way.) Every node's pod
-    sidecar sends its spans over OTLP/gRPC to one receiver, each rank's under its node's
-    ``host.name``. About 30 s."""
+    """The same job, no fault, to its end: once it is under way, no alert that names a culprit fires, or is
+    pending at more than one evaluation (a moment of a busy machine, which its ``for`` is there to outlast),
+    and every node's command ends 0. (At start-up, on a busy machine, the ranks can wait past the tests'
+    3 s hang threshold in DDP's first collective, for a rank still building its model: a hang by that
+    threshold, over once the job is under way.) Every node's pod sidecar sends its spans over OTLP/gRPC to
+    one receiver, each rank's under its node's ``host.name``. About 30 s."""
     with _cluster(tmp_path, steps=400, spans=True) as (nodes, job, webhook, prometheus, receiver):
         wait_for(lambda: prometheus.query('commlens_collective_last_seq{pg="0", state="completed"} > 2'),
                  "the job under way on every node")
         under_way = time.time() + 1  # one evaluation on
         assert job.wait(120) == [0, 0, 0], _logs(job)
-        window = max(1, int(time.time() - under_way))
-        pending = prometheus.query(f'max_over_time(ALERTS{{alertname=~"{"|".join(CULPRIT_ALERTS)}"}}[{window}s])')
+        window, culprits = max(1, int(time.time() - under_way)), "|".join(CULPRIT_ALERTS)
+        pending = prometheus.query(f'count_over_time(ALERTS{{alertname=~"{culprits}", alertstate="pending"}}[{window}s]) > 1'
+                                   f' or max_over_time(ALERTS{{alertname=~"{culprits}", alertstate="firing"}}[{window}s])')
         exported = prometheus.query("sum by (rank, result) (commlens_spans_exported_total)")
     assert pending == [] and webhook.alerts == [], (pending, webhook.alerts, exported)
     ranks_by_host = {(resource.get("host.name"), span_attributes(span).get(names.RANK))
@@ -223,7 +224,7 @@ def test_a_node_whose_ranks_arrive_last_while_waiting_in_their_own_groups_is_nam
 
 def test_behind_a_slow_link_a_node_that_arrives_last_and_waits_a_little_less_is_not_named_slow():
     """Node 1's link slow: node 2's ranks arrive last in the data-parallel groups across the nodes and
-    spend 3 % less of their time in collectives than any other rank, as a slow node's do; but they, as
+    spend 8 % less of their time in collectives than any other rank, as a slow node's do; but they, as
     every rank, spend under half the time outside collectives that they did minutes before: the network
     is slow, no node. Where node 2's ranks spend as much time outside collectives as they did (computing
     longer, as a slow node's do, while the others wait more), the node is slow."""
@@ -234,7 +235,7 @@ def test_behind_a_slow_link_a_node_that_arrives_last_and_waits_a_little_less_is_
             if pg in ("4", "5"):
                 group.wait_s, group.waited_s = (0.002, 0.03) if last else (0.03, 0.3)
             else:
-                group.wait_s, group.waited_s = (0.04, 0.89) if last else (0.03, 0.65)
+                group.wait_s, group.waited_s = (0.04, 0.84) if last else (0.03, 0.65)
             group.completed = 200
     found = findings(facts)
     assert [(f.kind, f.node) for f in found] == [("network_slow", "")], found

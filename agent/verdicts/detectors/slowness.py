@@ -37,8 +37,9 @@ STALL_MIN_S = 1.0
 hang threshold)."""
 
 
-NODE_SLOW_MARGIN = 0.02
-"""A slow node's ranks spend less of their time in collectives than any other node's by more than this."""
+NODE_SLOW_MARGIN = 0.06
+"""A slow node's ranks spend less of their time in collectives than any other node's by more than this
+(a healthy pipeline's ends on a busy host, by up to 5.4 % for a second or a few; docs/verdicts.md)."""
 
 
 STRAGGLER_LEAD = 1.5
