@@ -59,7 +59,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from monitoring import PARALLEL_SCRIPT, SCRIPT, Prometheus, TrainingJob, culprits, end_session, wait_for  # noqa: E402
+from monitoring import MATRIX_SCRIPT, PARALLEL_SCRIPT, SCRIPT, Prometheus, TrainingJob, culprits, end_session, wait_for  # noqa: E402
 from nodes import NodeJob, Nodes, why_not  # noqa: E402
 
 from commlens.agent.verdicts.catalogue import VERDICT_ALERTS  # noqa: E402
@@ -219,7 +219,6 @@ def _figure(values: list[float]) -> str:
 
 from matrix_train import SHAPES  # noqa: E402
 
-MATRIX_SCRIPT = os.path.join(os.path.dirname(SCRIPT), "matrix_train.py")
 FAULT_STEP = 20
 """The step the fault strikes at; ``size`` and ``desync`` in the job's loss all_reduce of that step."""
 JUDGED_AFTER_S = 30

@@ -17,6 +17,9 @@ commas, ``inf,slow``, strike together):
     freeze   the rank stops itself (SIGSTOP) inside that all_reduce, until it gets SIGCONT (the
              others come to it a second later: it cannot complete before the rank stops)
 
+``--slow-start R``: rank R, healthy, takes ``--slow-start-s`` (5) longer to start than the others (a rank
+reading its checkpoint from a slower disk), whatever the fault.
+
 Under torchrun ``--max-restarts`` the fault strikes in the job's first attempt only, and each attempt
 meets its peers under its own prefix of the job's store (on gloo, an attempt that finds the last one's
 addresses there may connect to a rank gone). ``--device cuda``: the model and its tensors on GPU 0 (every
@@ -46,6 +49,8 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=20, help="compute time of a step")
     parser.add_argument("--late-s", type=float, default=8)
     parser.add_argument("--slow-ms", type=float, default=30)
+    parser.add_argument("--slow-start", type=int, default=-1, help="a rank that starts --slow-start-s later")
+    parser.add_argument("--slow-start-s", type=float, default=5)
     parser.add_argument("--amp", action="store_true", help="float16 forward, dynamic loss scaling")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the model and its tensors live (cuda: gloo with CUDA tensors, every rank on GPU 0)")
@@ -64,6 +69,8 @@ def main() -> None:
         dist.init_process_group("gloo", timeout=timeout)
     rank = dist.get_rank()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if rank == args.slow_start:
+        time.sleep(args.slow_start_s)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(
         torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(device))

@@ -31,6 +31,9 @@ agree on the overflow through an all_reduce of their found-Inf flags, as Megatro
 ``--params bf16`` (ddp): the model itself in bfloat16, its data too, so that DDP's gradient buckets are
 bfloat16 (autocast keeps float32 parameters and gradients).
 
+``--slow-start R``: rank R, healthy, builds its model ``--slow-start-s`` (5) after the others, whatever
+the fault (a rank reading its checkpoint from a slower disk): the job's start-up.
+
 Faults, on rank ``--rank`` at step ``--step`` (``--fault none`` for a healthy run):
 
     nan, inf      the rank puts NaN (Inf) in a tensor it then sends on: in a pipeline, into the
@@ -188,6 +191,9 @@ def main() -> None:
     parser.add_argument("--late-s", type=float, default=8)
     parser.add_argument("--slow-ms", type=float, default=60)
     parser.add_argument("--timeout-s", type=float, default=60, help="the backend's timeout")
+    parser.add_argument("--slow-start", type=int, default=-1,
+                        help="a rank, healthy, that builds its model --slow-start-s after the others (a slower disk)")
+    parser.add_argument("--slow-start-s", type=float, default=5)
     args = parser.parse_args()
     if args.fault == "corrupt" and args.layout == "fsdp":
         parser.error("--fault corrupt corrupts the data-parallel all_reduce of gradients: fsdp has none "
@@ -221,6 +227,8 @@ def main() -> None:
     first, last = stage == 0, stage == stages - 1
     prev_rank, next_rank = at(replica, stage - 1, tp_index), at(replica, stage + 1, tp_index)
 
+    if rank == args.slow_start:
+        time.sleep(args.slow_start_s)
     fault, dtype = Fault(args, rank), {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     comm = Comm(fault)
     torch.manual_seed(stage * tp + tp_index)  # the replicas of a shard start alike

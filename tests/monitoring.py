@@ -109,6 +109,7 @@ class Demo:
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faulty_train.py")
 PARALLEL_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "parallel_train.py")
+MATRIX_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "matrix_train.py")
 
 
 class TrainingJob:

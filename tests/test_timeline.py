@@ -19,10 +19,10 @@ from monitoring import TrainingJob
 WORLD = 4
 
 
-def _job(tmp_path, fault, rank=2) -> pathlib.Path:
+def _job(tmp_path, fault, rank=2, extra=()) -> pathlib.Path:
     """The folder of a finished 4-rank job of 30 steps, ``fault`` on ``rank`` from step 5."""
     tmp_path.mkdir(exist_ok=True)
-    with TrainingJob(tmp_path, WORLD, fault, rank=rank, step=5, steps=30) as training:
+    with TrainingJob(tmp_path, WORLD, fault, rank=rank, step=5, steps=30, extra=extra) as training:
         assert training.wait(120) == 0
     return training.out
 
@@ -117,7 +117,9 @@ def test_a_straggler_is_named_the_same_when_its_nodes_clock_is_off(tmp_path):
 
 
 def test_a_late_ranks_timeline_joins_every_collective_across_ranks_and_its_arrows_end_on_the_late_rank(tmp_path):
-    events, recorded = _timeline(_job(tmp_path, "late"))
+    """Rank 2 is late at step 5; rank 0 started 5 s after the others (its first collective, DDP's, waited
+    for past the hang threshold): the job's start-up, not a fault, and not in the verdict."""
+    events, recorded = _timeline(_job(tmp_path, "late", extra=["--slow-start", "0"]))
     flows = _check_structure(events, recorded)
     [verdict] = [e for e in events if e.get("cat") == "verdict"]
     assert verdict["name"] == "verdict: late rank" and verdict["pid"] == 2, verdict

@@ -20,9 +20,9 @@ import pytest
 from commlens.agent.verdicts import findings
 from commlens.agent.verdicts.catalogue import VERDICT_ALERTS
 from commlens.agent.verdicts.facts import RankFacts
-from commlens.agent.verdicts.readers import from_files, from_metrics_texts
+from commlens.agent.verdicts.readers import from_files, from_metrics_texts, spans_in
 from commlens.exporters import names
-from monitoring import PARALLEL_SCRIPT, Alertmanager, Prometheus, TrainingJob, Webhook, culprits, wait_for
+from monitoring import MATRIX_SCRIPT, PARALLEL_SCRIPT, Alertmanager, Prometheus, TrainingJob, Webhook, culprits, wait_for
 
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
 WORLD, CULPRIT = 3, 1
@@ -391,6 +391,21 @@ def test_a_pipeline_stage_late_on_its_send_is_named_and_the_stages_waiting_in_re
     assert "late or missing: rank 1 " in offline and culprits(offline) == {1}, offline
 
 
+def test_the_jobs_start_up_is_no_fault_after_the_fact_and_the_rank_late_later_is_named_alone(tmp_path):
+    """A pipeline of 4 stages (``tests/matrix_train.py --layout pp4``) whose rank 1 builds its model 5 s
+    after the others (a slower disk): rank 2 waits past the hang threshold in its first ``recv`` from it,
+    before rank 1 has begun any op. Rank 3, the last stage, is late at step 10: after the fact it alone
+    is named, not the rank that started last (its wait is the job's start-up)."""
+    with TrainingJob(tmp_path, 4, "late", rank=3, step=10, steps=40, script=MATRIX_SCRIPT,
+                     extra=["--layout", "pp4", "--slow-start", "1"]) as training:
+        assert training.wait(180) == 0
+    spans = [(int(span["startTimeUnixNano"]), a) for span, a in spans_in(str(training.out))]
+    began = min(start for start, a in spans if a[names.RANK] == 1)
+    assert any(a.get(names.HANG) and a.get(names.PEER) == 1 for start, a in spans if start < began)
+    offline = _diagnose(str(training.out))
+    assert "late or missing: rank 3 " in offline and culprits(offline) == {3}, offline
+
+
 def test_a_stall_is_named_where_the_late_ranks_own_part_was_a_slow_outlier_too():
     """Facts of a CI run on a loaded host: rank 0 waited 1.5 s in its pair's all_reduce for rank 1, whose
     own part took 29 ms, several times its usual and so flagged slow too. Rank 1 is named, rank 0 not."""
@@ -422,7 +437,7 @@ def test_a_pipeline_stage_that_paused_once_is_named_a_stall_and_the_stages_waiti
         for rank, (peer, late) in waits.items():
             wait = (start + late, start + 1_500 * ms, "recv", peer)
             stages[rank].group("1").p2p_slow_waits.append(wait)
-            stages[rank].waits.append(wait[:2])
+            stages[rank].waits[wait[0]] = wait[1]
         return stages
 
     found = findings(facts(2))

@@ -107,9 +107,14 @@ class RankFacts:
     a job torn down ends its ranks."""
     signalled_ns: int | None = None
     """When its process was signalled to stop (SIGTERM), wall-clock ns, from its dump (offline)."""
-    waits: list[tuple[int, int | None]] = dataclasses.field(default_factory=list)
-    """(start ns, end ns or None while in flight) of every collective and point-to-point op it waited
-    in long (slow) or past the hang threshold, in any group (offline)."""
+    started_ns: int | None = None
+    """After the fact, when its first op of all began, a collective or point-to-point (ns, on the job's
+    clock): before it, the job's start-up, which ranks reach at their own pace (importing, loading their
+    data and checkpoints), the first to come waiting for the last."""
+    waits: dict[int, int | None] = dataclasses.field(default_factory=dict)
+    """start ns -> end ns (None while in flight) of every collective and point-to-point op it waited in
+    long (slow) or past the hang threshold, in any group (offline; the span of a wait's end replaces the
+    span it had in flight)."""
     entry: tuple[str, str, int, str, int] | None = None
     """(group, op, seq, kind, peer or -1) of its first input of all that held NaN or Inf (outside steps a
     loss scaler skipped)."""

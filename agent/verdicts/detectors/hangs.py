@@ -9,7 +9,7 @@ from ..facts import RankFacts
 from ..finding import Finding
 from .ends import death, died_in, groups_in_flight
 from .mismatches import SAME_INPUTS, desync
-from .waits import hang_threshold_s, still_hung, waited_within, waiting, who
+from .waits import hang_threshold_s, starting, still_hung, waited_within, waiting, who
 
 
 def hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[Finding]:
@@ -31,6 +31,7 @@ def hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[F
         ops = {rank: op for rank, (op, s) in live.items() if s == seq}
     else:  # after the fact: a hang that resolved, known from the spans of the ranks that waited
         waited = {s for f in members if pg in f.groups for s in f.groups[pg].hangs_seen} - stop
+        waited -= _start_up(pg, members, waited)
         if not waited:
             return []
         seq = min(waited)  # the first: later waits follow from it (a broadcast's root waits on a late receiver,
@@ -150,6 +151,19 @@ def _waits_of_the_stop(pg: str, members: list[RankFacts]) -> set[int]:
     return stop
 
 
+def _start_up(pg: str, members: list[RankFacts], waited: set[int]) -> set[int]:
+    """After the fact, the seqs among ``waited`` whose waits were the job's start-up (``starting``): the
+    group's first collective, which every member issued, each rank that issued it a hang threshold or
+    more after the first waiting rank as its first op of all. Ranks start at their own pace; one that
+    never came is named (``_late``), and live, one is named while the others wait for it."""
+    threshold_ns = hang_threshold_s(pg, members) * 1e9
+    if 1 not in waited or not threshold_ns or any(pg not in f.groups or 1 not in f.groups[pg].arrivals for f in members):
+        return set()
+    first_wait = min(f.groups[pg].hangs_seen[1][0] for f in members if 1 in f.groups[pg].hangs_seen)
+    late = [f for f in members if f.groups[pg].arrivals[1][1] - first_wait >= threshold_ns]
+    return {1} if late and all(starting(f, f.groups[pg].arrivals[1][1]) for f in late) else set()
+
+
 def _late(f: RankFacts, pg: str, seq: int, live: bool, first_wait_ns: int | None, threshold_s: float) -> str | None:
     """Why rank ``f`` is one the others waited for in ``seq``; None if it is not. After the fact, a
     rank is late when it issued ``seq`` once the first waiting rank had waited the hang threshold."""
@@ -222,7 +236,8 @@ def late_peers(facts: list[RankFacts]) -> list[Finding]:
     after the fact, those the spans show, resolved or not, the waited-on rank waiting nowhere over most
     of one (not a wait on a rank told to stop first: the job's teardown). A peer that waits itself is a
     link of the chain, whose end another finding names. Nor a peer the job's teardown stopped: an op with a
-    rank fails once its process has ended, and a rank told to stop ended so."""
+    rank fails once its process has ended, and a rank told to stop ended so. Nor, after the fact, a wait
+    that began before the peer's first op of all and ended: the job's start-up (``starting``)."""
     by_rank = {f.rank: f for f in facts}
     waits: dict[tuple[int, str], list[tuple[str, str, bool]]] = collections.defaultdict(list)
     """(the waited-on rank, group) -> (op, evidence, whether live) of each wait on it."""
@@ -240,9 +255,10 @@ def late_peers(facts: list[RankFacts]) -> list[Finding]:
                     waits[(peer, pg)].append((op, f"rank {f.rank}'s {op} with it failed (group {pg})", at is None))
             for start, end, op, peer in group.p2p_waits_seen:
                 culprit = by_rank.get(peer, RankFacts(peer))
-                until = end if end is not None else max((e for _, e in f.waits if e is not None), default=start)
+                until = end if end is not None else max((e for e in f.waits.values() if e is not None), default=start)
                 if until > start and not waited_within(culprit, start, until) and not _failed_by(culprit, until) \
-                        and not (culprit.signalled_ns is not None and culprit.signalled_ns < until):
+                        and not (culprit.signalled_ns is not None and culprit.signalled_ns < until) \
+                        and not (end is not None and starting(culprit, start)):
                     waits[(peer, pg)].append((op, f"rank {f.rank} waited on it in {op} (group {pg}) for "
                                                   f"{(until - start) / 1e9:.1f} s", False))
     found = []

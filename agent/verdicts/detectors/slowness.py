@@ -8,7 +8,7 @@ import statistics
 
 from ..facts import END_WINDOW_S, GroupFacts, RankFacts
 from ..finding import Finding
-from .waits import cost, in_collectives, member, ranks_by_seq, waited_within, waiting, who
+from .waits import cost, in_collectives, member, ranks_by_seq, starting, waited_within, waiting, who
 
 
 STRAGGLER_MIN_S = 0.005
@@ -184,7 +184,8 @@ def straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> l
                         "window")]
     if not any(g.arrivals for g in groups.values()):  # point-to-point ops alone: a pipeline's
         return _pipeline_straggler(pg, groups, everyone)
-    common = set.intersection(*(set(g.arrivals) for g in groups.values()))
+    common = set.intersection(*(set(g.arrivals) for g in groups.values())) - \
+        {seq for f in members if pg in f.groups for seq, (_, at) in f.groups[pg].arrivals.items() if starting(f, at)}
     if len(common) < STRAGGLER_EVIDENCE:  # too few collectives seen by every rank to tell
         return []
     late: dict[int, list[float]] = collections.defaultdict(list)

@@ -49,7 +49,13 @@ def waited_within(facts: RankFacts, since: int, until: int) -> bool:
     """Whether the rank waited long (in any group, on any peer) over most of ``since`` to ``until``
     (ns; from the same host's clock as its own waits, in a job of one node)."""
     return any(min(until, end if end is not None else until) - max(since, start) > (until - since) / 2
-               for start, end in facts.waits)
+               for start, end in facts.waits.items())
+
+
+def starting(f: RankFacts, at_ns: int) -> bool:
+    """After the fact, whether rank ``f`` had begun no op before ``at_ns``: it was starting up
+    (``RankFacts.started_ns``)."""
+    return f.started_ns is not None and at_ns <= f.started_ns
 
 
 def cost(caused_s: float, everyone: list[RankFacts]) -> str:

@@ -152,35 +152,46 @@ def _collective_ends(spans: list[tuple[dict, dict]]) -> Iterator[tuple[int, str,
 
 class _TimeInCollectives:
     """After the fact, each rank's ``waited_s`` per group, as live: the seconds per second it spent in
-    the group's ops (collectives and point-to-point), over its time from its first op to its last; and
-    ``waited_at_end_s``, over its last ``END_WINDOW_S``. Spans are sampled: each kind's mean duration over
-    the spans kept, times the ops of that kind it issued (sequence numbers) over that time."""
+    the group's ops (collectives and point-to-point), over its time from the end of its first op (the
+    job's start-up, which ranks reach at their own pace: the first to come waits for the last) to the end
+    of its last; and ``waited_at_end_s``, over its last ``END_WINDOW_S``. Spans are sampled: each kind's
+    mean duration over the spans kept, times the ops of that kind it issued (sequence numbers) over that
+    time."""
 
     def __init__(self) -> None:
         self.ops: dict[tuple[int, str, bool], list[tuple[int, int, int]]] = collections.defaultdict(list)
         """(rank, group, point-to-point) -> (start, end, seq) of each completed op kept."""
-        self.times: dict[int, list[int]] = {}
-        """rank -> [its first op's start, its last op's end] (ns)."""
+        self.first: dict[int, tuple[int, int, tuple[int, str, bool], int]] = {}
+        """rank -> (start, end, its ``ops`` key, seq) of its first op kept."""
+        self.last: dict[int, int] = {}
+        """rank -> its last op's end (ns)."""
 
     def add(self, span: dict, a: dict) -> None:
         if names.RANK not in a or names.SEQ not in a or a.get(names.IN_FLIGHT):
             return
         rank, start, end = int(a[names.RANK]), int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"])
-        self.ops[(rank, str(a[names.PG_NAME]), bool(a.get(names.P2P)))].append((start, end, int(a[names.SEQ])))
-        first, last = self.times.get(rank, (start, end))
-        self.times[rank] = [min(first, start), max(last, end)]
+        key, seq = (rank, str(a[names.PG_NAME]), bool(a.get(names.P2P))), int(a[names.SEQ])
+        self.ops[key].append((start, end, seq))
+        if rank not in self.first or start < self.first[rank][0]:
+            self.first[rank] = (start, end, key, seq)
+        self.last[rank] = max(self.last.get(rank, end), end)
 
     def settle(self, ranks: dict[int, RankFacts]) -> None:
         window = int(END_WINDOW_S * 1e9)
-        for (rank, pg, _), kept in self.ops.items():
-            first, last = self.times[rank]
+        for key, kept in self.ops.items():
+            rank, pg, _ = key
+            _, first, first_key, first_seq = self.first[rank]
+            last = self.last[rank]
+            if key == first_key:
+                kept = [op for op in kept if op[2] != first_seq]
             if last <= first or rank not in ranks:
                 continue
             group = ranks[rank].group(pg)
-            group.waited_s = (group.waited_s or 0.0) + _per_second(kept, 0, (last - first) / 1e9)
+            before = first_seq if key == first_key else 0
+            group.waited_s = (group.waited_s or 0.0) + _per_second(kept, before, (last - first) / 1e9)
             if last - first >= 2 * window:
                 since = last - window
-                before = max((seq for start, _, seq in kept if start < since), default=0)
+                before = max((seq for start, _, seq in kept if start < since), default=before)
                 at_end = _per_second([op for op in kept if op[0] >= since], before, END_WINDOW_S)
                 group.waited_at_end_s = (group.waited_at_end_s or 0.0) + at_end
 
@@ -266,7 +277,7 @@ def _p2p_span_fact(ranks: dict[int, RankFacts], span: dict, a: dict) -> None:
         group.p2p_failed = (a[names.OP], int(a[names.PEER]), start)
     if not waited:
         return
-    facts.waits.append((start, end))
+    _waited(facts, start, end)
     if names.PEER not in a:
         return
     op, peer = a[names.OP], int(a[names.PEER])
@@ -276,6 +287,12 @@ def _p2p_span_fact(ranks: dict[int, RankFacts], span: dict, a: dict) -> None:
         return
     group.p2p_waits_seen = [w for w in group.p2p_waits_seen if w[0] != start]  # its end replaces its in-flight span
     group.p2p_waits_seen.append((start, end, op, peer))
+
+
+def _waited(facts: RankFacts, start: int, end: int | None) -> None:
+    """A wait of the rank's: the span of its end replaces the one it had in flight, whichever is read first."""
+    if end is not None or start not in facts.waits:
+        facts.waits[start] = end
 
 
 def _entry_fact(ranks: dict[int, RankFacts], a: dict) -> None:
@@ -300,6 +317,9 @@ def _entry_fact(ranks: dict[int, RankFacts], a: dict) -> None:
 def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[tuple[int, str, int]]) -> None:
     if names.RANK not in a:
         return
+    facts = ranks.setdefault(int(a[names.RANK]), RankFacts(int(a[names.RANK])))
+    began = int(span["startTimeUnixNano"])
+    facts.started_ns = began if facts.started_ns is None else min(facts.started_ns, began)
     if (a.get(names.NAN) or a.get(names.INF)) and not a.get(names.LOSS_SCALE_SKIPPED):
         _entry_fact(ranks, a)
     if a.get(names.P2P):
@@ -321,7 +341,7 @@ def _span_fact(ranks: dict[int, RankFacts], span: dict, a: dict, completed: set[
         if names.INPUT_SCALE_JUMP in a:
             group.scale_jumps[seq] = (int(a[names.INPUT_SCALE_JUMP_AT_STEP]), int(a[names.INPUT_SCALE_JUMP]), start / 1e9)
     if a.get(names.SLOW) or a.get(names.HANG):
-        ranks[rank].waits.append((start, end))
+        _waited(ranks[rank], start, end)
         if not a.get(names.HANG) and end is not None:
             group.slow_waits[seq] = (op, start, end)
     if a.get(names.HANG):
