@@ -30,22 +30,27 @@ def from_prometheus(url: str, job: str | None = None) -> dict[str, list[RankFact
     windows hold 4 of its scrapes or more (``scrape_interval_s``). A job that torchrun restarted (its
     ranks' ``commlens_info`` of more than one ``attempt`` in the last 15 min) gives facts for each
     attempt, keyed "<job>, attempt <N>": each read as the next one began (its ranks' ends all scraped),
-    over windows that begin with it (the attempts' collectives are numbered alike, their counters start
-    again)."""
+    over windows that begin with it, once every rank has begun it (the attempts' collectives are
+    numbered alike, their counters start again)."""
     selector = f'job="{job}"' if job else ""
     interval = scrape_interval_s(url, job)
     began: dict[str, dict[int, float]] = collections.defaultdict(dict)
     """Each job's attempts in the last 15 min, with each one's first scrape (over its ranks)."""
-    for item in _query(url, f"min by (job, attempt) (min_over_time(timestamp({names.INFO}{{{selector}}})"
-                            f"[15m:{interval}s]))"):
-        began[item["metric"].get("job", "")][int(item["metric"].get("attempt", "0"))] = float(item["value"][1])
+    everyone_in: dict[str, dict[int, float]] = collections.defaultdict(dict)
+    """The same, with the first scrape of the attempt's last rank to begin it: until then a rank of
+    the attempt before may still show that attempt's numbers (a pod sidecar's rank still being torn down)."""
+    firsts = f"min_over_time(timestamp({names.INFO}{{{selector}}})[15m:{interval}s])"
+    for by, into in (("min", began), ("max", everyone_in)):
+        for item in _query(url, f"{by} by (job, attempt) ({firsts})"):
+            into[item["metric"].get("job", "")][int(item["metric"].get("attempt", "0"))] = float(item["value"][1])
     restarted = {name: sorted(attempts.items()) for name, attempts in began.items() if len(attempts) > 1}
     found = _prometheus_facts(url, selector, interval) if not began or began.keys() - restarted.keys() else {}
     for name, attempts in restarted.items():
         found.pop(name, None)
         for (attempt, first), after in itertools.zip_longest(attempts, attempts[1:]):
             at = None if after is None else after[1] - 0.001  # as the next began: its ranks' ends all scraped
-            facts = _prometheus_facts(url, f'job="{name}"', interval, at, first).get(name, [])
+            since = first if attempt == attempts[0][0] else everyone_in[name][attempt]
+            facts = _prometheus_facts(url, f'job="{name}"', interval, at, since).get(name, [])
             if facts:
                 found[f"{name}, attempt {attempt}"] = facts
     return found
