@@ -31,8 +31,9 @@ agree on the overflow through an all_reduce of their found-Inf flags, as Megatro
 ``--params bf16`` (ddp): the model itself in bfloat16, its data too, so that DDP's gradient buckets are
 bfloat16 (autocast keeps float32 parameters and gradients).
 
-``--slow-start R``: rank R, healthy, builds its model ``--slow-start-s`` (5) after the others, whatever
-the fault (a rank reading its checkpoint from a slower disk): the job's start-up.
+``--slow-start R``: rank R, healthy, builds its model ``--slow-start-s`` (5) after the others have
+begun training, whatever the fault (a rank reading its checkpoint from a slower disk): the job's
+start-up, the others waiting for it in their first ops.
 
 Faults, on rank ``--rank`` at step ``--step`` (``--fault none`` for a healthy run):
 
@@ -176,6 +177,19 @@ def burn(ms: float) -> None:
         a = torch.tanh(a @ a)
 
 
+def start_late(world: int, rank: int, slow: int, seconds: float, timeout_s: float) -> None:
+    """``--slow-start``: every rank but ``slow`` says that it begins training; ``slow`` waits until all
+    have, then ``seconds`` more, however long their own start-up took. Said through the job's store,
+    outside the process group: nothing of it is recorded."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    if rank != slow:
+        store.set(f"matrix-train/training-{rank}", "1")
+        return
+    store.wait([f"matrix-train/training-{other}" for other in range(world) if other != slow])
+    time.sleep(seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layout", choices=sorted(SHAPES), default="ddp")
@@ -228,7 +242,7 @@ def main() -> None:
     prev_rank, next_rank = at(replica, stage - 1, tp_index), at(replica, stage + 1, tp_index)
 
     if rank == args.slow_start:
-        time.sleep(args.slow_start_s)
+        start_late(world, rank, args.slow_start, args.slow_start_s, args.timeout_s)
     fault, dtype = Fault(args, rank), {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     comm = Comm(fault)
     torch.manual_seed(stage * tp + tp_index)  # the replicas of a shard start alike
@@ -257,6 +271,8 @@ def main() -> None:
     act = torch.empty(BATCH, HIDDEN, dtype=dtype or torch.float32)  # what the stages exchange
     compute_s = args.step_ms / 1000 / (2 * microbatches)
 
+    if args.slow_start >= 0 and rank != args.slow_start:
+        start_late(world, rank, args.slow_start, 0, args.timeout_s)
     for step in range(args.steps):
         if fault.now("leave", step):
             return  # out of the loop and the script, the process group left as it is

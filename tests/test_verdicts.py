@@ -393,9 +393,10 @@ def test_a_pipeline_stage_late_on_its_send_is_named_and_the_stages_waiting_in_re
 
 def test_the_jobs_start_up_is_no_fault_after_the_fact_and_the_rank_late_later_is_named_alone(tmp_path):
     """A pipeline of 4 stages (``tests/matrix_train.py --layout pp4``) whose rank 1 builds its model 5 s
-    after the others (a slower disk): rank 2 waits past the hang threshold in its first ``recv`` from it,
-    before rank 1 has begun any op. Rank 3, the last stage, is late at step 10: after the fact it alone
-    is named, not the rank that started last (its wait is the job's start-up)."""
+    after the others have begun training (a slower disk): ranks 0 and 2 wait past the hang threshold in
+    their first ``send`` and ``recv`` to and from it, before it has begun any op, and rank 3 on rank 2.
+    Rank 3, the last stage, is late at step 10: after the fact it alone is named, not the rank that
+    started last nor a stage that waited on it (their waits are the job's start-up)."""
     with TrainingJob(tmp_path, 4, "late", rank=3, step=10, steps=40, script=MATRIX_SCRIPT,
                      extra=["--layout", "pp4", "--slow-start", "1"]) as training:
         assert training.wait(180) == 0
