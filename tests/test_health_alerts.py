@@ -39,6 +39,10 @@ def test_records_lost_in_the_ring_spans_lost_on_the_way_out_and_a_frozen_rank_ea
 
         wait_for(lambda: firing("CommlensRingRecordsDropped") == firing("CommlensSpansLost") == {"0", "1", "2"},
                  "every rank's lost records and spans alerted", 90, seen)
-        os.kill(job.rank_pid(0), signal.SIGSTOP)
-        wait_for(lambda: firing("CommlensTargetDown") == {"0"}, "rank 0's metrics alerted gone", 90, seen)
-        assert job.process.poll() is None, "the job ended: its other ranks are no longer scraped"
+        frozen = job.rank_pid(0)
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            wait_for(lambda: firing("CommlensTargetDown") == {"0"}, "rank 0's metrics alerted gone", 90, seen)
+            assert job.process.poll() is None, "the job ended: its other ranks are no longer scraped"
+        finally:  # torchrun's SIGTERM waits while it is stopped, and torchrun is killed before it gives up
+            os.kill(frozen, signal.SIGKILL)
