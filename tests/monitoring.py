@@ -24,6 +24,7 @@ import urllib.parse
 import urllib.request
 
 from commlens.agent.verdicts.catalogue import KINDS
+from commlens.exporters import names
 from ports import free_port, free_ports
 from receivers import serve_posts
 
@@ -53,6 +54,17 @@ def wait_for(condition, what: str, timeout_s: float = 90, explain=None):
             evidence = f"; {explain()}" if explain else ""
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}{evidence}")
         time.sleep(0.25)
+
+
+def wait_training(prometheus: Prometheus, job: TrainingJob, timeout_s: float = 300) -> None:
+    """Wait out the job's start-up (imports, process groups, the model: over a minute on a loaded 2-core
+    host) until Prometheus holds a completed collective of every rank, or the job's fault came first:
+    a test's wait for what the job then does measures that alone."""
+    def trained() -> bool:
+        ranks = prometheus.query(f"count(count by (rank) ({names.COLLECTIVES}_total > 0))")
+        return bool(ranks) and int(ranks[0]["value"][1]) == job.world
+    wait_for(lambda: job.fault_at() or trained(), "every rank's first collectives scraped", timeout_s,
+             explain=lambda: f"the job {job.state()}; its log ends: {job.log.read_text()[-3000:]}")
 
 
 def culprits(report: str) -> set[int]:
@@ -180,6 +192,13 @@ class TrainingJob:
 
     def wait(self, timeout_s: float) -> int:
         return self.process.wait(timeout_s)
+
+    def state(self) -> str:
+        """"running", "not started" or "exited with N"."""
+        if self.process is None:
+            return "not started"
+        code = self.process.poll()
+        return "running" if code is None else f"exited with {code}"
 
     def __enter__(self) -> TrainingJob:
         return self

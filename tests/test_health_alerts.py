@@ -8,7 +8,8 @@ import signal
 import pytest
 
 from commlens.agent.verdicts.catalogue import HEALTH
-from monitoring import Prometheus, TrainingJob, wait_for
+from commlens.exporters import names
+from monitoring import Prometheus, TrainingJob, wait_for, wait_training
 from ports import free_port
 
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
@@ -30,12 +31,15 @@ def test_records_lost_in_the_ring_spans_lost_on_the_way_out_and_a_frozen_rank_ea
     with TrainingJob(tmp_path, 3, "none", steps=100_000, extra=["--timeout-s", "150", "--metrics", "256"],
                      env=losses, start_now=False) as job, Prometheus(tmp_path, job, [RULES]) as prometheus:
         job.start()
+        wait_training(prometheus, job)
 
         def firing(alert: str) -> set[str]:
             return {a["metric"]["rank"] for a in prometheus.query(f'ALERTS{{alertname="{alert}", alertstate="firing"}}')}
 
-        def seen() -> dict[str, set[str]]:
-            return {alert: firing(alert) for alert in HEALTH}
+        def seen() -> str:
+            counted = {name: prometheus.by_rank(f"sum by (rank) ({name}_total)")
+                       for name in (names.RING_RECORDS_DROPPED, names.SPANS_EXPORTED)}
+            return f"firing: {({alert: firing(alert) for alert in HEALTH})}; counted: {counted}; the job {job.state()}"
 
         wait_for(lambda: firing("CommlensRingRecordsDropped") == firing("CommlensSpansLost") == {"0", "1", "2"},
                  "every rank's lost records and spans alerted", 90, seen)

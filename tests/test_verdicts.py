@@ -22,7 +22,8 @@ from commlens.agent.verdicts.catalogue import VERDICT_ALERTS
 from commlens.agent.verdicts.facts import RankFacts
 from commlens.agent.verdicts.readers import from_files, from_metrics_texts, spans_in
 from commlens.exporters import names
-from monitoring import MATRIX_SCRIPT, PARALLEL_SCRIPT, Alertmanager, Prometheus, TrainingJob, Webhook, culprits, wait_for
+from monitoring import (MATRIX_SCRIPT, PARALLEL_SCRIPT, Alertmanager, Prometheus, TrainingJob, Webhook, culprits, wait_for,
+                        wait_training)
 
 RULES = pathlib.Path(__file__).resolve().parent.parent / "deploy" / "prometheus-rules.yaml"
 WORLD, CULPRIT = 3, 1
@@ -32,12 +33,14 @@ CULPRIT_ALERTS = VERDICT_ALERTS
 @contextlib.contextmanager
 def _stack(tmp_path, fault, world=WORLD, **job):
     """The job started once Prometheus scrapes its targets, as a cluster's Prometheus runs before a job
-    does: a fault in the job's first second (a rank killed at step 30) has its endpoint scraped."""
+    does: a fault in the job's first second (a rank killed at step 30) has its endpoint scraped. Yields
+    once the job's start-up is over (``wait_training``)."""
     with Webhook() as webhook, Alertmanager(tmp_path, webhook.url) as alertmanager, \
             TrainingJob(tmp_path, world, fault, rank=CULPRIT, start_now=False, **job) as training, \
             Prometheus(tmp_path, training, [RULES], alertmanager.address) as prometheus:
         wait_for(lambda: len(prometheus.query("up")) == len(training.targets), "Prometheus' first scrapes")
         training.start()
+        wait_training(prometheus, training)
         yield webhook, training, prometheus
 
 
