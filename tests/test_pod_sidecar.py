@@ -70,12 +70,14 @@ def test_a_frozen_rank_is_reported_hung_and_trains_on_when_it_resumes(tmp_path):
             PodSidecar(tmp_path, rings, job.out, THRESHOLD_S) as sidecar:
         frozen = wait_for(job.fault_at, "the freeze")
         pid = Ring.attach(ring_file(str(rings), 1)).pid
-        hung = wait_for(lambda: sidecar.by_rank("commlens_collective_hung_seq").get(1), "rank 1's hang")
-        wait_for(lambda: time.time() > frozen + THRESHOLD_S + 5, "threshold + 5 s of the freeze")
-        state = _process_state(pid)
-        up = sidecar.by_rank("commlens_rank_up")
-        still = sidecar.by_rank("commlens_collective_hung_seq")
-        os.kill(pid, signal.SIGCONT)
+        try:
+            hung = wait_for(lambda: sidecar.by_rank("commlens_collective_hung_seq").get(1), "rank 1's hang")
+            wait_for(lambda: time.time() > frozen + THRESHOLD_S + 5, "threshold + 5 s of the freeze")
+            state = _process_state(pid)
+            up = sidecar.by_rank("commlens_rank_up")
+            still = sidecar.by_rank("commlens_collective_hung_seq")
+        finally:  # on a failure too: a stopped rank outlives the job's teardown (torchrun's SIGTERM waits)
+            os.kill(pid, signal.SIGCONT)
         assert job.wait(120) == 0
         wait_for(lambda: sidecar.by_rank("commlens_rank_up") == {r: 0.0 for r in range(WORLD)}, "every rank ended")
         after = sidecar.by_rank("commlens_collective_hung_seq")

@@ -147,6 +147,19 @@ def test_the_demo_never_writes_over_another_jobs_folder_and_diagnose_without_tel
         assert main(["diagnose", "--prometheus", nowhere]) == 3
     out, err = capsys.readouterr()
     assert out == "" and err == f"commlens diagnose: cannot read the telemetry from {nowhere}: Connection refused\n", err
+    with socket.socket() as silent:  # a store that takes the query and never answers: told to wait longer
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        slow = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        assert main(["diagnose", "--prometheus", slow, "--query-timeout", "0.5"]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"commlens diagnose: cannot read the telemetry from {slow}: no answer to a query "
+                                 "within 0.5 s (--query-timeout gives a slow store longer)\n"), err
+    with pytest.raises(SystemExit) as refused:
+        main(["diagnose", "--prometheus", slow, "--query-timeout", "0"])
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2 and "--query-timeout 0.0 is not accepted: give the seconds a query is waited for, " \
+        "above 0" in err, err
     with pytest.raises(SystemExit) as refused:  # a bare host: a usage error that says what is accepted
         main(["diagnose", "--prometheus", "prom:9090"])
     out, err = capsys.readouterr()

@@ -19,8 +19,8 @@ import urllib.parse
 from .facts import RankFacts
 from .detectors import findings
 from .finding import Finding
-from .readers import (NO_TELEMETRY, NO_TELEMETRY_EXIT, attempts_in, from_endpoints, from_files, from_prometheus,
-                      kept_and_said)
+from .readers import (NO_TELEMETRY, NO_TELEMETRY_EXIT, QUERY_TIMEOUT_S, attempts_in, from_endpoints, from_files,
+                      from_prometheus, kept_and_said)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,11 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--metrics", nargs="+", metavar="URL", help="the ranks' metrics endpoints, live")
     source.add_argument("--prometheus", metavar="URL", help="a Prometheus server that scrapes the ranks, live")
     parser.add_argument("--job", help="with --prometheus: the job label to look at (default: every job)")
+    parser.add_argument("--query-timeout", type=float, default=QUERY_TIMEOUT_S, metavar="SECONDS",
+                        help=f"with --prometheus: seconds each query is waited for (default {QUERY_TIMEOUT_S:g})")
     parser.add_argument("--window", type=float, default=5.0,
                         help="with --metrics: seconds between the two scrapes that waits are measured over")
     args = parser.parse_args(argv)
     if not args.window > 0:
         parser.error(f"--window {args.window} is not accepted: give the seconds between the two scrapes, above 0")
+    if not args.query_timeout > 0:
+        parser.error(f"--query-timeout {args.query_timeout} is not accepted: "
+                     "give the seconds a query is waited for, above 0")
     if args.prometheus and urllib.parse.urlsplit(args.prometheus).scheme not in ("http", "https"):
         parser.error(f"--prometheus {args.prometheus!r} is not accepted: give its URL, e.g. http://prom:9090")
     if args.folder is not None and not os.path.isdir(args.folder):
@@ -51,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     """Each job's (or attempt's) label, facts, and what of its telemetry could not be read."""
     try:
         if args.prometheus:
-            jobs = [(job, facts, []) for job, facts in sorted(from_prometheus(args.prometheus, args.job).items())]
+            jobs = [(job, facts, []) for job, facts in sorted(from_prometheus(args.prometheus, args.job, args.query_timeout).items())]
         elif args.metrics:
             unread: list[str] = []
             jobs = [("", from_endpoints(args.metrics, args.window, on_problem=kept_and_said(unread)), unread)]
@@ -63,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
                 jobs.append((label, from_files(folder, on_problem=kept_and_said(unread)), unread))
     except OSError as error:
         source = args.prometheus or args.folder or " ".join(args.metrics)
-        print(f"commlens diagnose: cannot read the telemetry from {source}: {_why(error)}", file=sys.stderr)
+        why = _why(error)
+        if args.prometheus and isinstance(getattr(error, "reason", error), TimeoutError):
+            why = f"no answer to a query within {args.query_timeout:g} s (--query-timeout gives a slow store longer)"
+        print(f"commlens diagnose: cannot read the telemetry from {source}: {why}", file=sys.stderr)
         return NO_TELEMETRY_EXIT
     if not any(facts for _, facts, _ in jobs):
         where = args.folder or " ".join(args.metrics or ()) or f"{args.prometheus}" + (f" (job {args.job})" if args.job else "")

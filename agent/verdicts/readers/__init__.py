@@ -12,8 +12,8 @@ Example::
 from .common import NO_TELEMETRY, NO_TELEMETRY_EXIT, kept_and_said, say_skipped
 from .endpoints import from_endpoints, from_metrics_texts
 from .files import NOT_STARTED, attempts_in, clock_offsets, from_files, load_dump, spans_in
-from .prometheus import from_prometheus, scrape_interval_s
+from .prometheus import QUERY_TIMEOUT_S, from_prometheus, scrape_interval_s
 
-__all__ = ["NOT_STARTED", "NO_TELEMETRY", "NO_TELEMETRY_EXIT", "attempts_in", "clock_offsets", "from_endpoints",
+__all__ = ["NOT_STARTED", "NO_TELEMETRY", "NO_TELEMETRY_EXIT", "QUERY_TIMEOUT_S", "attempts_in", "clock_offsets", "from_endpoints",
            "from_files", "from_metrics_texts", "from_prometheus", "kept_and_said", "load_dump", "say_skipped",
            "scrape_interval_s", "spans_in"]

@@ -4,11 +4,13 @@
 Example::
 
     jobs = from_prometheus("http://prometheus:9090")     # job -> its ranks' facts
+    jobs = from_prometheus("http://vm:8428", "train-42", timeout_s=60)   # one job; a slow store
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import json
 import math
@@ -25,15 +27,42 @@ from ..rule_files import window_s
 from .metrics import DURATION_COUNT, DURATION_SUM, metric_fact, settle
 
 
-def from_prometheus(url: str, job: str | None = None) -> dict[str, list[RankFacts]]:
+QUERY_TIMEOUT_S = 10.0
+"""How long a query is waited for, unless told (``commlens diagnose --query-timeout``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Api:
+    """The HTTP API of a Prometheus (or VictoriaMetrics) at ``url``; a request not answered within
+    ``timeout_s`` raises ``TimeoutError``."""
+
+    url: str
+    timeout_s: float
+
+    def query(self, expr: str, at: float | None = None) -> list[dict]:
+        """An instant query's result (at ``at``, a Unix time; None: now)."""
+        body = self.get("query", query=expr, **({"time": repr(at)} if at is not None else {}))
+        if body.get("status") != "success":
+            raise RuntimeError(f"Prometheus at {self.url} refused {expr!r}: {body.get('error')}")
+        return body["data"]["result"]
+
+    def get(self, path: str, **params: str) -> dict:
+        """The JSON of ``/api/v1/<path>?<params>``."""
+        address = f"{self.url.rstrip('/')}/api/v1/{path}?{urllib.parse.urlencode(params)}"
+        with urllib.request.urlopen(address, timeout=self.timeout_s) as response:
+            return json.load(response)
+
+
+def from_prometheus(url: str, job: str | None = None, timeout_s: float = QUERY_TIMEOUT_S) -> dict[str, list[RankFacts]]:
     """Facts for each job Prometheus knows (or only ``job``), from instant queries of its HTTP API; their
     windows hold 4 of its scrapes or more (``scrape_interval_s``). A job that torchrun restarted (its
     ranks' ``commlens_info`` of more than one ``attempt`` in the last 15 min) gives facts for each
     attempt, keyed "<job>, attempt <N>": each read as the next one began (its ranks' ends all scraped),
     over windows that begin with it, once every rank has begun it (the attempts' collectives are
-    numbered alike, their counters start again)."""
+    numbered alike, their counters start again). Each query is given ``timeout_s``."""
+    api = _Api(url, timeout_s)
     selector = f'job="{job}"' if job else ""
-    interval = scrape_interval_s(url, job)
+    interval = _scrape_interval_s(api, job)
     began: dict[str, dict[int, float]] = collections.defaultdict(dict)
     """Each job's attempts in the last 15 min, with each one's first scrape (over its ranks)."""
     everyone_in: dict[str, dict[int, float]] = collections.defaultdict(dict)
@@ -41,33 +70,22 @@ def from_prometheus(url: str, job: str | None = None) -> dict[str, list[RankFact
     the attempt before may still show that attempt's numbers (a pod sidecar's rank still being torn down)."""
     firsts = f"min_over_time(timestamp({names.INFO}{{{selector}}})[15m:{interval}s])"
     for by, into in (("min", began), ("max", everyone_in)):
-        for item in _query(url, f"{by} by (job, attempt) ({firsts})"):
+        for item in api.query(f"{by} by (job, attempt) ({firsts})"):
             into[item["metric"].get("job", "")][int(item["metric"].get("attempt", "0"))] = float(item["value"][1])
     restarted = {name: sorted(attempts.items()) for name, attempts in began.items() if len(attempts) > 1}
-    found = _prometheus_facts(url, selector, interval) if not began or began.keys() - restarted.keys() else {}
+    found = _prometheus_facts(api, selector, interval) if not began or began.keys() - restarted.keys() else {}
     for name, attempts in restarted.items():
         found.pop(name, None)
         for (attempt, first), after in itertools.zip_longest(attempts, attempts[1:]):
             at = None if after is None else after[1] - 0.001  # as the next began: its ranks' ends all scraped
             since = first if attempt == attempts[0][0] else everyone_in[name][attempt]
-            facts = _prometheus_facts(url, f'job="{name}"', interval, at, since).get(name, [])
+            facts = _prometheus_facts(api, f'job="{name}"', interval, at, since).get(name, [])
             if facts:
                 found[f"{name}, attempt {attempt}"] = facts
     return found
 
 
-def _query(url: str, expr: str, at: float | None = None) -> list[dict]:
-    """An instant query's result (at ``at``, a Unix time; None: now)."""
-    address = url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode(
-        {"query": expr, **({"time": repr(at)} if at is not None else {})})
-    with urllib.request.urlopen(address, timeout=10) as response:
-        body = json.load(response)
-    if body.get("status") != "success":
-        raise RuntimeError(f"Prometheus at {url} refused {expr!r}: {body.get('error')}")
-    return body["data"]["result"]
-
-
-def _prometheus_facts(url: str, selector: str, interval: int, at: float | None = None,
+def _prometheus_facts(api: _Api, selector: str, interval: int, at: float | None = None,
                       since: float | None = None) -> dict[str, list[RankFacts]]:
     """Each job's facts as of ``at`` (None: now), over windows that begin no earlier than ``since``."""
     end = time.time() if at is None else at
@@ -81,7 +99,7 @@ def _prometheus_facts(url: str, selector: str, interval: int, at: float | None =
     last_15m, last_5m = span(900), span(300)
 
     def query(expr: str) -> list[dict]:
-        return _query(url, expr, at)
+        return api.query(expr, at)
 
     jobs: dict[str, dict[int, RankFacts]] = collections.defaultdict(dict)
 
@@ -172,12 +190,16 @@ def scrape_interval_s(url: str, job: str | None = None) -> int:
     """The longest scrape interval of the active targets (of ``job``), in seconds, as Prometheus' targets
     API says; where it says nothing (VictoriaMetrics fed by vmagents, a query front-end), the spacing of
     ``up``'s samples over the last 5 min; 1 where neither does."""
-    return max(_targets_intervals(url, job) or _up_spacings(url, job), default=1) or 1
+    return _scrape_interval_s(_Api(url, QUERY_TIMEOUT_S), job)
 
 
-def _targets_intervals(url: str, job: str | None) -> list[int]:
+def _scrape_interval_s(api: _Api, job: str | None) -> int:
+    return max(_targets_intervals(api, job) or _up_spacings(api, job), default=1) or 1
+
+
+def _targets_intervals(api: _Api, job: str | None) -> list[int]:
     try:
-        targets = _get_json(url.rstrip("/") + "/api/v1/targets?state=active")["data"]["activeTargets"]
+        targets = api.get("targets", state="active")["data"]["activeTargets"]
     except (OSError, ValueError, KeyError, TypeError):
         return []
     return [sum(int(n) * {"h": 3600, "m": 60, "s": 1}[unit] for n, unit in re.findall(r"(\d+)([hms])(?!s)",
@@ -185,18 +207,12 @@ def _targets_intervals(url: str, job: str | None) -> list[int]:
             for target in targets if not job or target.get("labels", {}).get("job") == job]
 
 
-def _up_spacings(url: str, job: str | None) -> list[int]:
+def _up_spacings(api: _Api, job: str | None) -> list[int]:
     """The median spacing of each target's ``up`` samples (a scrape writes one) over the last 5 min."""
     selector = f'{{job="{job}"}}' if job else ""
     try:
-        series = _get_json(url.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode(
-            {"query": f"up{selector}[5m]"}))["data"]["result"]
+        series = api.get("query", query=f"up{selector}[5m]")["data"]["result"]
         stamps = [[float(t) for t, _ in s["values"]] for s in series]
     except (OSError, ValueError, KeyError, TypeError):
         return []
     return [round(statistics.median(b - a for a, b in zip(t, t[1:]))) for t in stamps if len(t) > 1]
-
-
-def _get_json(address: str) -> dict:
-    with urllib.request.urlopen(address, timeout=10) as response:
-        return json.load(response)
