@@ -275,9 +275,12 @@ class Prometheus(_Server):
     of their waiting the whole snapshot timeout for a Prometheus already gone."""
 
     def __init__(self, tmp_path, job: Demo | TrainingJob, rule_files=(), alertmanager: str | None = None,
-                 scrape_interval: str = "1s"):
+                 scrape_interval: str = "1s", query_log: bool = False):
+        """``query_log``: Prometheus logs each query it is asked (``queries``)."""
         self.port, self.job = free_ports(1), job
-        config = {"global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
+        self.query_log = tmp_path / "queries.log" if query_log else None
+        config = {"global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval,
+                             **({"query_log_file": str(self.query_log)} if query_log else {})},
                   "rule_files": [str(path) for path in rule_files],
                   "scrape_configs": [{"job_name": "commlens", "static_configs": [{"targets": job.targets}]}]}
         if alertmanager:
@@ -303,6 +306,12 @@ class Prometheus(_Server):
 
     def by_rank(self, expression: str) -> dict[int, float]:
         return {int(r["metric"]["rank"]): float(r["value"][1]) for r in self.query(expression)}
+
+    def queries(self) -> list[dict]:
+        """The parameters of each query asked over the HTTP API so far (query, start, end: RFC 3339), from
+        the query log; not the rules' own."""
+        entries = [json.loads(line) for line in self.query_log.read_text().splitlines()]
+        return [entry["params"] for entry in entries if "httpRequest" in entry]
 
     def __exit__(self, *exc) -> None:
         self.job.__exit__(*exc)

@@ -39,9 +39,9 @@ class _Api:
     url: str
     timeout_s: float
 
-    def query(self, expr: str, at: float | None = None) -> list[dict]:
-        """An instant query's result (at ``at``, a Unix time; None: now)."""
-        body = self.get("query", query=expr, **({"time": repr(at)} if at is not None else {}))
+    def query(self, expr: str, at: float) -> list[dict]:
+        """An instant query's result at ``at`` (a Unix time)."""
+        body = self.get("query", query=expr, time=repr(at))
         if body.get("status") != "success":
             raise RuntimeError(f"Prometheus at {self.url} refused {expr!r}: {body.get('error')}")
         return body["data"]["result"]
@@ -59,8 +59,10 @@ def from_prometheus(url: str, job: str | None = None, timeout_s: float = QUERY_T
     ranks' ``commlens_info`` of more than one ``attempt`` in the last 15 min) gives facts for each
     attempt, keyed "<job>, attempt <N>": each read as the next one began (its ranks' ends all scraped),
     over windows that begin with it, once every rank has begun it (the attempts' collectives are
-    numbered alike, their counters start again). Each query is given ``timeout_s``."""
-    api = _Api(url, timeout_s)
+    numbered alike, their counters start again). Each query is given ``timeout_s``, and every one is
+    evaluated at the instant the reading began: a live reading is one moment's state however long its
+    queries take (a loaded store answering over seconds while the job's ranks fail)."""
+    api, now = _Api(url, timeout_s), time.time()
     selector = f'job="{job}"' if job else ""
     interval = _scrape_interval_s(api, job)
     began: dict[str, dict[int, float]] = collections.defaultdict(dict)
@@ -70,14 +72,14 @@ def from_prometheus(url: str, job: str | None = None, timeout_s: float = QUERY_T
     the attempt before may still show that attempt's numbers (a pod sidecar's rank still being torn down)."""
     firsts = f"min_over_time(timestamp({names.INFO}{{{selector}}})[15m:{interval}s])"
     for by, into in (("min", began), ("max", everyone_in)):
-        for item in api.query(f"{by} by (job, attempt) ({firsts})"):
+        for item in api.query(f"{by} by (job, attempt) ({firsts})", now):
             into[item["metric"].get("job", "")][int(item["metric"].get("attempt", "0"))] = float(item["value"][1])
     restarted = {name: sorted(attempts.items()) for name, attempts in began.items() if len(attempts) > 1}
-    found = _prometheus_facts(api, selector, interval) if not began or began.keys() - restarted.keys() else {}
+    found = _prometheus_facts(api, selector, interval, now) if not began or began.keys() - restarted.keys() else {}
     for name, attempts in restarted.items():
         found.pop(name, None)
         for (attempt, first), after in itertools.zip_longest(attempts, attempts[1:]):
-            at = None if after is None else after[1] - 0.001  # as the next began: its ranks' ends all scraped
+            at = now if after is None else after[1] - 0.001  # as the next began: its ranks' ends all scraped
             since = first if attempt == attempts[0][0] else everyone_in[name][attempt]
             facts = _prometheus_facts(api, f'job="{name}"', interval, at, since).get(name, [])
             if facts:
@@ -85,15 +87,14 @@ def from_prometheus(url: str, job: str | None = None, timeout_s: float = QUERY_T
     return found
 
 
-def _prometheus_facts(api: _Api, selector: str, interval: int, at: float | None = None,
+def _prometheus_facts(api: _Api, selector: str, interval: int, at: float,
                       since: float | None = None) -> dict[str, list[RankFacts]]:
-    """Each job's facts as of ``at`` (None: now), over windows that begin no earlier than ``since``."""
-    end = time.time() if at is None else at
+    """Each job's facts as of ``at`` (a Unix time), over windows that begin no earlier than ``since``."""
 
     def span(seconds: float) -> str:  # a window of ``seconds``, cut at ``since`` (whose scrape it keeps)
-        if since is None or seconds <= end - since:
+        if since is None or seconds <= at - since:
             return f"{int(seconds)}s"
-        return f"{max(1, math.ceil((end - since) * 1000) + 1)}ms"
+        return f"{max(1, math.ceil((at - since) * 1000) + 1)}ms"
 
     window, lookback = span(window_s(10, interval)), span(window_s(60, interval))  # the arrival rules' windows
     last_15m, last_5m = span(900), span(300)
