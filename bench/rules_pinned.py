@@ -1,6 +1,6 @@
 """Which thresholds and ``for`` durations of the alert rules a promtool case pins: each number of a rule's
 expression (a threshold, a ratio, a count) is halved and doubled, each ``for`` halved and doubled, one at
-a time, and ``promtool test rules deploy/prometheus-rules.test.yaml`` run on the changed rules. A change
+a time, and promtool's cases (``deploy/prometheus-rules*.test.yaml``) run on the changed rules. A change
 that no case notices survives: nothing tests that number. Goal: none survives.
 
     python bench/rules_pinned.py [--jobs 4]
@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 
 DEPLOY = pathlib.Path(__file__).resolve().parent.parent / "deploy"
+CASES = ("prometheus-rules.test.yaml", "prometheus-rules.slow.test.yaml")
 _NUMBER = re.compile(r"(?<![\w\[.:$])(\d+\.?\d*)(?![\w\]])")
 _FOR = re.compile(r"^(\s+for: )(\d+)([smh])$")
 _PROSE = ("#", "summary:", "description:", "runbook_url:", "- record:", "- alert:", "severity:")
@@ -58,9 +59,9 @@ def survives(lines: list[str], change: tuple[int, str, str]) -> bool:
         changed = list(lines)
         changed[index] = new
         (pathlib.Path(folder) / "prometheus-rules.yaml").write_text("".join(changed))
-        shutil.copy(DEPLOY / "prometheus-rules.test.yaml", folder)
-        done = subprocess.run(["promtool", "test", "rules", "prometheus-rules.test.yaml"], cwd=folder,
-                              capture_output=True, text=True)
+        for cases in CASES:
+            shutil.copy(DEPLOY / cases, folder)
+        done = subprocess.run(["promtool", "test", "rules", *CASES], cwd=folder, capture_output=True, text=True)
     return done.returncode == 0
 
 

@@ -60,7 +60,7 @@ EVIDENCE = ("waits", "arrivals")
 _HEADER = """\
 # commlens alert rules: load with Prometheus' rule_files, or as the PrometheusRule in deploy/kubernetes.
 # Built by deploy/build.py from agent/verdicts/rules (a file per kind of verdict: agent/verdicts/catalogue.py);
-# do not edit. Unit tests: promtool test rules deploy/prometheus-rules.test.yaml
+# do not edit. Unit tests: promtool test rules deploy/prometheus-rules.test.yaml deploy/prometheus-rules.slow.test.yaml
 #
 # Written for scrapes of 2 s or less: `commlens assets --scrape-interval 30s DIR` writes them for another
 # interval (deploy/kubernetes holds them at its PodMonitor's 15 s).
