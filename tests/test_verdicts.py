@@ -510,24 +510,31 @@ def test_a_rank_whose_input_size_differs_is_named_live_and_from_the_dumps_and_no
     the job down. Live, the alert and ``commlens diagnose --prometheus`` name rank 1, left in a collective
     its group completed, and no deadlock. With the pod sidecar, whose dumps hold every rank's inputs, even
     a killed one's: ``commlens diagnose`` on the job's files names rank 1 and its input, and no other rank
-    (their failures follow from it), as ``torchfrtrace`` does. The live reading is one instant's state,
-    however long a loaded host takes over its queries. The backend's timeout at 40 s: long enough for the
-    live reading, which sees waits, not failures (docs/verdicts.md; CI's loaded host began it over 15 s
-    after the alert fired); a rank sending to one that gloo failed waits it out before the job ends."""
+    (their failures follow from it), as ``torchfrtrace`` does. Live, rank 1 stays named once gloo's
+    timeout (20 s) has failed its wait, as its partners' ops fail and the job ends: read again then, and
+    no alert says deadlock or hang (CI's loaded host read it that late, and both did). The live reading
+    is one instant's state, however long a loaded host takes over its queries; a rank sending to one
+    that gloo failed waits it out before the job ends."""
     with _stack(tmp_path, "size", world=4, step=30, steps=200, script=PARALLEL_SCRIPT, pod=True, query_log=True,
-                extra=["--timeout-s", "40"]) as (
+                extra=["--timeout-s", "20"]) as (
             webhook, training, prometheus):
         wait_for(lambda: webhook.firing("CommlensCollectiveMismatch"), "CommlensCollectiveMismatch at the webhook",
                  explain=lambda: _evidence(prometheus, training))
         asked = len(prometheus.queries())
         live = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
         reading = prometheus.queries()[asked:]
+        wait_for(lambda: prometheus.query(f'{names.FAILED_SEQ}{{rank="1", pg="0"}}'), "rank 1's wait failed by gloo",
+                 explain=lambda: _evidence(prometheus, training))
+        failed = _diagnose("--prometheus", f"http://127.0.0.1:{prometheus.port}")
         assert training.wait(120) != 0  # the backend ended it
         wait_for(lambda: all((training.out / f"rank_{rank}").exists() for rank in range(4)), "every rank's dump")
         named = {a["labels"].get("rank", a["labels"].get("node")) for a in webhook.alerts if a["labels"]["alertname"] in CULPRIT_ALERTS
                  or a["labels"]["alertname"] == "CommlensRankKilled"}
     assert named == {"1"}, webhook.alerts
-    assert culprits(live) == {1} and "size mismatch: rank 1 in all_reduce (group 0, seq " in live, live
+    assert not {a["labels"]["alertname"] for a in webhook.alerts} & {"CommlensDeadlock", "CommlensCollectiveHung"}, \
+        webhook.alerts
+    for verdict in (live, failed):
+        assert culprits(verdict) == {1} and "size mismatch: rank 1 in all_reduce (group 0, seq " in verdict, verdict
     assert len(reading) > 20 and len({(q["start"], q["end"]) for q in reading}) == 1, reading
     offline = _diagnose(str(training.out))
     assert culprits(offline) == {1}, offline

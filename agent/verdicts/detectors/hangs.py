@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 
-from ..facts import RankFacts
+from ..facts import GroupFacts, RankFacts
 from ..finding import Finding
 from .ends import death, died_in, groups_in_flight
 from .mismatches import SAME_INPUTS, desync
@@ -98,17 +98,23 @@ def hang(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> list[F
 
 def _unmatched(pg: str, members: list[RankFacts], seq: int, ops: dict[int, str], waiting: list[int], how: str,
                op: str) -> Finding | None:
-    """Live: ranks that wait in (or failed in) a collective every other member of the group completed.
-    Their side of it did not match the others' — gloo waits for the bytes a larger input expects — or
-    their own link failed: a size mismatch as the metrics show it (the dumps show the inputs)."""
+    """Live: ranks that wait in a collective every other member of the group completed, or whose wait
+    there ended in its failure (the backend's timeout). Their side of it did not match the others' — gloo
+    waits for the bytes a larger input expects — or their own link failed: a size mismatch as the
+    metrics show it (the dumps show the inputs)."""
     others = [f for f in members if f.rank not in ops]
     if not others or any(pg not in f.groups or (f.groups[pg].finished or 0) < seq for f in others):
         return None
-    if not all(still_hung(f.groups[pg]) for f in members if f.rank in waiting):
-        return None  # a wait it has since come out of, or a failure (kept for minutes, past a restart)
+    if not all(still_hung(g) or _timed_out(g, seq) for f in members if f.rank in waiting for g in [f.groups[pg]]):
+        return None  # a wait it has since come out of, or a failure alone (a peer's process ended)
     return Finding("size_mismatch", tuple(waiting), pg, op, seq,
                    f"ranks {[f.rank for f in others]} completed it and {who(waiting)} {how} it: its side did not "
                    "match theirs (an input of another size or dtype; the dumps show each rank's), or its link failed")
+
+
+def _timed_out(g: GroupFacts, seq: int) -> bool:
+    """Its wait past the hang threshold in ``seq`` ended in that collective's failure."""
+    return g.hung is not None and g.failed is not None and g.hung[1] == g.failed[1] == seq
 
 
 def _unlike(pg: str, members: list[RankFacts], seq: int, waiting: list[int], op: str) -> Finding | None:

@@ -112,14 +112,16 @@ def _prometheus_facts(api: _Api, selector: str, interval: int, at: float,
 
     enqueued = f'{names.LAST_SEQ}{{state="enqueued"{"," + selector if selector else ""}}}'
     completed = f'{names.LAST_SEQ}{{state="completed"{"," + selector if selector else ""}}}'
-    hung = f"{names.HUNG_SEQ}{{{selector}}}"
+    hung, failed = f"{names.HUNG_SEQ}{{{selector}}}", f"{names.FAILED_SEQ}{{{selector}}}"
     jumps = names.total(names.INPUT_SCALE_JUMPS)
     # the last issued and completed (by their state label); then, while a group had a hang in the last
     # minute: what each rank had issued (a late rank may have caught up since), and the hang itself
     for name, expr in ((names.LAST_SEQ, f"last_over_time({enqueued}[{last_15m}])"),
                        (names.LAST_SEQ, f"last_over_time({completed}[{last_15m}])"),
                        (names.LAST_SEQ, f"min_over_time(({enqueued} and on (job, pg) {hung})[{lookback}:1s])"),
-                       (names.HUNG_SEQ, f"max_over_time({hung}[{lookback}])"),
+                       # a hang in the last minute; or as long as a failure is kept, one its op's failure ended
+                       (names.HUNG_SEQ, f"max_over_time({hung}[{lookback}]) or (max_over_time({hung}[{last_5m}]) "
+                                        f"and on (job, pg, rank) last_over_time({failed}[{last_5m}]))"),
                        (names.HUNG_BYTES, f"last_over_time({names.HUNG_BYTES}{{{selector}}}[{lookback}])"),
                        (names.P2P_HUNG, f"{names.P2P_HUNG}{{{selector}}}"),
                        *((name, f"{name}{{{selector}}}") for name in (
@@ -132,7 +134,7 @@ def _prometheus_facts(api: _Api, selector: str, interval: int, at: float,
                        *((name, f"last_over_time({name}{{{selector}}}[{last_5m}])") for name in (
                            names.INPUT_SCALE_JUMP_SEQ, names.INPUT_SCALE_JUMP_STEP, names.INPUT_SCALE_JUMP_ORDERS,
                            names.INPUT_SCALE_JUMP_TIME)),
-                       (names.FAILED_SEQ, f"last_over_time({names.FAILED_SEQ}{{{selector}}}[{last_5m}])"),
+                       (names.FAILED_SEQ, f"last_over_time({failed}[{last_5m}])"),
                        (names.P2P_FAILED, f"last_over_time({names.P2P_FAILED}{{{selector}}}[{last_5m}])")):
         for facts, labels, value in each(expr):
             metric_fact(facts, name, labels, value)
