@@ -26,7 +26,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from scale import EXPECTED, faulty_jobs, firing, judged, print_verdicts, rules_at, serve, template  # noqa: E402
-from victoria import end, get_json, wait_ready  # noqa: E402
+from victoria import QUERY_TIMEOUT, end, get_json, wait_ready  # noqa: E402
 
 from commlens.agent.cli.ports import free_ports  # noqa: E402
 
@@ -77,7 +77,8 @@ def measure(text: str, ranks: int, shards: int, out: pathlib.Path, interval_s: i
             targets = get_json(port, "/api/v1/targets?state=active")["data"]["activeTargets"]
             rules = get_json(port, "/api/v1/rules")["data"]["groups"]
             diagnose = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "diagnose", "--prometheus",
-                                       f"http://127.0.0.1:{port}"], capture_output=True, text=True, timeout=300)
+                                       f"http://127.0.0.1:{port}", *QUERY_TIMEOUT], capture_output=True, text=True,
+                                      timeout=600)
             held.append({"jobs": sorted({t["labels"]["job"] for t in targets}),
                          "series": get_json(port, "/api/v1/status/tsdb")["data"]["headStats"]["numSeries"],
                          "evaluation": {group["name"]: group["evaluationTime"] for group in rules},
