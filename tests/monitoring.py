@@ -39,6 +39,12 @@ def promtool(*args: str, cwd=None, input: str | None = None) -> subprocess.Compl
     return subprocess.run([installed("promtool"), *args], capture_output=True, text=True, cwd=cwd, input=input)
 
 
+STARTUP_S = 300
+"""How long a wait that takes in a job's start-up gets: imports, process groups, the model take over a
+minute on a loaded 2-core host (torch 2.15.0 beside the suite's heaviest tests). A wait that times what
+the job does once started keeps ``wait_for``'s 90 s."""
+
+
 def wait_for(condition, what: str, timeout_s: float = 90, explain=None):
     """Poll ``condition`` until it returns something true (a server still starting counts as false);
     on timeout the failure carries what ``explain()`` returns (the evidence that was there)."""
@@ -56,7 +62,7 @@ def wait_for(condition, what: str, timeout_s: float = 90, explain=None):
         time.sleep(0.25)
 
 
-def wait_training(prometheus: Prometheus, job: TrainingJob, timeout_s: float = 300) -> None:
+def wait_training(prometheus: Prometheus, job: TrainingJob, timeout_s: float = STARTUP_S) -> None:
     """Wait out the job's start-up (imports, process groups, the model: over a minute on a loaded 2-core
     host) until Prometheus holds a completed collective of every rank, or the job's fault came first:
     a test's wait for what the job then does measures that alone."""

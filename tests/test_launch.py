@@ -237,7 +237,7 @@ def test_a_job_run_twice_in_a_row_on_one_port_while_prometheus_scrapes_starts_at
     them first; the test above makes them so.)"""
     import types
 
-    from monitoring import Prometheus, wait_for
+    from monitoring import STARTUP_S, Prometheus, wait_for
 
     port = free_port()
     target = types.SimpleNamespace(targets=[f"127.0.0.1:{port}"], __exit__=lambda *exc: None)
@@ -253,7 +253,7 @@ def test_a_job_run_twice_in_a_row_on_one_port_while_prometheus_scrapes_starts_at
                             stderr=subprocess.PIPE, text=True, cwd=tmp_path)
             try:
                 wait_for(lambda: sum(float(r["value"][1]) for r in prometheus.query(scrapes)) >= before + 2,
-                         f"attempt {attempt} scraped twice", explain=lambda: job.poll())
+                         f"attempt {attempt} scraped twice", STARTUP_S, explain=lambda: job.poll())
             finally:
                 done.touch()
                 _, err = job.communicate(timeout=60)

@@ -20,7 +20,7 @@ from commlens.agent.verdicts import findings
 from commlens.agent.verdicts.catalogue import VERDICT_ALERTS
 from commlens.agent.verdicts.facts import RankFacts
 from commlens.exporters import names
-from monitoring import PARALLEL_SCRIPT, Alertmanager, Prometheus, Webhook, wait_for
+from monitoring import PARALLEL_SCRIPT, STARTUP_S, Alertmanager, Prometheus, Webhook, wait_for
 from nodes import Nodes, NodeJob, why_not
 from receivers import GrpcReceiver, span_attributes, spans_of
 
@@ -51,7 +51,7 @@ def _cluster(tmp_path, steps: int, spans: bool = False):
                       spans_to=receiver and receiver.endpoint, env={"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
         with Prometheus(tmp_path, job, [RULES], alertmanager.address) as prometheus:
             wait_for(lambda: len(prometheus.query("commlens_info")) == 6, "every rank of the 3 nodes scraped",
-                     explain=lambda: _logs(job))
+                     STARTUP_S, explain=lambda: _logs(job))
             yield nodes, job, webhook, prometheus, receiver
 
 

@@ -17,7 +17,7 @@ from commlens.ring.dumps import DUMP_REASONS
 from commlens.ring.layout import END
 from commlens.ring.memory import Ring, ring_file
 
-from monitoring import PodSidecar, TrainingJob, promtool, wait_for
+from monitoring import STARTUP_S, PodSidecar, TrainingJob, promtool, wait_for
 
 WORLD, THRESHOLD_S = 4, 2
 
@@ -32,7 +32,8 @@ def test_a_killed_rank_is_reported_in_its_collective_from_shared_memory(tmp_path
     rings = _dirs(tmp_path)
     with TrainingJob(tmp_path, WORLD, "kill", rank=2, step=20, ring_dir=rings) as job, \
             PodSidecar(tmp_path, rings, job.out, THRESHOLD_S) as sidecar:
-        wait_for(lambda: sidecar.by_rank("commlens_rank_up") == {r: 0.0 for r in range(WORLD)}, "every rank ended")
+        wait_for(lambda: sidecar.by_rank("commlens_rank_up") == {r: 0.0 for r in range(WORLD)}, "every rank ended",
+                 STARTUP_S)
         hung = wait_for(lambda: sidecar.by_rank("commlens_collective_hung_seq").get(2), "rank 2's hang")
         text = sidecar.text()
         inflight = sidecar.by_rank("commlens_collective_inflight")
@@ -94,7 +95,8 @@ def test_a_sidecar_told_to_stop_before_its_ranks_writes_each_ranks_last_snapshot
     rings = _dirs(tmp_path)
     with TrainingJob(tmp_path, WORLD, "none", steps=100000, ring_dir=rings) as job, \
             PodSidecar(tmp_path, rings, job.out, THRESHOLD_S) as sidecar:
-        wait_for(lambda: len(_counted(sidecar)) == WORLD and min(_counted(sidecar).values()) > 50, "training")
+        wait_for(lambda: len(_counted(sidecar)) == WORLD and min(_counted(sidecar).values()) > 50, "training",
+                 STARTUP_S)
         sidecar.process.send_signal(signal.SIGTERM)
         wait_for(lambda: "stopping once" in sidecar.log_text(), "the sidecar told to stop")
         os.killpg(job.process.pid, signal.SIGTERM)  # commlens run and torchrun: torchrun stops its ranks
@@ -110,7 +112,7 @@ def test_a_restarted_sidecar_resumes_counting_nothing_twice(tmp_path):
     with TrainingJob(tmp_path, WORLD, "none", steps=400, ring_dir=rings) as job:
         with PodSidecar(tmp_path, rings, job.out, THRESHOLD_S) as first:
             before = wait_for(lambda: _counted(first) if min(_counted(first).values(), default=0) > 100 else None,
-                              "counting")
+                              "counting", STARTUP_S)
             first.process.kill()
             first.process.wait()
         with PodSidecar(tmp_path, rings, job.out, THRESHOLD_S, port=first.port) as second:
