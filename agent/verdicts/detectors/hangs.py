@@ -105,7 +105,7 @@ def _unmatched(pg: str, members: list[RankFacts], seq: int, ops: dict[int, str],
     others = [f for f in members if f.rank not in ops]
     if not others or any(pg not in f.groups or (f.groups[pg].finished or 0) < seq for f in others):
         return None
-    if not all(still_hung(g) or _timed_out(g, seq) for f in members if f.rank in waiting for g in [f.groups[pg]]):
+    if not all(still_hung(f.groups[pg]) or _timed_out(f.groups[pg], seq) for f in members if f.rank in waiting):
         return None  # a wait it has since come out of, or a failure alone (a peer's process ended)
     return Finding("size_mismatch", tuple(waiting), pg, op, seq,
                    f"ranks {[f.rank for f in others]} completed it and {who(waiting)} {how} it: its side did not "
