@@ -56,7 +56,7 @@ def wait_ready(port: int, path: str, timeout_s: float = 60) -> None:
 
 def measure(text: str, ranks: int, agents: int, out: pathlib.Path, interval_s: int = INTERVAL_S) -> dict:
     """One size: the stack started on ``ranks`` simulated ranks, scraped and evaluated every ``interval_s``,
-    until every expected alert fires (after 9 intervals at least: the rest may fire too) or 30 intervals."""
+    until every expected alert fires (after 9 intervals at least: the rest may fire too) or 60 intervals."""
     jobs = faulty_jobs(text, ranks)
     train = jobs[0]
     server = serve(jobs)
