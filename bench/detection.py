@@ -59,7 +59,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from monitoring import MATRIX_SCRIPT, PARALLEL_SCRIPT, SCRIPT, Prometheus, TrainingJob, culprits, end_session, wait_for  # noqa: E402
+from monitoring import (MATRIX_SCRIPT, PARALLEL_SCRIPT, SCRIPT, Prometheus, TrainingJob, culprits,  # noqa: E402
+                        end_session, wait_for, wait_training)
 from nodes import NodeJob, Nodes, why_not  # noqa: E402
 
 from commlens.agent.verdicts.catalogue import VERDICT_ALERTS  # noqa: E402
@@ -417,9 +418,9 @@ def _ranks_said(report: str) -> set[str]:
 def run_cell(tmp_path: pathlib.Path, cell: Cell, alert_timeout_s: float = 90, after_end_s: float = 30,
              after_s: float = 5, trains_on_s: float | None = None, script_args: tuple[str, ...] = ()) -> CellResult:
     """One cell: Prometheus with the shipped rules, then the job; the expected alert awaited (up to
-    ``alert_timeout_s``, or ``after_end_s`` past the job's end); ``diagnose --prometheus`` at once; the
-    job let end (ended past its time); every alert that fired until then, and at least ``after_s`` past
-    the expected one; ``diagnose`` on the job's folder. ``trains_on_s``: in place of ``TRAINS_ON_S``'s;
+    ``alert_timeout_s`` past the job's start-up, or ``after_end_s`` past the job's end); ``diagnose
+    --prometheus`` at once; the job let end (ended past its time); every alert that fired until then, and
+    at least ``after_s`` past the expected one; ``diagnose`` on the job's folder. ``trains_on_s``: in place of ``TRAINS_ON_S``'s;
     ``script_args``: more of ``matrix_train.py``'s arguments."""
     started = time.monotonic()
     layout, fault = LAYOUTS[cell.layout], cell.fault
@@ -444,6 +445,7 @@ def run_cell(tmp_path: pathlib.Path, cell: Cell, alert_timeout_s: float = 90, af
         wait_for(lambda: len(prometheus.query("up")) == len(job.targets), "Prometheus' first scrapes")
         job_started = time.time()
         job.start()
+        wait_training(prometheus, job)  # the timeouts below time what follows the start-up, not the start-up
         ended_at = None
 
         def ended() -> bool:
