@@ -302,7 +302,7 @@ def test_a_job_restarted_by_torchrun_keeps_each_attempts_files_and_the_verdict_t
     import json
     import types
 
-    from monitoring import SCRIPT, Prometheus, culprits, wait_for
+    from monitoring import SCRIPT, STARTUP_S, Prometheus, culprits, wait_for
 
     out, base = tmp_path / "job", free_ports(3)
     target = types.SimpleNamespace(targets=[f"127.0.0.1:{base + rank}" for rank in range(3 if mode == "--in-process" else 1)],
@@ -315,7 +315,7 @@ def test_a_job_restarted_by_torchrun_keeps_each_attempts_files_and_the_verdict_t
                         "torchrun", "--nproc-per-node", "3", "--max-restarts", "1", "--master-port", str(free_port()),
                         SCRIPT, "--fault", "kill", "--rank", str(culprit), "--step", "20", "--steps", "1000",
                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        log, _ = job.communicate(timeout=240)
+        log, _ = job.communicate(timeout=2 * STARTUP_S)  # two attempts, each started up
         assert job.returncode == 0, log[-5000:]  # the second attempt trained to the end
         wait_for(lambda: prometheus.query('last_over_time(commlens_info{attempt="1"}[15m])'), "attempt 1 scraped")
         live = subprocess.run([sys.executable, "-m", "commlens.agent.cli", "diagnose", "--prometheus",

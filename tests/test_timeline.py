@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from commlens.agent.verdicts.readers import spans_in
-from monitoring import TrainingJob
+from monitoring import STARTUP_S, TrainingJob
 
 WORLD = 4
 
@@ -23,7 +23,7 @@ def _job(tmp_path, fault, rank=2, extra=()) -> pathlib.Path:
     """The folder of a finished 4-rank job of 30 steps, ``fault`` on ``rank`` from step 5."""
     tmp_path.mkdir(exist_ok=True)
     with TrainingJob(tmp_path, WORLD, fault, rank=rank, step=5, steps=30, extra=extra) as training:
-        assert training.wait(120) == 0
+        assert training.wait(STARTUP_S) == 0  # its start-up and 30 steps
     return training.out
 
 
