@@ -134,22 +134,23 @@ def test_a_slow_link_is_named_as_the_network_and_nothing_else_is(tmp_path, harne
 
 @pytest.mark.across_nodes
 def test_a_healthy_job_across_nodes_fires_nothing_and_sends_every_nodes_spans_to_one_receiver(tmp_path, harness):
-    """The same job, no fault, to its end: once it is under way, no alert that names a culprit fires, or is
-    pending at more than one evaluation (a moment of a busy machine, which its ``for`` is there to outlast),
-    and every node's command ends 0. (At start-up, on a busy machine, the ranks can wait past the tests'
-    3 s hang threshold in DDP's first collective, for a rank still building its model: a hang by that
-    threshold, over once the job is under way.) Every node's pod sidecar sends its spans over OTLP/gRPC to
-    one receiver, each rank's under its node's ``host.name``. About 30 s."""
+    """The same job, no fault, to its end: once it is under way, no alert that names a culprit fires,
+    and every node's command ends 0. One may be pending: three nodes share this host's cores with other
+    tests' jobs, and a node's share of them wanders; a node's ranks starved for a moment arrive last in
+    10 s windows for a few evaluations (CI saw ``CommlensNodeSlow`` pending at 9 evaluations of one run,
+    and not fire), which its ``for`` is there to outlast. (At start-up, on a busy machine, the ranks can
+    wait past the tests' 3 s hang threshold in DDP's first collective, for a rank still building its
+    model: a hang by that threshold, over once the job is under way.) Every node's pod sidecar sends its
+    spans over OTLP/gRPC to one receiver, each rank's under its node's ``host.name``. About 30 s."""
     with _cluster(tmp_path, steps=400, spans=True) as (nodes, job, webhook, prometheus, receiver):
         wait_for(lambda: prometheus.query('commlens_collective_last_seq{pg="0", state="completed"} > 2'),
                  "the job under way on every node")
         under_way = time.time() + 1  # one evaluation on
         assert job.wait(120) == [0, 0, 0], _logs(job)
         window, culprits = max(1, int(time.time() - under_way)), "|".join(CULPRIT_ALERTS)
-        pending = prometheus.query(f'count_over_time(ALERTS{{alertname=~"{culprits}", alertstate="pending"}}[{window}s]) > 1'
-                                   f' or max_over_time(ALERTS{{alertname=~"{culprits}", alertstate="firing"}}[{window}s])')
+        fired = prometheus.query(f'max_over_time(ALERTS{{alertname=~"{culprits}", alertstate="firing"}}[{window}s])')
         exported = prometheus.query("sum by (rank, result) (commlens_spans_exported_total)")
-    assert pending == [] and webhook.alerts == [], (pending, webhook.alerts, exported)
+    assert fired == [] and webhook.alerts == [], (fired, webhook.alerts, exported)
     ranks_by_host = {(resource.get("host.name"), span_attributes(span).get(names.RANK))
                      for resource, span in spans_of(receiver.requests)}
     assert ranks_by_host == {(f"node-{rank // 2}", rank) for rank in range(6)}, ranks_by_host
