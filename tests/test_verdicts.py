@@ -219,6 +219,37 @@ def test_a_stragglers_partner_last_in_its_pipeline_group_because_it_waits_for_it
     assert {rank for f in found for rank in f.ranks} == {3}, [f.line() for f in found]
 
 
+@pytest.mark.parametrize("shares, named", [
+    ({("5", 0): 0.76, ("9", 0): 0.04, ("6", 1): 0.76, ("9", 1): 0.04,
+      ("5", 2): 0.46, ("11", 2): 0.02, ("6", 3): 0.46, ("11", 3): 0.02}, set()),
+    ({("5", 0): 0.80, ("9", 0): 0.04, ("6", 1): 0.80, ("9", 1): 0.04,
+      ("5", 2): 0.24, ("11", 2): 0.01, ("6", 3): 0.40, ("11", 3): 0.25}, {2})],
+    ids=["healthy-last-stage", "slow-last-stage-replica"])
+def test_a_pipelines_last_stage_late_to_the_first_by_its_work_is_no_straggler_where_its_replicas_keep_pace(shares,
+                                                                                                         named):
+    """Two pipelines of two stages (groups 5 and 6: ``recv``, no sequence numbers) over 20 s, each stage's
+    replicas in a data-parallel group of collectives (9, 11). Healthy, the last stages compute the loss
+    besides: ranks 2 and 3 spend 0.48 of their time in collectives where the first stages spend 0.8,
+    0.32 less, and arrive last in the pipeline; but together in their data-parallel all_reduce, which
+    judges them: nobody is named (CI saw a healthy 8-rank job's last stage named so on a starved host).
+    Rank 2 loading its data longer spends 0.25, and rank 3 waits for it in their all_reduce: rank 2 is
+    named, there, and only it."""
+    counts = {"5": 80, "6": 80, "9": 40, "11": 40}
+    texts = []
+    for at in (0, 1):
+        texts.append(["".join(f'{names.COLLECTIVE_DURATION}_{what}{{rank="{rank}",pg="{pg}",op="{op}"}} {value}\n'
+                              for (pg, r), share in shares.items() if r == rank
+                              for op in ("recv" if pg in "56" else "all_reduce",)
+                              for what, value in (("sum", at * share * 20), ("count", at * counts[pg])))
+                      + "".join(f'{names.LAST_SEQ}{{rank="{rank}",pg="{pg}",state="{state}"}} {(at + 1) * counts[pg]}\n'
+                                for (pg, r) in shares if r == rank and pg in ("9", "11")
+                                for state in ("enqueued", "completed"))
+                      for rank in range(4)])
+    found = [f for f in findings(from_metrics_texts(*texts, 20.0)) if f.kind == "straggler"]
+    assert {rank for f in found for rank in f.ranks} == named, [f.line() for f in found]
+    assert all(f.pg == "11" for f in found), [f.line() for f in found]
+
+
 def test_after_the_fact_a_pipeline_straggler_is_named_by_its_share_of_time_in_the_pipelines_ops(tmp_path):
     """Point-to-point spans of a pipeline of 4 stages (group 1), 40 steps of 100 ms: stage 3 computes
     80 ms of each; stages 0 to 2 compute 20 ms and spend the rest in their sends and recvs, waiting for

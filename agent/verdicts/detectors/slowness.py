@@ -174,6 +174,8 @@ def straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> l
         rank, wait, longest = last
         if not _computes_while_they_wait(rank, groups, everyone):
             return []
+        if not any(g.issued for g in groups.values()) and _with_peers(rank, everyone):
+            return []  # a pipeline's stage late to the next by its work, on time with its peers
         # its cost: the others' time in the group's collectives beyond its own, which they spend
         # waiting for it, as a share of the job's time (every rank's, the window's length)
         caused = sum(max(0.0, g.waited_s - groups[rank].waited_s) for g in groups.values())
@@ -228,6 +230,31 @@ def held_by_stragglers(found: list[Finding], facts: list[RankFacts]) -> list[Fin
     return [f for f in found if f.kind != "straggler" or not held(f.ranks[0])]
 
 
+def _with_peers(rank: int, everyone: list[RankFacts]) -> bool:
+    """Whether a group of collectives judges ``rank``: two members or more, each with enough ops (live,
+    ``STRAGGLER_LIVE_EVIDENCE`` in the window; after the fact, ``STRAGGLER_EVIDENCE`` seen by every
+    member). Its members, tensor- or data-parallel peers, do the same work, and a straggler makes them
+    wait for it there: a rank with peers that arrives last only in a pipeline's point-to-point group
+    does its stage's work (a last stage computes the loss besides). As ``commlens:rank_with_peers``.
+
+    >>> live = lambda issued, completed: GroupFacts(issued=issued, wait_s=0.01, completed=completed)
+    >>> _with_peers(0, [RankFacts(rank=r, groups={"2": live(40, 20)}) for r in (0, 1)])
+    True
+    >>> _with_peers(0, [RankFacts(rank=r, groups={"2": live(40, 3)}) for r in (0, 1)])  # too few ops
+    False"""
+    for pg in next(f for f in everyone if f.rank == rank).groups:
+        groups = [f.groups[pg] for f in everyone if pg in f.groups and not f.gone]
+        if len(groups) < 2:
+            continue
+        if all(g.wait_s is not None for g in groups):  # live
+            if all(g.issued for g in groups) and min(g.completed for g in groups) >= STRAGGLER_LIVE_EVIDENCE:
+                return True
+        elif all(g.arrivals for g in groups) and \
+                len(set.intersection(*(set(g.arrivals) for g in groups))) >= STRAGGLER_EVIDENCE:
+            return True
+    return False
+
+
 def _pipeline_straggler(pg: str, groups: dict[int, GroupFacts], everyone: list[RankFacts]) -> list[Finding]:
     """After the fact, in a group of point-to-point ops alone (a pipeline's stages, which exchange as
     often as their place in it makes them): the member that spent least of its time in the group's
@@ -235,7 +262,7 @@ def _pipeline_straggler(pg: str, groups: dict[int, GroupFacts], everyone: list[R
     (``_computes_while_they_wait``), as live: over the job, or over its last seconds (``_views``). Not
     in a group where a member waited long (a one-off stall or a late rank, which ``stalls`` and ``hang``
     name): over the job its share would take that in; nor in a job where an op failed (a rank gone: the
-    job torn down, its shares cut short by the fault)."""
+    job torn down, its shares cut short by the fault); nor a rank with peers (``_with_peers``)."""
     if any(_waited_long(g) for g in groups.values()):
         return []
     if any(g.failed or g.p2p_failed for f in everyone for g in f.groups.values()):
@@ -245,7 +272,8 @@ def _pipeline_straggler(pg: str, groups: dict[int, GroupFacts], everyone: list[R
         if any(share is None for share in shares.values()):
             continue
         rank, most = min(shares, key=shares.get), max(shares.values())
-        if _waits_less(shares[rank], most) and _computes_while_they_wait(rank, groups, everyone, at_end):
+        if _waits_less(shares[rank], most) and _computes_while_they_wait(rank, groups, everyone, at_end) \
+                and not _with_peers(rank, everyone):
             caused = sum(share - shares[rank] for share in shares.values())
             over = f"its last {END_WINDOW_S:.0f} s" if at_end else "the job"
             return [Finding("straggler", (rank,), pg, "all", None,
