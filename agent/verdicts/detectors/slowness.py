@@ -168,6 +168,8 @@ def straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> l
     if all(g.wait_s is not None for g in groups.values()):  # live: lateness from waits
         if any(g.hung_lately for f in everyone for g in f.groups.values()):
             return []  # the window's waits are a hang's (a late rank's, once), here or where a chain of waits began
+        if not all(_window_full(f) for f in members if f.rank in groups):
+            return []  # a member's share of its time in collectives, all groups together, is not known yet
         last = _last_arrival(groups)
         if last is None:
             return []
@@ -215,6 +217,17 @@ def straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> l
     return []
 
 
+def _window_full(f: RankFacts) -> bool:
+    """Live: whether the window holds every group of collectives the rank issued in whole (its numbers
+    there as the window began): at a job's start a group whose first collective came later is left out
+    of the rank's share of its time in collectives, all groups together, which is then too low (a matrix
+    cell saw a healthy last stage named so, 7 s after its data-parallel group's first all_reduce).
+
+    >>> _window_full(RankFacts(rank=0, groups={"5": GroupFacts(wait_s=0.01), "11": GroupFacts(issued=68)}))
+    False"""
+    return not any(g.issued and g.wait_s is None for g in f.groups.values())
+
+
 def held_by_stragglers(found: list[Finding], facts: list[RankFacts]) -> list[Finding]:
     """``found`` without the stragglers that share a group with another straggler that spends less of its
     time in its ops, all groups together, than they do: they wait for it there, and arrive last
@@ -231,20 +244,21 @@ def held_by_stragglers(found: list[Finding], facts: list[RankFacts]) -> list[Fin
 
 
 def _with_peers(rank: int, everyone: list[RankFacts]) -> bool:
-    """Whether a group of collectives judges ``rank``: two members or more, each with enough ops (live,
-    ``STRAGGLER_LIVE_EVIDENCE`` in the window; after the fact, ``STRAGGLER_EVIDENCE`` seen by every
-    member). Its members, tensor- or data-parallel peers, do the same work, and a straggler makes them
-    wait for it there: a rank with peers that arrives last only in a pipeline's point-to-point group
-    does its stage's work (a last stage computes the loss besides). As ``commlens:rank_with_peers``.
+    """Whether a group of collectives judges ``rank``: two members or more, not the whole job (whose
+    group spans every pipeline stage), each with enough ops (live, ``STRAGGLER_LIVE_EVIDENCE`` in the
+    window; after the fact, ``STRAGGLER_EVIDENCE`` seen by every member). Its members, tensor- or
+    data-parallel peers, do the same work, and a straggler makes them wait for it there: a rank with
+    peers that arrives last only in a pipeline's point-to-point group does its stage's work (a last
+    stage computes the loss besides). As ``commlens:rank_with_peers``.
 
     >>> live = lambda issued, completed: GroupFacts(issued=issued, wait_s=0.01, completed=completed)
-    >>> _with_peers(0, [RankFacts(rank=r, groups={"2": live(40, 20)}) for r in (0, 1)])
-    True
-    >>> _with_peers(0, [RankFacts(rank=r, groups={"2": live(40, 3)}) for r in (0, 1)])  # too few ops
-    False"""
+    >>> job = lambda ops: [RankFacts(rank=r, groups={"2": live(40, ops)} if r < 2 else {}) for r in range(3)]
+    >>> _with_peers(0, job(20)), _with_peers(0, job(3))  # enough ops, too few
+    (True, False)"""
     for pg in next(f for f in everyone if f.rank == rank).groups:
-        groups = [f.groups[pg] for f in everyone if pg in f.groups and not f.gone]
-        if len(groups) < 2:
+        members = [f for f in everyone if pg in f.groups]
+        groups = [f.groups[pg] for f in members if not f.gone]
+        if not 2 <= len(members) < len(everyone) or len(groups) < 2:
             continue
         if all(g.wait_s is not None for g in groups):  # live
             if all(g.issued for g in groups) and min(g.completed for g in groups) >= STRAGGLER_LIVE_EVIDENCE:
