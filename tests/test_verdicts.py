@@ -251,6 +251,23 @@ def test_a_pipelines_stage_with_peers_is_judged_against_them_not_against_the_oth
     assert {(f.ranks[0], f.pg) for f in found} == named, [f.line() for f in found]
 
 
+def test_a_straggler_is_named_from_the_endpoints_beside_a_group_idle_in_the_window():
+    """Two scrapes of a 2-rank job's endpoints 20 s apart: rank 1 spends 5 % of its time in group 1's 40
+    all_reduces, rank 0 60 %; both issued one barrier in group 0 at start-up, none since. The idle
+    group's window is whole (nothing happened in it): rank 1 is named."""
+    texts = []
+    for at in (0, 1):
+        texts.append(["".join(f'{names.COLLECTIVE_DURATION}_{what}{{rank="{rank}",pg="{pg}",op="{op}"}} {value}\n'
+                              for pg, op, share, count in (("1", "all_reduce", at * (0.6, 0.05)[rank], at * 40),
+                                                           ("0", "barrier", 0.5 / 20, 1))
+                              for what, value in (("sum", share * 20), ("count", count)))
+                      + "".join(f'{names.LAST_SEQ}{{rank="{rank}",pg="{pg}",state="{state}"}} {seq}\n'
+                                for pg, seq in (("1", 40 * (at + 1)), ("0", 1)) for state in ("enqueued", "completed"))
+                      for rank in range(2)])
+    found = [f for f in findings(from_metrics_texts(*texts, 20.0)) if f.kind == "straggler"]
+    assert [(f.ranks, f.pg) for f in found] == [((1,), "1")], [f.line() for f in found]
+
+
 def test_after_the_fact_a_pipeline_straggler_is_named_by_its_share_of_time_in_the_pipelines_ops(tmp_path):
     """Point-to-point spans of a pipeline of 4 stages (group 1), 40 steps of 100 ms: stage 3 computes
     80 ms of each; stages 0 to 2 compute 20 ms and spend the rest in their sends and recvs, waiting for

@@ -31,6 +31,9 @@ class GroupFacts:
     hung_lately: bool = False
     """Live: it waited past the hang threshold in this group (in a collective or a point-to-point op)
     within the window its waits are measured over (the window's waits are that one's, over or not)."""
+    window_partial: bool = False
+    """Live, from Prometheus: its numbers began within the window (a group whose first op came after
+    the window began); the window's rates hold part of it, and the group's numbers are left unread."""
     p2p_hung: tuple[str, int, float] | None = None
     """(op, peer, seconds) of its oldest point-to-point op in flight past the hang threshold: it waits
     on the global rank ``peer`` (live)."""

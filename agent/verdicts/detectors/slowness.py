@@ -218,14 +218,15 @@ def straggler(pg: str, members: list[RankFacts], everyone: list[RankFacts]) -> l
 
 
 def _window_full(f: RankFacts) -> bool:
-    """Live: whether the window holds every group of collectives the rank issued in whole (its numbers
-    there as the window began): at a job's start a group whose first collective came later is left out
-    of the rank's share of its time in collectives, all groups together, which is then too low (a matrix
-    cell saw a healthy last stage named so, 7 s after its data-parallel group's first all_reduce).
+    """Live: whether the window holds each of the rank's groups whole (``GroupFacts.window_partial``):
+    at a job's start a group whose first op came within the window is left out of the rank's share of
+    its time in collectives, all groups together, which is then too low (a matrix cell saw a healthy
+    last stage named so, 7 s after its data-parallel group's first all_reduce). Two scrapes of the
+    endpoints hold a group that began between them whole: its counters start at 0.
 
-    >>> _window_full(RankFacts(rank=0, groups={"5": GroupFacts(wait_s=0.01), "11": GroupFacts(issued=68)}))
+    >>> _window_full(RankFacts(rank=0, groups={"5": GroupFacts(wait_s=0.01), "11": GroupFacts(window_partial=True)}))
     False"""
-    return not any(g.issued and g.wait_s is None for g in f.groups.values())
+    return not any(g.window_partial for g in f.groups.values())
 
 
 def held_by_stragglers(found: list[Finding], facts: list[RankFacts]) -> list[Finding]:

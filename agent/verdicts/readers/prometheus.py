@@ -149,6 +149,9 @@ def _prometheus_facts(api: _Api, selector: str, interval: int, at: float,
         facts.group(labels["pg"]).waited_s = value
     for facts, labels, value in each(f"{by} (increase({DURATION_COUNT}{{{selector}}}[{window}])) {full}"):
         facts.group(labels["pg"]).completed = round(value)
+    for facts, labels, _ in each(f"count by (job, pg, rank) ({DURATION_COUNT}{{{selector}}}) unless on (job, pg, rank) "
+                                 f"{DURATION_COUNT}{{{selector}}} offset {window}"):
+        facts.group(labels["pg"]).window_partial = True
     p2p_hung = f"{names.P2P_HUNG}{{{selector}}}"
     for facts, labels, _ in each(f"max_over_time({hung}[{window}]) or max_over_time({p2p_hung}[{window}])"):
         facts.group(labels["pg"]).hung_lately = True
