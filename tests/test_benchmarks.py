@@ -144,12 +144,13 @@ def test_the_hot_path_and_export_benchmarks_print_every_figure(script, lines):
 
 def test_the_gpu_benchmark_times_every_configuration_and_workload_with_and_without_commlens():
     """On the CPU (gloo): every path of bench/gpu.py once, the agent started and stopped around each
-    slice; its figures come from a GPU (docs/gpu.md)."""
+    slice; its figures come from a GPU (docs/gpu.md). Over a minute: 230-290 s in CI under torch 2.15.0,
+    so its limit is 600 s (CI at 0b72d62 saw it pass 300 s on a quiet host)."""
     sys.path.insert(0, str(BENCH.parent))
     from gpu import CONFIGS, WORKLOADS
 
     done = subprocess.run([sys.executable, str(BENCH.parent / "gpu.py"), "--device", "cpu", "--rounds", "1"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-12000:]
     rows = {}
     for line in done.stdout.splitlines()[2:]:
